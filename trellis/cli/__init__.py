@@ -1,0 +1,1 @@
+"""trellis.cli."""

@@ -1,0 +1,72 @@
+"""The ``trellis`` command.
+
+Each subcommand lives in its own module under ``trellis.cli`` exposing ``register(subparsers)``; this
+module only wires them together and maps errors to exit codes: 0 success, 2 user error (one clear line,
+no traceback), 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from trellis.errors import TrellisUserError
+
+#: Subcommand modules, in the order ``trellis --help`` lists them.
+COMMAND_MODULES = (
+    "trellis.cli.data",
+    "trellis.cli.partition",
+    "trellis.cli.preprocess",
+    "trellis.cli.train",
+    "trellis.cli.sweep",
+    "trellis.cli.compare",
+    "trellis.cli.bench",
+    "trellis.cli.demo",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so bad flags become exit-2 user errors."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise TrellisUserError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="trellis", description="Train graph neural networks on large graphs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # subcommand not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code (also used by tests)."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        rc = args.func(args)
+        return int(rc or 0)
+    except TrellisUserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

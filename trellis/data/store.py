@@ -1,0 +1,437 @@
+"""The on-disk graph store: a directory of ``.npy`` arrays described by ``manifest.json``.
+
+Layout (all arrays are plain ``.npy`` files so numpy can memory-map them)::
+
+    STORE/
+      manifest.json      format version, counts, task, dtype/shape/sha256 of every array
+      indptr.npy         int64 [N+1]   CSR of in-edges: row = destination node
+      indices.npy        int64 [E]     source node of each in-edge
+      rev_indptr.npy     int64 [N+1]   reverse CSR (out-edges): row = source node
+      rev_indices.npy    int64 [E]     destination node of each out-edge
+      rev_perm.npy       int64 [E]     forward edge id of each reverse edge (edge data follows its edge)
+      edge_weight.npy    float32 [E]   optional
+      edge_feat.npy      float32 [E,D] optional, row i belongs to forward edge i
+      x.npy              float32 [N,F] optional node features
+      y.npy              int64 [N] (multiclass/binary) or float32/uint8 [N,C] (multilabel), optional
+      train_idx.npy / val_idx.npy / test_idx.npy   int64 node ids, optional
+
+Why this shape: the backward pass of every aggregation runs on the reverse graph (Dorylus, GraphTheta),
+so the reverse CSR is built once at write time and cached with the store; it is a pure function of the
+forward CSR. Writes go to a temporary sibling directory that is renamed into place only after every
+array and the manifest are complete, so an interrupted import never leaves a store that opens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trellis.errors import TrellisUserError
+
+FORMAT = "trellis-store"
+VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val", "test")
+TASKS = ("multiclass", "binary", "multilabel")
+#: Stores whose arrays sum to less than this are hashed in full on open (``verify="auto"``).
+AUTO_VERIFY_BYTES = 512 * 1024 * 1024
+_HASH_BLOCK = 16 * 1024 * 1024
+
+
+def sha256_file(path: Path) -> str:
+    """Stream a file through sha256 in 16 MiB blocks (memory stays flat for any file size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_HASH_BLOCK)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def _array_meta(path: Path) -> dict[str, Any]:
+    arr = np.load(path, mmap_mode="r")
+    return {"file": path.name, "dtype": str(arr.dtype), "shape": list(arr.shape), "sha256": sha256_file(path)}
+
+
+def build_reverse_csr(indptr: np.ndarray, indices: np.ndarray, num_src: int) -> tuple[np.ndarray, ...]:
+    """Reverse a CSR: returns ``(rev_indptr, rev_indices, rev_perm)``.
+
+    ``rev_perm[k]`` is the forward edge id of reverse edge ``k``, so edge weights and edge features
+    are permuted into reverse order with one gather. A stable sort keeps the reverse CSR's
+    neighbor lists ordered by destination, which makes it deterministic.
+    """
+    indptr = np.asarray(indptr, dtype=np.int64)
+    indices = np.asarray(indices, dtype=np.int64)
+    num_dst = indptr.shape[0] - 1
+    rev_perm = np.argsort(indices, kind="stable").astype(np.int64)
+    counts = np.bincount(indices, minlength=num_src).astype(np.int64)
+    rev_indptr = np.zeros(num_src + 1, dtype=np.int64)
+    np.cumsum(counts, out=rev_indptr[1:])
+    dst_of_edge = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(indptr))
+    rev_indices = dst_of_edge[rev_perm]
+    return rev_indptr, rev_indices, rev_perm
+
+
+class StoreWriter:
+    """Builds a store in a temporary directory and renames it into place on :meth:`commit`.
+
+    Use :func:`write_store` for in-memory arrays; use this class directly when arrays are produced in
+    chunks (``create`` returns a writable memory map, so an edge list larger than memory is filled
+    without holding it).
+    """
+
+    def __init__(self, out: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+        self.out = Path(out)
+        if self.out.exists() and not overwrite:
+            raise TrellisUserError(
+                f"{self.out}: output already exists; choose another --out or remove it first"
+            )
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.overwrite = overwrite
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        self.meta: dict[str, Any] = {}
+        self._arrays: list[str] = []
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        """Write ``array`` as ``name.npy``."""
+        np.save(self.tmp / f"{name}.npy", np.ascontiguousarray(array))
+        self._arrays.append(name)
+
+    def create(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.memmap:
+        """Create ``name.npy`` and return it as a writable memory map to be filled in chunks."""
+        self._arrays.append(name)
+        return np.lib.format.open_memmap(self.tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
+
+    def abort(self) -> None:
+        """Remove everything written so far."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def commit(self, *, num_nodes: int, num_edges: int, **meta: Any) -> Path:
+        """Add the reverse CSR if missing, hash every array, write the manifest and rename into place."""
+        if "rev_indptr" not in self._arrays and "indptr" in self._arrays:
+            indptr = np.load(self.tmp / "indptr.npy", mmap_mode="r")
+            indices = np.load(self.tmp / "indices.npy", mmap_mode="r")
+            for name, arr in zip(("rev_indptr", "rev_indices", "rev_perm"),
+                                 build_reverse_csr(indptr, indices, num_nodes)):
+                self.add(name, arr)
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "num_nodes": int(num_nodes),
+            "num_edges": int(num_edges),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **meta,
+            "arrays": {name: _array_meta(self.tmp / f"{name}.npy") for name in sorted(set(self._arrays))},
+        }
+        with open(self.tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=2)
+        if self.out.exists():
+            trash = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
+            os.rename(self.out, trash)
+            os.rename(self.tmp, self.out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(self.tmp, self.out)
+        return self.out
+
+
+@contextmanager
+def store_writer(out: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[StoreWriter]:
+    """Context manager around :class:`StoreWriter` that aborts (removes the temp dir) on any error."""
+    w = StoreWriter(out, overwrite=overwrite)
+    try:
+        yield w
+    except BaseException:
+        w.abort()
+        raise
+
+
+def write_store(
+    out: str | os.PathLike[str],
+    *,
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    x: np.ndarray | None = None,
+    y: np.ndarray | None = None,
+    splits: dict[str, np.ndarray] | None = None,
+    edge_weight: np.ndarray | None = None,
+    edge_feat: np.ndarray | None = None,
+    name: str = "graph",
+    task: str | None = None,
+    num_classes: int | None = None,
+    source: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Validate and write a store from in-memory arrays (CSR of in-edges: row = destination).
+
+    Args:
+        out: Store directory to create.
+        indptr: ``int64 [N+1]`` row pointers of the in-edge CSR.
+        indices: ``int64 [E]`` source node of each in-edge.
+        x: Node features ``[N, F]`` (stored as float32), or None for a featureless graph.
+        y: Labels: ``int [N]`` (multiclass/binary; -1 = unlabeled) or ``[N, C]`` 0/1 (multilabel).
+        splits: ``{"train"|"val"|"test": node ids}``.
+        edge_weight: ``[E]`` weights in CSR edge order.
+        edge_feat: ``[E, D]`` edge features in CSR edge order.
+        name: Dataset name recorded in the manifest.
+        task: ``multiclass|binary|multilabel``; inferred from ``y`` when None.
+        num_classes: Number of classes (inferred from ``y`` when None).
+        source: Provenance recorded in the manifest (importer, file, options).
+        overwrite: Replace an existing store (default: False).
+    """
+    indptr = np.ascontiguousarray(indptr, dtype=np.int64)
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    n = int(indptr.shape[0] - 1)
+    e = int(indices.shape[0])
+    validate_arrays(n, indptr, indices, x=x, y=y, splits=splits, edge_weight=edge_weight,
+                    edge_feat=edge_feat)
+    if y is not None:
+        task = task or infer_task(y)
+        if num_classes is None:
+            num_classes = int(y.shape[1]) if y.ndim == 2 else int(np.max(y)) + 1 if (y >= 0).any() else 0
+    with store_writer(out, overwrite=overwrite) as w:
+        w.add("indptr", indptr)
+        w.add("indices", indices)
+        if edge_weight is not None:
+            w.add("edge_weight", np.asarray(edge_weight, dtype=np.float32))
+        if edge_feat is not None:
+            ef = np.asarray(edge_feat, dtype=np.float32)
+            w.add("edge_feat", ef.reshape(e, -1))
+        if x is not None:
+            w.add("x", np.asarray(x, dtype=np.float32))
+        if y is not None:
+            w.add("y", np.asarray(y, dtype=np.int64 if y.ndim == 1 else np.float32))
+        for split, ids in (splits or {}).items():
+            w.add(f"{split}_idx", np.asarray(ids, dtype=np.int64))
+        return w.commit(num_nodes=n, num_edges=e, name=name, task=task, num_classes=num_classes,
+                        source=source or {})
+
+
+def infer_task(y: np.ndarray) -> str:
+    """Infer the task from labels: a ``[N, C]`` matrix is multilabel; a vector with two values binary."""
+    if y.ndim == 2:
+        return "multilabel"
+    values = np.unique(y[y >= 0])
+    return "binary" if values.size == 2 else "multiclass"
+
+
+def validate_arrays(
+    n: int,
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    *,
+    x: np.ndarray | None = None,
+    y: np.ndarray | None = None,
+    splits: dict[str, np.ndarray] | None = None,
+    edge_weight: np.ndarray | None = None,
+    edge_feat: np.ndarray | None = None,
+    where: str = "input",
+) -> None:
+    """Check arrays for the errors users make; raise :class:`TrellisUserError` naming what and where."""
+    if n <= 0:
+        raise TrellisUserError(f"{where}: the graph has no nodes; give at least one node")
+    if indptr[0] != 0 or indptr[-1] != indices.shape[0] or np.any(np.diff(indptr) < 0):
+        raise TrellisUserError(f"{where}: CSR indptr is not monotone from 0 to the edge count")
+    if indices.size:
+        bad = np.flatnonzero((indices < 0) | (indices >= n))
+        if bad.size:
+            raise TrellisUserError(
+                f"{where}: edge {int(bad[0])} has node id {int(indices[bad[0]])} outside [0, {n}); "
+                "renumber nodes to 0..N-1 or pass the right node count"
+            )
+    e = indices.shape[0]
+    for label, arr, rows in (("features", x, n), ("labels", y, n), ("edge weights", edge_weight, e),
+                             ("edge features", edge_feat, e)):
+        if arr is None:
+            continue
+        if arr.shape[0] != rows:
+            raise TrellisUserError(
+                f"{where}: {label} have {arr.shape[0]} rows but the graph has {rows} "
+                f"{'nodes' if rows == n and label in ('features', 'labels') else 'edges'}; "
+                "give one row per node/edge"
+            )
+        if np.issubdtype(arr.dtype, np.floating):
+            finite = np.isfinite(arr)
+            if not finite.all():
+                row = int(np.argwhere(~finite)[0][0])
+                raise TrellisUserError(f"{where}: {label} row {row} contains NaN or Inf; clean or impute it")
+    for split, ids in (splits or {}).items():
+        if split not in SPLITS:
+            raise TrellisUserError(f"{where}: unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        ids = np.asarray(ids)
+        if ids.size and (not np.issubdtype(ids.dtype, np.integer)):
+            raise TrellisUserError(f"{where}: {split} split ids must be integers")
+        bad = np.flatnonzero((ids < 0) | (ids >= n))
+        if bad.size:
+            raise TrellisUserError(
+                f"{where}: {split} split row {int(bad[0])} has node id {int(ids[bad[0]])} outside [0, {n}); "
+                "split files must hold node ids of this graph"
+            )
+
+
+class GraphStore:
+    """A read-only, memory-mapped view of a store directory.
+
+    Arrays are opened lazily with ``np.load(mmap_mode="r")``: nothing is read until used. Opening
+    checks that every file in the manifest exists with the recorded dtype and shape; with
+    ``verify=True`` (or ``"auto"`` on stores below 512 MiB) it also checks every sha256.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], verify: bool | str = "auto") -> None:
+        self.path = Path(path)
+        mpath = self.path / MANIFEST
+        if not mpath.is_file():
+            raise TrellisUserError(
+                f"{self.path}: not a Trellis store (no {MANIFEST}); create one with `trellis data import` "
+                "or `trellis data generate`"
+            )
+        try:
+            self.manifest: dict[str, Any] = json.loads(mpath.read_text())
+        except json.JSONDecodeError as exc:
+            raise TrellisUserError(f"{mpath}: manifest is not valid JSON ({exc}); re-import the store") from exc
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise TrellisUserError(
+                f"{mpath}: format {self.manifest.get('format')!r} v{self.manifest.get('version')} is not "
+                f"{FORMAT} v{VERSION}; re-import the graph with this version of trellis"
+            )
+        self._cache: dict[str, np.ndarray] = {}
+        self._check(verify)
+
+    def _check(self, verify: bool | str) -> None:
+        arrays = self.manifest["arrays"]
+        total = 0
+        for name, meta in arrays.items():
+            fpath = self.path / meta["file"]
+            if not fpath.is_file():
+                raise TrellisUserError(f"{fpath}: array {name!r} listed in the manifest is missing; re-import")
+            try:
+                arr = np.load(fpath, mmap_mode="r")
+            except (ValueError, OSError) as exc:
+                raise TrellisUserError(f"{fpath}: unreadable ({exc}); the store is damaged, re-import") from exc
+            if str(arr.dtype) != meta["dtype"] or list(arr.shape) != meta["shape"]:
+                raise TrellisUserError(
+                    f"{fpath}: dtype/shape {arr.dtype}{list(arr.shape)} do not match the manifest "
+                    f"({meta['dtype']}{meta['shape']}); the store is damaged, re-import"
+                )
+            total += fpath.stat().st_size
+        if verify == "auto":
+            verify = total <= AUTO_VERIFY_BYTES
+        if verify:
+            self.verify()
+
+    def verify(self) -> None:
+        """Hash every array and compare with the manifest (raises on the first mismatch)."""
+        for name, meta in self.manifest["arrays"].items():
+            fpath = self.path / meta["file"]
+            if sha256_file(fpath) != meta["sha256"]:
+                raise TrellisUserError(
+                    f"{fpath}: sha256 does not match the manifest (array {name!r} was modified or "
+                    "damaged); re-import the store"
+                )
+
+    # ---- metadata -------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return str(self.manifest.get("name", self.path.name))
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.manifest["num_nodes"])
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.manifest["num_edges"])
+
+    @property
+    def task(self) -> str | None:
+        return self.manifest.get("task")
+
+    @property
+    def num_classes(self) -> int | None:
+        nc = self.manifest.get("num_classes")
+        return None if nc is None else int(nc)
+
+    @property
+    def num_features(self) -> int:
+        meta = self.manifest["arrays"].get("x")
+        return 0 if meta is None else int(meta["shape"][1])
+
+    @property
+    def checksum(self) -> str:
+        """One digest of all array digests: identifies the store's content (caches key on it)."""
+        h = hashlib.sha256()
+        for name in sorted(self.manifest["arrays"]):
+            h.update(name.encode())
+            h.update(self.manifest["arrays"][name]["sha256"].encode())
+        return h.hexdigest()
+
+    # ---- arrays ---------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self.manifest["arrays"]
+
+    def array(self, name: str) -> np.ndarray:
+        """Memory-mapped array ``name`` (read-only); raises KeyError if absent."""
+        if name not in self._cache:
+            meta = self.manifest["arrays"][name]
+            self._cache[name] = np.load(self.path / meta["file"], mmap_mode="r")
+        return self._cache[name]
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self.array(name) if self.has(name) else None
+
+    @property
+    def indptr(self) -> np.ndarray:
+        return self.array("indptr")
+
+    @property
+    def indices(self) -> np.ndarray:
+        return self.array("indices")
+
+    @property
+    def x(self) -> np.ndarray | None:
+        return self.get("x")
+
+    @property
+    def y(self) -> np.ndarray | None:
+        return self.get("y")
+
+    @property
+    def edge_weight(self) -> np.ndarray | None:
+        return self.get("edge_weight")
+
+    @property
+    def edge_feat(self) -> np.ndarray | None:
+        return self.get("edge_feat")
+
+    def split(self, name: str) -> np.ndarray | None:
+        """Node ids of split ``train|val|test`` or None when the store has no such split."""
+        return self.get(f"{name}_idx")
+
+    def reverse_csr(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(rev_indptr, rev_indices, rev_perm)`` cached in the store at write time."""
+        return self.array("rev_indptr"), self.array("rev_indices"), self.array("rev_perm")
+
+    def nbytes(self) -> int:
+        """Bytes on disk of all arrays."""
+        return sum((self.path / m["file"]).stat().st_size for m in self.manifest["arrays"].values())
+
+    def __repr__(self) -> str:
+        return (f"GraphStore({str(self.path)!r}, nodes={self.num_nodes}, edges={self.num_edges}, "
+                f"features={self.num_features}, classes={self.num_classes}, task={self.task})")
+
+
+def open_store(path: str | os.PathLike[str], verify: bool | str = "auto") -> GraphStore:
+    """Open a store directory (see :class:`GraphStore`)."""
+    return GraphStore(path, verify=verify)
