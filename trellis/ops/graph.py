@@ -115,6 +115,37 @@ class CSRGraph:
                 torch.arange(self.num_dst, device=self.device), self.indptr[1:] - self.indptr[:-1])
         return self.cache["dst"]
 
+    def with_self_loops(self) -> CSRGraph:
+        """This graph with exactly one self loop per destination (existing ones dropped), cached.
+
+        Attention layers need the self edge inside the softmax, so it cannot be folded into a diagonal
+        term the way GCN's is. Edge features of the new self loops are zeros; ``cache["edge_map"]`` of the
+        result gives each new edge's id in this graph (-1 for added loops).
+        """
+        if "self_loops" in self.cache:
+            return self.cache["self_loops"]
+        dst, src = self.dst_of_edges(), self.indices
+        keep = torch.nonzero(src != dst).flatten()
+        loops = torch.arange(self.num_dst, device=self.device)
+        new_dst = torch.cat([dst[keep], loops])
+        order = torch.sort(new_dst, stable=True).indices
+        edge_map = torch.cat([keep, torch.full_like(loops, -1)])[order]
+        counts = torch.bincount(new_dst, minlength=self.num_dst)
+        indptr = torch.zeros(self.num_dst + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(counts, 0, out=indptr[1:])
+        g = CSRGraph(indptr, torch.cat([src[keep], loops])[order], self.num_src, node_ids=self.node_ids)
+        real = edge_map >= 0
+        for name in ("edge_weight", "edge_feat"):
+            value = getattr(self, name)
+            if value is not None:
+                new = value.new_zeros((g.num_edges, *value.shape[1:]))
+                new[real] = value[edge_map[real]]
+                setattr(g, name, new)
+        g.cache["edge_map"] = edge_map
+        g.cache["self_loops"] = g
+        self.cache["self_loops"] = g
+        return g
+
     def to(self, device: torch.device | str) -> CSRGraph:
         """A copy on ``device`` (the reverse CSR moves with it)."""
         device = torch.device(device)

@@ -1,1 +1,14 @@
-"""trellis.plan."""
+"""The planner: lowers a declared layer (message / aggregate / update) into graph-engine and tensor ops.
+
+Lotan §4.2: the most general plan collects per-edge tensors and runs message and aggregate in the tensor
+engine; when message and aggregate are unparameterized they are *pushed down* into the graph engine as one
+SpMM. A linear transform commutes with a linear aggregation, so the planner also orders transform and
+aggregate by cost (aggregate at the narrower width). Every op carries FLOPs, bytes moved and the bytes of
+the tensor it produces, so a memory budget can be planned against the same numbers ``--explain`` prints.
+"""
+
+from trellis.plan.cost import GraphStats
+from trellis.plan.ir import LayerPlan, Op
+from trellis.plan.planner import plan_layer
+
+__all__ = ["GraphStats", "LayerPlan", "Op", "plan_layer"]
