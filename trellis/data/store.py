@@ -26,8 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,13 +75,31 @@ def build_reverse_csr(indptr: np.ndarray, indices: np.ndarray, num_src: int) -> 
     indptr = np.asarray(indptr, dtype=np.int64)
     indices = np.asarray(indices, dtype=np.int64)
     num_dst = indptr.shape[0] - 1
-    rev_perm = np.argsort(indices, kind="stable").astype(np.int64)
+    from trellis.data.csr import stable_argsort  # numba counting sort; lazy: csr imports this module
+
+    rev_perm = stable_argsort(indices, num_src)
     counts = np.bincount(indices, minlength=num_src).astype(np.int64)
     rev_indptr = np.zeros(num_src + 1, dtype=np.int64)
     np.cumsum(counts, out=rev_indptr[1:])
     dst_of_edge = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(indptr))
     rev_indices = dst_of_edge[rev_perm]
     return rev_indptr, rev_indices, rev_perm
+
+
+def check_output(out: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    """Refuse an existing ``out`` unless ``overwrite``; never overwrite something that is not a store.
+
+    ``--overwrite`` replaces (deletes) the old directory, so it is only allowed on a Trellis store or an
+    empty directory: a mistyped ``--out ~/data`` must not delete the user's files.
+    """
+    out = Path(out)
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise TrellisUserError(f"{out}: output already exists; choose another --out, remove it, or pass --overwrite")
+    if out.is_dir() and not out.is_symlink() and ((out / MANIFEST).is_file() or not any(out.iterdir())):
+        return
+    raise TrellisUserError(f"{out}: exists and is not a Trellis store; refusing to overwrite it (choose another --out)")
 
 
 class StoreWriter:
@@ -94,13 +112,13 @@ class StoreWriter:
 
     def __init__(self, out: str | os.PathLike[str], *, overwrite: bool = False) -> None:
         self.out = Path(out)
-        if self.out.exists() and not overwrite:
-            raise TrellisUserError(
-                f"{self.out}: output already exists; choose another --out or remove it first"
-            )
+        check_output(self.out, overwrite=overwrite)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.overwrite = overwrite
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        # mkdtemp would create the directory 0700 and the renamed store would keep that mode; a plain
+        # mkdir with a unique name honours the umask like any other output directory.
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.tmp.mkdir()
         self.meta: dict[str, Any] = {}
         self._arrays: list[str] = []
 

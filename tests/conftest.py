@@ -1,0 +1,46 @@
+"""Shared fixtures.
+
+``data_dir``: the real datasets (``TRELLIS_DATA_DIR``, default ``<repo>/../shared/data``). Tests that use
+it fail, never skip, when the data is missing: a silently skipped real-data test hides a broken setup.
+``sbm_store``: a small generated store (session-scoped) for tests that just need a graph.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    path = Path(os.environ.get("TRELLIS_DATA_DIR", DEFAULT_DATA_DIR))
+    if not path.is_dir():
+        pytest.fail(f"real datasets not found at {path}; set TRELLIS_DATA_DIR to the shared data folder")
+    return path
+
+
+@pytest.fixture(scope="session")
+def dataset(data_dir: Path):
+    """``dataset("cora")`` -> the folder of one real dataset (the test fails if it is missing)."""
+
+    def get(name: str) -> Path:
+        path = data_dir / name
+        if not path.is_dir():
+            pytest.fail(f"dataset {name!r} not found at {path}; set TRELLIS_DATA_DIR to the shared data folder")
+        return path
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def sbm_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 500-node, 4-class SBM store with 16 features and train/val/test splits (seed 0)."""
+    from trellis.data.generate import generate_sbm
+
+    out = tmp_path_factory.mktemp("stores") / "sbm"
+    return generate_sbm(out, nodes=500, avg_degree=8, features=16, classes=4, seed=0, progress=False)

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import networkx as nx
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from trellis.data.convert import from_arrays, from_networkx, from_pyg, from_scipy
+from trellis.data.store import open_store
+from trellis.errors import TrellisUserError
+
+
+def test_from_arrays_keeps_graph_as_given(tmp_path):
+    s = open_store(from_arrays([0, 1, 1, 2, 0], [1, 2, 2, 2, 1], out=tmp_path / "s", edge_weight=[1, 2, 3, 4, 5]))
+    # directed, self loop kept, duplicates dropped keeping the first
+    assert s.num_nodes == 3 and s.num_edges == 3
+    np.testing.assert_array_equal(s.indptr, [0, 0, 1, 3])
+    np.testing.assert_array_equal(s.indices, [0, 1, 2])
+    np.testing.assert_array_equal(s.edge_weight, [1, 2, 4])
+
+
+def test_from_arrays_torch_and_masks(tmp_path):
+    mask = torch.tensor([True, False, True, False])
+    s = open_store(from_arrays(torch.tensor([0, 1]), torch.tensor([1, 2]), 4, out=tmp_path / "s",
+                               x=torch.ones(4, 2), y=torch.tensor([0, 1, 0, 1]), splits={"train": mask},
+                               symmetrize=True))
+    assert s.num_edges == 4 and s.split("train").tolist() == [0, 2] and s.num_features == 2
+
+
+def test_from_arrays_errors(tmp_path):
+    out = tmp_path / "s"
+    with pytest.raises(TrellisUserError, match="x: features have 2 rows but the graph has 3 nodes"):
+        from_arrays([0], [1], 3, out=out, x=np.ones((2, 2)))
+    with pytest.raises(TrellisUserError, match="y: labels have 2 rows but the graph has 3 nodes"):
+        from_arrays([0], [1], 3, out=out, y=np.ones(2, dtype=int))
+    with pytest.raises(TrellisUserError, match="row 0 has node id 5 but the graph has 3 nodes"):
+        from_arrays([5], [1], 3, out=out)
+    with pytest.raises(TrellisUserError, match="unknown split 'dev'"):
+        from_arrays([0], [1], 3, out=out, splits={"dev": [0]})
+    with pytest.raises(TrellisUserError, match="x: features: row 1 contains NaN"):
+        from_arrays([0], [1], 3, out=out, x=np.array([[0.0], [np.nan], [1.0]]))
+    assert not out.exists()
+
+
+def test_from_scipy(tmp_path):
+    adj = sp.csr_matrix(np.array([[0, 2, 0], [0, 0, 3], [1, 0, 0]], dtype=np.float32))
+    s = open_store(from_scipy(adj, out=tmp_path / "s", weighted=True))
+    # adj[i, j] is i -> j, so row j of the in-edge CSR lists i
+    np.testing.assert_array_equal(s.indptr, [0, 1, 2, 3])
+    np.testing.assert_array_equal(s.indices, [2, 0, 1])
+    np.testing.assert_array_equal(s.edge_weight, [1, 2, 3])
+    with pytest.raises(TrellisUserError, match="must be square"):
+        from_scipy(sp.csr_matrix((2, 3)), out=tmp_path / "t")
+
+
+def test_from_networkx(tmp_path):
+    g = nx.Graph()
+    g.add_node("a", feat=[1.0, 0.0], label=0)
+    g.add_node("b", feat=[0.0, 1.0], label=1)
+    g.add_node("c", feat=[1.0, 1.0], label=1)
+    g.add_edge("a", "b", w=2.0)
+    g.add_edge("b", "c", w=3.0)
+    s = open_store(from_networkx(g, out=tmp_path / "s", feature_attr="feat", label_attr="label", weight_attr="w"))
+    assert s.num_nodes == 3 and s.num_edges == 4  # undirected -> both directions
+    np.testing.assert_array_equal(s.y, [0, 1, 1])
+    np.testing.assert_array_equal(s.x[2], [1.0, 1.0])
+    np.testing.assert_array_equal(s.edge_weight, [2, 2, 3, 3])
+    d = open_store(from_networkx(nx.DiGraph([(0, 1), (1, 2)]), out=tmp_path / "d"))
+    assert d.num_edges == 2
+
+
+def test_from_pyg_duck_typed(tmp_path):
+    data = SimpleNamespace(
+        edge_index=torch.tensor([[0, 1, 1, 2], [1, 0, 2, 1]]),
+        num_nodes=4,
+        x=torch.arange(8, dtype=torch.float32).reshape(4, 2),
+        y=torch.tensor([0, 1, 1, 0]),
+        train_mask=torch.tensor([[True, False], [False, True], [False, False], [False, False]]),
+        val_mask=torch.tensor([False, False, True, False]),
+        test_mask=torch.tensor([False, False, False, True]),
+        edge_attr=torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]),
+    )
+    s = open_store(from_pyg(data, tmp_path / "s", split_index=1))
+    assert s.num_nodes == 4 and s.num_edges == 4 and s.edge_feat.shape == (4, 2)
+    assert s.split("train").tolist() == [1] and s.split("val").tolist() == [2]
+    # edge features follow their edges: edge 1 -> 2 had [0, 1]
+    row2 = slice(int(s.indptr[2]), int(s.indptr[3]))
+    assert s.indices[row2].tolist() == [1] and s.edge_feat[row2].tolist() == [[0.0, 1.0]]
+    with pytest.raises(TrellisUserError, match=r"edge_index must have shape \[2, E\]"):
+        from_pyg(SimpleNamespace(edge_index=torch.zeros(3, 3)), tmp_path / "t")

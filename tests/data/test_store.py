@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from trellis.data import store as store_mod
+from trellis.data.csr import edges_to_csr
+from trellis.data.importers.common import save_store
+from trellis.data.store import (
+    StoreWriter,
+    build_reverse_csr,
+    open_store,
+    store_writer,
+    write_store,
+)
+from trellis.errors import TrellisUserError
+
+
+def small_graph():
+    csr = edges_to_csr([0, 1, 2, 3, 0], [1, 2, 3, 0, 2], 5, symmetrize=True)
+    rng = np.random.default_rng(0)
+    return {
+        "indptr": csr.indptr,
+        "indices": csr.indices,
+        "x": rng.standard_normal((5, 3)).astype(np.float32),
+        "y": np.array([0, 1, 2, 1, -1]),
+        "splits": {"train": np.array([0, 1]), "val": np.array([2]), "test": np.array([3])},
+        "edge_weight": np.arange(csr.num_edges, dtype=np.float32),
+        "edge_feat": np.arange(2 * csr.num_edges, dtype=np.float32).reshape(-1, 2),
+    }
+
+
+def assert_nothing_written(out):
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def test_round_trip(tmp_path):
+    g = small_graph()
+    path = write_store(tmp_path / "s", name="tiny", source={"importer": "test"}, **g)
+    s = open_store(path, verify=True)
+    assert (s.num_nodes, s.num_edges, s.num_features, s.num_classes, s.task, s.name) == (5, 10, 3, 3, "multiclass",
+                                                                                         "tiny")
+    for key in ("indptr", "indices", "x", "y", "edge_weight", "edge_feat"):
+        np.testing.assert_array_equal(getattr(s, key), g[key])
+    for k, ids in g["splits"].items():
+        np.testing.assert_array_equal(s.split(k), ids)
+    for got, want in zip(s.reverse_csr(), build_reverse_csr(g["indptr"], g["indices"], 5)):
+        np.testing.assert_array_equal(got, want)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == "trellis-store" and manifest["source"] == {"importer": "test"}
+    assert set(manifest["arrays"]) >= {"indptr", "indices", "rev_indptr", "rev_indices", "rev_perm", "x", "y"}
+    assert all(len(m["sha256"]) == 64 for m in manifest["arrays"].values())
+
+
+def test_store_directory_honours_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = write_store(tmp_path / "s", **small_graph())
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o755  # readable by others, like any output directory
+
+
+def test_save_store_matches_write_store(tmp_path):
+    g = small_graph()
+    a = open_store(write_store(tmp_path / "a", **g))
+    b = open_store(save_store(tmp_path / "b", **g))
+    assert a.checksum == b.checksum
+
+
+def test_tampered_array_is_refused(tmp_path):
+    path = write_store(tmp_path / "s", **small_graph())
+    x = path / "x.npy"
+    data = bytearray(x.read_bytes())
+    data[-1] ^= 0xFF  # flip a feature byte; shape and dtype unchanged
+    x.write_bytes(bytes(data))
+    with pytest.raises(TrellisUserError, match=r"x.npy: sha256 does not match the manifest .* re-import"):
+        open_store(path)
+    open_store(path, verify=False)  # explicit opt-out still opens (for huge stores)
+
+
+def test_truncated_and_missing_files_are_refused(tmp_path):
+    path = write_store(tmp_path / "s", **small_graph())
+    idx = path / "indices.npy"
+    idx.write_bytes(idx.read_bytes()[:-16])
+    with pytest.raises(TrellisUserError, match=r"indices.npy: unreadable .* damaged, re-import"):
+        open_store(path, verify=False)
+    (path / "indices.npy").unlink()
+    with pytest.raises(TrellisUserError, match=r"indices.npy: array 'indices' listed in the manifest is missing"):
+        open_store(path)
+    (path / "manifest.json").write_text("{not json")
+    with pytest.raises(TrellisUserError, match="manifest is not valid JSON"):
+        open_store(path)
+    (path / "manifest.json").unlink()
+    with pytest.raises(TrellisUserError, match="not a Trellis store"):
+        open_store(path)
+
+
+def test_interrupted_write_leaves_nothing(tmp_path):
+    out = tmp_path / "s"
+    with pytest.raises(KeyboardInterrupt):
+        with store_writer(out) as w:
+            w.add("indptr", np.array([0, 1]))
+            raise KeyboardInterrupt
+    assert_nothing_written(out)
+
+
+def test_failure_during_commit_leaves_nothing(tmp_path, monkeypatch):
+    def boom(path):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store_mod, "_array_meta", boom)
+    out = tmp_path / "s"
+    with pytest.raises(OSError, match="disk full"):
+        write_store(out, **small_graph())
+    assert_nothing_written(out)
+
+
+def test_killed_writer_leaves_no_store_that_opens(tmp_path):
+    out = tmp_path / "s"
+    w = StoreWriter(out)
+    w.add("indptr", np.array([0, 1]))
+    w.add("indices", np.array([0]))  # process "killed" here: no commit
+    with pytest.raises(TrellisUserError, match="not a Trellis store"):
+        open_store(out)
+    assert w.tmp.exists()  # the hidden temp dir is the only trace
+    w.abort()
+    assert_nothing_written(out)
+
+
+def test_overwrite(tmp_path):
+    g = small_graph()
+    path = write_store(tmp_path / "s", **g)
+    with pytest.raises(TrellisUserError, match="already exists"):
+        write_store(path, **g)
+    g2 = dict(g, x=g["x"] * 2)
+    write_store(path, overwrite=True, **g2)
+    np.testing.assert_array_equal(open_store(path).x, g2["x"])
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]
+
+
+def test_validation_errors_write_nothing(tmp_path):
+    g = small_graph()
+    out = tmp_path / "s"
+    for bad, match in (
+        (dict(x=g["x"][:3]), "features have 3 rows but the graph has 5 nodes"),
+        (dict(y=g["y"][:4]), "labels have 4 rows"),
+        (dict(splits={"train": np.array([9])}), "train split row 0 has node id 9 outside"),
+        (dict(edge_weight=np.full(10, np.nan, dtype=np.float32)), "edge weights row 0 contains NaN"),
+    ):
+        with pytest.raises(TrellisUserError, match=match):
+            write_store(out, **{**g, **bad})
+        assert_nothing_written(out)

@@ -1,0 +1,147 @@
+"""``trellis data``: import datasets, generate synthetic graphs, describe stores.
+
+Usage::
+
+    trellis data import SRC --out STORE [--format planetoid|npz|ogb|edgelist] [--name NAME]
+                        [--split-seed 0] [--lcc|--no-lcc] [--symmetrize|--no-symmetrize] [--overwrite] [--json]
+    trellis data generate sbm|rmat --nodes N --avg-degree D --features F --classes C --seed S --out STORE
+                        [--homophily 0.8] [--feature-noise 1.5] [--train-frac 0.1] [--val-frac 0.1] [--json]
+    trellis data info STORE [--json] [--verify]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, generate
+from trellis.data.importers import FORMATS, import_graph
+from trellis.data.info import format_info, human_bytes, store_info
+from trellis.data.store import open_store
+from trellis.errors import TrellisUserError
+
+
+def _summary(path: Any) -> dict[str, Any]:
+    store = open_store(path, verify=False)
+    splits = {k: (None if store.split(k) is None else int(store.split(k).shape[0])) for k in ("train", "val", "test")}
+    return {"store": str(store.path), "name": store.name, "num_nodes": store.num_nodes, "num_edges": store.num_edges,
+            "num_features": store.num_features, "num_classes": store.num_classes, "task": store.task,
+            "splits": splits, "disk_bytes": store.nbytes(), "checksum": store.checksum}
+
+
+def _print_summary(s: dict[str, Any], as_json: bool, verb: str) -> None:
+    if as_json:
+        print(json.dumps(s))
+        return
+    splits = " / ".join(f"{k} {v}" for k, v in s["splits"].items() if v is not None) or "no splits"
+    classes = f"{s['num_classes']} classes" if s["num_classes"] is not None else "no labels"
+    print(f"{verb} {s['store']}: {s['num_nodes']:,} nodes, {s['num_edges']:,} edges, {s['num_features']} features, "
+          f"{classes}; {splits}; {human_bytes(s['disk_bytes'])}")
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    path = import_graph(
+        args.src, args.out, args.format,
+        name=args.name, split_seed=args.split_seed, split_name=args.split_name, lcc=args.lcc,
+        symmetrize=args.symmetrize, num_nodes=args.num_nodes, train_per_class=args.train_per_class,
+        val_per_class=args.val_per_class, streaming=args.streaming, chunk_edges=args.chunk_edges,
+        overwrite=args.overwrite or None,
+    )
+    _print_summary(_summary(path), args.json, "imported")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    options: dict[str, Any] = {
+        "nodes": args.nodes, "avg_degree": args.avg_degree, "features": args.features, "classes": args.classes,
+        "seed": args.seed, "feature_noise": args.feature_noise, "train_frac": args.train_frac,
+        "val_frac": args.val_frac, "name": args.name, "overwrite": args.overwrite,
+    }
+    if args.kind == "sbm":
+        for flag in ("a", "b", "c"):
+            if getattr(args, flag) is not None:
+                raise TrellisUserError(f"--{flag} applies to rmat only")
+        if args.homophily is not None:
+            options["homophily"] = args.homophily
+    else:
+        if args.homophily is not None:
+            raise TrellisUserError("--homophily applies to sbm only (R-MAT labels follow its recursive communities)")
+        options.update({k: getattr(args, k) for k in ("a", "b", "c") if getattr(args, k) is not None})
+    path = generate(args.kind, args.out, **{k: v for k, v in options.items() if v is not None})
+    _print_summary(_summary(path), args.json, "generated")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = store_info(args.store, verify=args.verify)
+    print(json.dumps(info) if args.json else format_info(info))
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    """Add ``trellis data {import,generate,info}``."""
+    data = subparsers.add_parser("data", help="import datasets, generate graphs, describe stores",
+                                 description="Create and inspect Trellis graph stores.")
+    sub = data.add_subparsers(dest="data_command", metavar="ACTION")
+    sub.required = True
+
+    p = sub.add_parser("import", help="import a dataset into a store",
+                       description="Import a dataset into a store (atomic: nothing is written on error).")
+    p.add_argument("src", help="dataset file or folder")
+    p.add_argument("--out", required=True, help="store directory to create")
+    p.add_argument("--format", choices=FORMATS, default=None, help="input format (default: detected)")
+    p.add_argument("--name", default=None, help="dataset name (planetoid: which ind.<name>.* files)")
+    p.add_argument("--split-seed", type=int, default=None, help="seed of the random per-class split (npz; default 0)")
+    p.add_argument("--split-name", default=None, help="ogb: which split/<name> folder (default: the first)")
+    p.add_argument("--train-per-class", type=int, default=None, help="npz: training nodes per class (default 20)")
+    p.add_argument("--val-per-class", type=int, default=None, help="npz: validation nodes per class (default 30)")
+    p.add_argument("--lcc", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep only the largest connected component (default: on for npz, off otherwise)")
+    p.add_argument("--symmetrize", action=argparse.BooleanOptionalAction, default=None,
+                   help="make the graph undirected (default: on)")
+    p.add_argument("--num-nodes", type=_positive_int, default=None, help="edgelist: node count")
+    p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
+                   help="ogb/edgelist: bounded-memory chunked import (default: for edge files over 512 MiB)")
+    p.add_argument("--chunk-edges", type=_positive_int, default=None, help="edges per chunk when streaming")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.set_defaults(func=_cmd_import)
+
+    g = sub.add_parser("generate", help="generate a synthetic graph",
+                       description="Generate a synthetic graph with labels, features and splits.")
+    g.add_argument("kind", choices=GENERATORS, help="sbm: planted partition; rmat: power law")
+    g.add_argument("--nodes", type=_positive_int, required=True, help="number of nodes")
+    g.add_argument("--avg-degree", type=float, default=10.0, help="directed edges per node (default 10)")
+    g.add_argument("--features", type=int, default=32, help="feature width; 0 for none (default 32)")
+    g.add_argument("--classes", type=_positive_int, default=4, help="number of classes (default 4)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--out", required=True, help="store directory to create")
+    g.add_argument("--homophily", type=float, default=None, help="sbm: fraction of edges inside a class (0.8)")
+    g.add_argument("--feature-noise", type=float, default=DEFAULT_FEATURE_NOISE,
+                   help=f"per-dimension feature noise (default {DEFAULT_FEATURE_NOISE})")
+    g.add_argument("--train-frac", type=float, default=0.1, help="training fraction (default 0.1)")
+    g.add_argument("--val-frac", type=float, default=0.1, help="validation fraction (default 0.1; rest test)")
+    g.add_argument("--a", type=float, default=None, help="rmat: quadrant probability a (0.57)")
+    g.add_argument("--b", type=float, default=None, help="rmat: quadrant probability b (0.19)")
+    g.add_argument("--c", type=float, default=None, help="rmat: quadrant probability c (0.19)")
+    g.add_argument("--name", default=None, help="dataset name (default: <kind>-<nodes>)")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    g.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    g.set_defaults(func=_cmd_generate)
+
+    i = sub.add_parser("info", help="describe a store", description="Counts, degrees and sizes of a store.")
+    i.add_argument("store", help="store directory")
+    i.add_argument("--json", action="store_true", help="print one JSON line")
+    i.add_argument("--verify", action="store_true", help="check every array's sha256 against the manifest")
+    i.set_defaults(func=_cmd_info)

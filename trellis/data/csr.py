@@ -1,0 +1,615 @@
+"""Edge lists to the store's in-edge CSR (row = destination, indices = source), in memory or in chunks.
+
+Two builders with one semantics:
+
+* :func:`edges_to_csr` — vectorized numpy for edge lists that fit in memory.
+* :func:`build_csr_chunked` — bounded memory, O(N + chunk), for edge lists larger than memory. Pass 1
+  counts in-degrees, pass 2 scatters source ids into a scratch memory map at per-row cursors, pass 3
+  sorts (and deduplicates) each block of rows in place, then the reverse CSR is built the same way.
+
+Semantics shared by both (tests check that they produce identical arrays):
+
+* Rows are sorted by source id. Ties (parallel edges, kept when ``dedup=False``) stay in input order.
+* ``remove_self_loops`` drops ``u -> u`` before anything else.
+* ``symmetrize`` adds ``v -> u`` for every ``u -> v`` (a self loop is not doubled). Edge data follows its
+  edge: both directions of an input edge carry that edge's weight/features.
+* ``dedup`` keeps the first occurrence in input order. With ``symmetrize`` the graph is undirected, so
+  ``u -> v`` and ``v -> u`` are the same edge: the first input row naming ``{u, v}`` in either direction
+  gives the data of both directions.
+* ``edge_ids[k]`` is the input row of CSR edge ``k``: any per-edge array is carried with ``data[edge_ids]``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from tqdm import tqdm
+
+from trellis.data.store import StoreWriter
+from trellis.errors import TrellisUserError
+
+#: Edges per chunk of the chunked builder (about 16 MiB of int64 pairs per array).
+DEFAULT_CHUNK_EDGES = 2_000_000
+#: ``rows * cols`` below this packs ``(row, col)`` into one int64 sort key; above it a lexsort is used.
+_KEY_LIMIT = 2**62
+
+
+@dataclass
+class EdgeCSR:
+    """An in-edge CSR built from an edge list.
+
+    Attributes:
+        indptr: ``int64 [N+1]`` row pointers (row = destination node).
+        indices: ``int64 [E]`` source node of each in-edge, sorted within each row.
+        num_nodes: ``N``.
+        edge_ids: ``int64 [E]`` input row of each CSR edge (edge data follows with ``data[edge_ids]``).
+        edge_weight: ``float32 [E]`` carried weights, or None.
+        edge_feat: ``float32 [E, D]`` carried edge features, or None.
+    """
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    num_nodes: int
+    edge_ids: np.ndarray
+    edge_weight: np.ndarray | None = None
+    edge_feat: np.ndarray | None = None
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.indices.shape[0])
+
+    def dst(self) -> np.ndarray:
+        """Destination node of each edge (``int64 [E]``)."""
+        return np.repeat(np.arange(self.num_nodes, dtype=np.int64), np.diff(self.indptr))
+
+
+@dataclass
+class EdgeChunk:
+    """A block of input edges: ``src[i] -> dst[i]`` is input row ``start + i``."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    start: int
+
+
+class EdgeSource(Protocol):
+    """Anything that can stream its edges more than once (the chunked builder reads them twice)."""
+
+    name: str
+
+    def chunks(self, num_nodes: int | None = None) -> Iterator[EdgeChunk]:
+        """Yield edge chunks in input order; raise :class:`TrellisUserError` naming the row of a bad id."""
+        ...
+
+
+class ArrayEdgeSource:
+    """An :class:`EdgeSource` over in-memory (or memory-mapped) ``src``/``dst`` arrays."""
+
+    def __init__(self, src: np.ndarray, dst: np.ndarray, *, chunk_edges: int = DEFAULT_CHUNK_EDGES,
+                 name: str = "edges") -> None:
+        if np.shape(src) != np.shape(dst):
+            raise TrellisUserError(f"{name}: src has {np.shape(src)} entries but dst has {np.shape(dst)}; "
+                                   "give one source and one destination per edge")
+        self.src, self.dst, self.chunk_edges, self.name = src, dst, max(1, int(chunk_edges)), name
+
+    def chunks(self, num_nodes: int | None = None) -> Iterator[EdgeChunk]:
+        for start in range(0, len(self.src), self.chunk_edges):
+            stop = start + self.chunk_edges
+            src = as_node_ids(self.src[start:stop], f"{self.name} src", num_nodes, row_offset=start)
+            dst = as_node_ids(self.dst[start:stop], f"{self.name} dst", num_nodes, row_offset=start)
+            yield EdgeChunk(src, dst, start)
+
+
+# ---- validation ---------------------------------------------------------------------------------
+def as_node_ids(ids: np.ndarray, where: str, num_nodes: int | None = None, *, row_offset: int = 0) -> np.ndarray:
+    """Return ``ids`` as int64 after checking they are integers in ``[0, num_nodes)``.
+
+    Integral floats (``3.0``) are accepted; a fraction, NaN, a negative id or one at or past
+    ``num_nodes`` raises :class:`TrellisUserError` naming ``where`` and the row (``row_offset`` + i).
+    """
+    arr = np.asarray(ids)
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise TrellisUserError(f"{where}: node ids have dtype {arr.dtype}; give integer node ids 0..N-1")
+    if np.issubdtype(arr.dtype, np.floating):
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if bad.size:
+            i = int(bad[0])
+            raise TrellisUserError(f"{where}: row {row_offset + i} has non-integer node id {arr.flat[i].item()!r}; "
+                                   "node ids must be integers 0..N-1")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size:
+        bad = np.flatnonzero(arr < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise TrellisUserError(f"{where}: row {row_offset + i} has negative node id {int(arr[i])}; "
+                                   "node ids must be 0..N-1")
+        if num_nodes is not None:
+            bad = np.flatnonzero(arr >= num_nodes)
+            if bad.size:
+                i = int(bad[0])
+                raise TrellisUserError(
+                    f"{where}: row {row_offset + i} has node id {int(arr[i])} but the graph has {num_nodes} "
+                    f"nodes (ids 0..{num_nodes - 1}); renumber the nodes or give the right node count")
+    return arr
+
+
+def _check_edge_data(data: np.ndarray | None, rows: int, label: str, *, ndim: int,
+                     edges: str) -> np.ndarray | None:
+    if data is None:
+        return None
+    arr = np.asarray(data) if not isinstance(data, np.memmap) else data
+    if arr.ndim != ndim:
+        raise TrellisUserError(f"{label}: expected a {ndim}-D array ({'[E]' if ndim == 1 else '[E, D]'}) "
+                               f"but got shape {tuple(arr.shape)}")
+    if arr.shape[0] != rows:
+        raise TrellisUserError(f"{label}: has {arr.shape[0]} rows but the edge list {edges} has {rows} edges; "
+                               "give one row per input edge, in edge-list order")
+    return arr
+
+
+def _check_all_edge_data(w: np.ndarray | None, f: np.ndarray | None, rows: int, where: str,
+                         names: dict[str, str] | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    names = names or {}
+    wn = names.get("edge_weight", f"{where} edge weights")
+    fn = names.get("edge_feat", f"{where} edge features")
+    w = _check_edge_data(w, rows, wn, ndim=1, edges=where)
+    f = _check_edge_data(f, rows, fn, ndim=2, edges=where)
+    if w is not None:
+        check_finite(w, wn)
+    if f is not None:
+        check_finite(f, fn)
+    return w, f
+
+
+def check_finite(arr: np.ndarray, label: str, *, chunk_rows: int = 1_000_000) -> None:
+    """Raise :class:`TrellisUserError` naming the first row of ``arr`` holding NaN or Inf (chunked)."""
+    if not np.issubdtype(arr.dtype, np.floating):
+        if not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+            raise TrellisUserError(f"{label}: dtype {arr.dtype} is not numeric; save it as float32")
+        return
+    for start in range(0, arr.shape[0], chunk_rows):
+        block = np.asarray(arr[start:start + chunk_rows])
+        finite = np.isfinite(block)
+        if not finite.all():
+            row = start + int(np.argwhere(~finite)[0][0])
+            raise TrellisUserError(f"{label}: row {row} contains NaN or Inf; clean or impute it")
+
+
+# ---- sorting kernels ----------------------------------------------------------------------------
+#: numba gives O(E + N) counting sorts; numpy's stable argsort is the fallback (same results).
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+_KERNELS: dict[str, Any] = {}
+
+
+def _counting_argsort_py(keys: np.ndarray, num_keys: int) -> np.ndarray:  # pragma: no cover - compiled
+    """Stable argsort of ``keys`` in ``[0, num_keys)`` by counting (O(n + num_keys))."""
+    n = keys.shape[0]
+    starts = np.zeros(num_keys + 1, dtype=np.int64)
+    for i in range(n):
+        starts[keys[i] + 1] += 1
+    for k in range(num_keys):
+        starts[k + 1] += starts[k]
+    perm = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        k = keys[i]
+        perm[starts[k]] = i
+        starts[k] += 1
+    return perm
+
+
+def _counting_argsort(keys: np.ndarray, num_keys: int) -> np.ndarray:
+    """The numba-compiled counting sort (numba is imported and the kernel compiled on first use)."""
+    kernel = _KERNELS.get("counting_argsort")
+    if kernel is None:
+        from numba import njit
+
+        kernel = _KERNELS["counting_argsort"] = njit(cache=True, nogil=True)(_counting_argsort_py)
+    return kernel(keys, num_keys)
+
+
+def stable_argsort(keys: np.ndarray, num_keys: int) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` for int keys in ``[0, num_keys)``.
+
+    A counting sort, O(n + num_keys), when numba is available and the key range is not much larger
+    than the array; numpy's stable argsort otherwise (same result).
+    """
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    if HAVE_NUMBA and keys.size > 1024 and num_keys <= 4 * keys.size + 1024:
+        return _counting_argsort(keys, int(num_keys))
+    return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
+
+
+def _sorted_order(rows: np.ndarray, cols: np.ndarray, num_rows: int, num_cols: int, dedup: bool) -> np.ndarray:
+    """Positions sorting ``(rows, cols)`` lexicographically, ties in position order.
+
+    With ``dedup`` only the first position of each distinct pair is returned.
+    """
+    m = rows.size
+    if m == 0:
+        return np.zeros(0, dtype=np.int64)
+    small = num_rows <= 4 * m + 1024 and num_cols <= 4 * m + 1024
+    if HAVE_NUMBA and m > 1024 and small:  # LSD radix: by column, then stably by row
+        by_col = _counting_argsort(np.ascontiguousarray(cols, dtype=np.int64), int(num_cols))
+        order = by_col[_counting_argsort(np.ascontiguousarray(rows[by_col], dtype=np.int64), int(num_rows))]
+    elif int(num_rows) * int(max(num_cols, 1)) < _KEY_LIMIT:
+        order = np.argsort(rows * np.int64(num_cols) + cols, kind="stable").astype(np.int64, copy=False)
+    else:
+        order = np.lexsort((cols, rows)).astype(np.int64, copy=False)
+    if dedup and m > 1:
+        r, c = rows[order], cols[order]
+        keep = np.ones(m, dtype=bool)
+        keep[1:] = (r[1:] != r[:-1]) | (c[1:] != c[:-1])
+        order = order[keep]
+    return order
+
+
+def reverse_csr(indptr: np.ndarray, indices: np.ndarray, num_src: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Same result as :func:`trellis.data.store.build_reverse_csr`, O(E + N) with numba."""
+    indptr = np.asarray(indptr, dtype=np.int64)
+    indices = np.asarray(indices, dtype=np.int64)
+    num_dst = indptr.shape[0] - 1
+    rev_perm = stable_argsort(indices, num_src)
+    rev_indptr = np.zeros(num_src + 1, dtype=np.int64)
+    np.cumsum(np.bincount(indices, minlength=num_src), out=rev_indptr[1:])
+    rev_indices = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(indptr))[rev_perm]
+    return rev_indptr, rev_indices, rev_perm
+
+
+# ---- in-memory builder --------------------------------------------------------------------------
+def _expand_symmetric(src: np.ndarray, dst: np.ndarray, eid: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Both directions of every edge, interleaved so positions stay in input order (self loops once)."""
+    m = src.shape[0]
+    s = np.empty(2 * m, dtype=np.int64)
+    d = np.empty(2 * m, dtype=np.int64)
+    s[0::2], s[1::2] = src, dst
+    d[0::2], d[1::2] = dst, src
+    e = np.repeat(eid, 2)
+    loops = src == dst
+    if loops.any():
+        keep = np.ones(2 * m, dtype=bool)
+        keep[1::2] = ~loops
+        s, d, e = s[keep], d[keep], e[keep]
+    return s, d, e
+
+
+def _indptr_from_sorted_rows(rows: np.ndarray, num_rows: int) -> np.ndarray:
+    indptr = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=num_rows), out=indptr[1:])
+    return indptr
+
+
+def edges_to_csr(
+    src: np.ndarray,
+    dst: np.ndarray,
+    num_nodes: int | None = None,
+    *,
+    symmetrize: bool = False,
+    dedup: bool = True,
+    remove_self_loops: bool = True,
+    edge_weight: np.ndarray | None = None,
+    edge_feat: np.ndarray | None = None,
+    where: str = "edges",
+    data_names: dict[str, str] | None = None,
+) -> EdgeCSR:
+    """Build the in-edge CSR of ``src[i] -> dst[i]`` (vectorized; see the module doc for semantics).
+
+    Args:
+        src: Source node of each input edge (integers).
+        dst: Destination node of each input edge.
+        num_nodes: Node count ``N`` (default: largest id + 1).
+        symmetrize: Add the reverse of every edge (default: False).
+        dedup: Keep only the first occurrence of each edge (default: True).
+        remove_self_loops: Drop ``u -> u`` edges (default: True).
+        edge_weight: ``[E]`` per-input-edge weights carried to the CSR edges.
+        edge_feat: ``[E, D]`` per-input-edge features carried to the CSR edges.
+        where: Name used in error messages (a file name).
+        data_names: Names of the edge-data files for messages (``{"edge_weight": …, "edge_feat": …}``).
+
+    Returns:
+        The :class:`EdgeCSR`.
+
+    Raises:
+        TrellisUserError: Non-integer, negative or out-of-range ids; edge data of the wrong length or
+            with NaN/Inf; no nodes.
+    """
+    src = as_node_ids(np.asarray(src).reshape(-1), f"{where} src", num_nodes)
+    dst = as_node_ids(np.asarray(dst).reshape(-1), f"{where} dst", num_nodes)
+    if src.shape != dst.shape:
+        raise TrellisUserError(f"{where}: {src.size} sources but {dst.size} destinations; give one of each per edge")
+    e_in = src.shape[0]
+    if num_nodes is None:
+        if e_in == 0:
+            raise TrellisUserError(f"{where}: the edge list is empty and no node count was given; "
+                                   "give at least one edge or the number of nodes")
+        num_nodes = int(max(src.max(), dst.max())) + 1
+    n = int(num_nodes)
+    if n <= 0:
+        raise TrellisUserError(f"{where}: the graph has no nodes; give at least one node")
+    w, f = _check_all_edge_data(edge_weight, edge_feat, e_in, where, data_names)
+
+    eid = np.arange(e_in, dtype=np.int64)
+    if remove_self_loops:
+        keep = src != dst
+        if not keep.all():
+            src, dst, eid = src[keep], dst[keep], eid[keep]
+    if symmetrize:
+        if dedup:  # one representative per undirected pair: the first input row naming it
+            lo, hi = np.minimum(src, dst), np.maximum(src, dst)
+            first = _sorted_order(lo, hi, n, n, dedup=True)
+            first.sort()
+            src, dst, eid = lo[first], hi[first], eid[first]
+        src, dst, eid = _expand_symmetric(src, dst, eid)
+        order = _sorted_order(dst, src, n, n, dedup=False)
+    else:
+        order = _sorted_order(dst, src, n, n, dedup=dedup)
+    indices, rows, edge_ids = src[order], dst[order], eid[order]
+    indptr = _indptr_from_sorted_rows(rows, n)
+    return EdgeCSR(
+        indptr=indptr,
+        indices=indices,
+        num_nodes=n,
+        edge_ids=edge_ids,
+        edge_weight=None if w is None else np.asarray(w[edge_ids], dtype=np.float32),
+        edge_feat=None if f is None else np.asarray(f[edge_ids], dtype=np.float32),
+    )
+
+
+def read_all_edges(source: EdgeSource, num_nodes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate every chunk of ``source`` (validated against ``num_nodes``) into ``(src, dst)``."""
+    srcs, dsts = [], []
+    for chunk in source.chunks(num_nodes):
+        srcs.append(chunk.src)
+        dsts.append(chunk.dst)
+    if not srcs:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(srcs), np.concatenate(dsts)
+
+
+# ---- chunked (bounded-memory) builder -----------------------------------------------------------
+@dataclass
+class ChunkedCSRInfo:
+    """What :func:`build_csr_chunked` wrote: node and edge counts (input edges before cleaning)."""
+
+    num_nodes: int
+    num_edges: int
+    num_input_edges: int
+
+
+def _add_counts(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``counts[ids] += 1`` for every id, growing ``counts`` as needed; O(chunk) time when ids are sparse."""
+    if ids.size == 0:
+        return counts
+    top = int(ids.max()) + 1
+    if top > counts.shape[0]:
+        grown = np.zeros(max(top, 2 * counts.shape[0]), dtype=np.int64)
+        grown[: counts.shape[0]] = counts
+        counts = grown
+    if top <= 4 * ids.size:
+        counts[:top] += np.bincount(ids, minlength=top)
+    else:
+        uniq, cnt = np.unique(ids, return_counts=True)
+        counts[uniq] += cnt
+    return counts
+
+
+def _group_ranks(sorted_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For sorted keys: rank of each element within its run, plus the run keys and run lengths."""
+    m = sorted_keys.size
+    starts = np.flatnonzero(np.concatenate(([True], sorted_keys[1:] != sorted_keys[:-1])))
+    lengths = np.diff(np.append(starts, m))
+    ranks = np.arange(m, dtype=np.int64) - np.repeat(starts, lengths)
+    return ranks, sorted_keys[starts], lengths
+
+
+def _scratch(writer: StoreWriter, name: str, shape: tuple[int, ...], dtype: type) -> tuple[np.memmap, Path]:
+    path = writer.tmp / f"_scratch_{name}.npy"
+    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape), path
+
+
+def _row_blocks(indptr: np.ndarray, chunk: int) -> Iterator[tuple[int, int]]:
+    """Consecutive row ranges each holding at most ``chunk`` edges (or one row, if that row is bigger)."""
+    n = indptr.shape[0] - 1
+    r0 = 0
+    while r0 < n:
+        r1 = int(np.searchsorted(indptr, indptr[r0] + chunk, side="right")) - 1
+        r1 = min(max(r1, r0 + 1), n)
+        yield r0, r1
+        r0 = r1
+
+
+def _bar(total: int, desc: str, progress: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="edge", unit_scale=True, disable=None if progress else True,
+                leave=False)
+
+
+def build_csr_chunked(
+    source: EdgeSource,
+    writer: StoreWriter,
+    *,
+    num_nodes: int | None = None,
+    symmetrize: bool = False,
+    dedup: bool = True,
+    remove_self_loops: bool = True,
+    edge_weight: np.ndarray | None = None,
+    edge_feat: np.ndarray | None = None,
+    chunk_edges: int = DEFAULT_CHUNK_EDGES,
+    progress: bool = True,
+    data_names: dict[str, str] | None = None,
+) -> ChunkedCSRInfo:
+    """Stream ``source`` into ``writer`` as ``indptr``/``indices`` (+ edge data, + reverse CSR).
+
+    Memory is O(N + chunk): only degree counters, cursors and one chunk live in RAM; neighbor lists
+    are filled into memory maps in the writer's temporary directory. The result is identical to
+    :func:`edges_to_csr` with the same options.
+
+    Args:
+        source: Edge chunks (read twice).
+        writer: An open :class:`StoreWriter`; the caller adds node data and commits.
+        num_nodes: Node count (default: largest id + 1); ids at or past it are refused with their row.
+        symmetrize: Add the reverse of every edge (default: False).
+        dedup: Keep the first occurrence of each edge (default: True).
+        remove_self_loops: Drop ``u -> u`` (default: True).
+        edge_weight: ``[E_in]`` weights per input row (may be a memory map).
+        edge_feat: ``[E_in, D]`` features per input row (may be a memory map).
+        chunk_edges: Edges per chunk (default: 2,000,000).
+        progress: Show tqdm progress bars on a terminal (default: True).
+        data_names: Names of the edge-data files for messages (``{"edge_weight": …, "edge_feat": …}``).
+
+    Returns:
+        Node, edge and input-edge counts.
+    """
+    chunk_edges = max(1, int(chunk_edges))
+    # pass 1: in-degree counts (and the largest id)
+    counts = np.zeros(0 if num_nodes is None else int(num_nodes), dtype=np.int64)
+    e_in = 0
+    top = 0  # one past the largest id seen (a node named only by a removed self loop still exists)
+    with _bar(0, "count degrees", progress) as bar:
+        for ch in source.chunks(num_nodes):
+            e_in = ch.start + ch.src.size
+            src, dst = ch.src, ch.dst
+            if src.size:
+                top = max(top, int(src.max()) + 1, int(dst.max()) + 1)
+            if remove_self_loops:
+                keep = src != dst
+                src, dst = src[keep], dst[keep]
+            counts = _add_counts(counts, dst)
+            if symmetrize:
+                counts = _add_counts(counts, src[src != dst])
+            bar.update(ch.src.size)
+    if num_nodes is None:
+        if e_in == 0:
+            raise TrellisUserError(f"{source.name}: the edge list is empty and no node count was given; "
+                                   "give at least one edge or the number of nodes")
+        num_nodes = top
+    n = int(num_nodes)
+    counts = counts[:n] if counts.shape[0] >= n else np.concatenate([counts, np.zeros(n - counts.shape[0], np.int64)])
+    w, f = _check_all_edge_data(edge_weight, edge_feat, e_in, source.name, data_names)
+    carry = w is not None or f is not None
+
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    e_raw = int(indptr[-1])
+    del counts
+
+    # pass 2: scatter sources into per-row slots, in input order
+    nbr, nbr_path = _scratch(writer, "nbr", (e_raw,), np.int64)
+    eid, eid_path = _scratch(writer, "eid", (e_raw,), np.int64) if carry else (None, None)
+    cursor = indptr[:-1].copy()
+    with _bar(e_in, "fill neighbors", progress) as bar:
+        for ch in source.chunks(n):
+            src, dst = ch.src, ch.dst
+            ids = np.arange(ch.start, ch.start + src.size, dtype=np.int64)
+            if remove_self_loops:
+                keep = src != dst
+                src, dst, ids = src[keep], dst[keep], ids[keep]
+            if symmetrize:
+                src, dst, ids = _expand_symmetric(src, dst, ids)
+            order = np.argsort(dst, kind="stable")
+            d = dst[order]
+            if d.size:
+                ranks, run_keys, run_lengths = _group_ranks(d)
+                pos = cursor[d] + ranks
+                nbr[pos] = src[order]
+                if eid is not None:
+                    eid[pos] = ids[order]
+                cursor[run_keys] += run_lengths
+            bar.update(ch.src.size)
+    del cursor
+
+    # pass 3: sort each row by source (ties keep input order), drop duplicates, compact in place
+    new_counts = np.zeros(n, dtype=np.int64)
+    out = 0
+    with _bar(e_raw, "sort rows", progress) as bar:
+        for r0, r1 in _row_blocks(indptr, chunk_edges):
+            p0, p1 = int(indptr[r0]), int(indptr[r1])
+            if p1 == p0:
+                continue
+            seg = np.array(nbr[p0:p1])
+            rows = np.repeat(np.arange(r1 - r0, dtype=np.int64), np.diff(indptr[r0:r1 + 1]))
+            order = _sorted_order(rows, seg, r1 - r0, n, dedup=dedup)
+            k = order.size
+            nbr[out:out + k] = seg[order]
+            if eid is not None:
+                eseg = np.array(eid[p0:p1])
+                eid[out:out + k] = eseg[order]
+            new_counts[r0:r1] = np.bincount(rows[order], minlength=r1 - r0)
+            out += k
+            bar.update(p1 - p0)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(new_counts, out=indptr[1:])
+    del new_counts
+    e = int(indptr[-1])
+
+    # copy out the final arrays (exact length) and carry edge data
+    writer.add("indptr", indptr)
+    indices = writer.create("indices", (e,), np.int64)
+    wout = writer.create("edge_weight", (e,), np.float32) if w is not None else None
+    fout = writer.create("edge_feat", (e, f.shape[1]), np.float32) if f is not None else None
+    for p0 in range(0, e, chunk_edges):
+        p1 = min(e, p0 + chunk_edges)
+        indices[p0:p1] = nbr[p0:p1]
+        if eid is not None:
+            ids = np.array(eid[p0:p1])
+            if wout is not None:
+                wout[p0:p1] = np.asarray(w[ids], dtype=np.float32)
+            if fout is not None:
+                fout[p0:p1] = np.asarray(f[ids], dtype=np.float32)
+    del nbr, eid
+    for p in (nbr_path, eid_path):
+        if p is not None:
+            os.unlink(p)
+    for arr in (indices, wout, fout):
+        if arr is not None:
+            arr.flush()
+    write_reverse_csr_chunked(writer, indptr, indices, n, chunk_edges=chunk_edges, progress=progress)
+    return ChunkedCSRInfo(num_nodes=n, num_edges=e, num_input_edges=e_in)
+
+
+def write_reverse_csr_chunked(
+    writer: StoreWriter,
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    num_nodes: int,
+    *,
+    chunk_edges: int = DEFAULT_CHUNK_EDGES,
+    progress: bool = True,
+) -> None:
+    """Write ``rev_indptr``/``rev_indices``/``rev_perm`` in O(N + chunk) memory.
+
+    Identical to :func:`trellis.data.store.build_reverse_csr`: forward edges are visited in id order,
+    so each reverse row lists its destinations in ascending edge-id (hence destination) order.
+    """
+    e = int(indices.shape[0])
+    counts = np.zeros(num_nodes, dtype=np.int64)
+    for p0 in range(0, e, chunk_edges):
+        counts = _add_counts(counts, np.asarray(indices[p0:p0 + chunk_edges]))
+    rev_indptr = np.zeros(num_nodes + 1, dtype=np.int64)
+    np.cumsum(counts[:num_nodes], out=rev_indptr[1:])
+    del counts
+    writer.add("rev_indptr", rev_indptr)
+    rev_indices = writer.create("rev_indices", (e,), np.int64)
+    rev_perm = writer.create("rev_perm", (e,), np.int64)
+    cursor = rev_indptr[:-1].copy()
+    with _bar(e, "reverse CSR", progress) as bar:
+        for r0, r1 in _row_blocks(indptr, chunk_edges):
+            p0, p1 = int(indptr[r0]), int(indptr[r1])
+            if p1 == p0:
+                continue
+            s = np.asarray(indices[p0:p1])
+            d = np.repeat(np.arange(r0, r1, dtype=np.int64), np.diff(indptr[r0:r1 + 1]))
+            order = np.argsort(s, kind="stable")
+            ss = s[order]
+            ranks, run_keys, run_lengths = _group_ranks(ss)
+            pos = cursor[ss] + ranks
+            rev_indices[pos] = d[order]
+            rev_perm[pos] = p0 + order
+            cursor[run_keys] += run_lengths
+            bar.update(p1 - p0)
+    rev_indices.flush()
+    rev_perm.flush()

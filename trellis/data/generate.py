@@ -1,0 +1,304 @@
+"""Synthetic graphs with labels, features and splits: planted partitions (SBM) and R-MAT power laws.
+
+Both generators are vectorized (no per-edge Python loop; a 1M-node, 10M-edge graph takes seconds),
+deterministic from ``seed`` (independent random streams for labels, edges, features and splits, so
+changing the feature width does not change the graph), and write a store with
+:func:`trellis.data.store.store_writer`.
+
+Features are ``x = mu[y] + feature_noise * N(0, I)`` with class means ``mu ~ N(0, I / F)``: two class
+means are about ``sqrt(2)`` apart while the per-dimension noise is ``feature_noise``, so a feature-only
+model (MLP) is well above chance but far from perfect, while averaging over same-class neighbors (a GCN
+on a homophilous graph) removes most of the noise. On an SBM with 8 classes, degree 10, homophily 0.8
+and the default noise 1.5, a linear model on raw features reaches about 20% test accuracy and one on
+2-hop propagated features about 90%.
+
+``avg_degree`` is the number of directed edges per node after symmetrization (``E ≈ N * avg_degree``);
+self loops and duplicates are removed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from trellis.data.csr import EdgeCSR, edges_to_csr, reverse_csr
+from trellis.data.splits import random_split
+from trellis.data.store import check_output, store_writer
+from trellis.errors import TrellisUserError
+
+#: Edge pairs generated per vectorized step (fixed so results do not depend on memory settings).
+_EDGE_BLOCK = 4_000_000
+_FEATURE_BLOCK = 65_536
+DEFAULT_FEATURE_NOISE = 1.5
+GENERATORS = ("sbm", "rmat")
+
+
+def _check_common(nodes: int, avg_degree: float, features: int, classes: int, feature_noise: float) -> None:
+    if nodes < 1:
+        raise TrellisUserError(f"--nodes must be >= 1 (got {nodes})")
+    if avg_degree < 0:
+        raise TrellisUserError(f"--avg-degree must be >= 0 (got {avg_degree})")
+    if nodes > 1 and avg_degree > 0.5 * (nodes - 1):
+        raise TrellisUserError(f"--avg-degree {avg_degree} is too dense for {nodes} nodes; use at most "
+                               f"{0.5 * (nodes - 1):g} (half of N-1) so random edges stay distinct")
+    if features < 0:
+        raise TrellisUserError(f"--features must be >= 0 (got {features})")
+    if not 1 <= classes <= nodes:
+        raise TrellisUserError(f"--classes must be between 1 and the node count (got {classes})")
+    if feature_noise < 0:
+        raise TrellisUserError(f"--feature-noise must be >= 0 (got {feature_noise})")
+
+
+def _streams(seed: int) -> dict[str, np.random.Generator]:
+    names = ("labels", "edges", "features", "splits", "permute")
+    return {k: np.random.default_rng(s) for k, s in zip(names, np.random.SeedSequence(seed).spawn(len(names)))}
+
+
+def _bar(total: int, desc: str, progress: bool, unit: str = "edge") -> tqdm:
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=None if progress else True, leave=False)
+
+
+def _write(out: str | os.PathLike[str], csr: EdgeCSR, y: np.ndarray, num_classes: int, features: int,
+           feature_noise: float, rng: np.random.Generator, splits: dict[str, np.ndarray], name: str,
+           source: dict[str, Any], overwrite: bool, progress: bool) -> Path:
+    """Write the graph, generating features block by block straight into the store (bounded memory)."""
+    n = csr.num_nodes
+    with store_writer(out, overwrite=overwrite) as w:
+        w.add("indptr", csr.indptr)
+        w.add("indices", csr.indices)
+        for k, arr in zip(("rev_indptr", "rev_indices", "rev_perm"), reverse_csr(csr.indptr, csr.indices, n)):
+            w.add(k, arr)
+        if features > 0:
+            mu = (rng.standard_normal((num_classes, features)) / math.sqrt(features)).astype(np.float32)
+            x = w.create("x", (n, features), np.float32)
+            with _bar(n, "features", progress, unit="node") as bar:
+                for r0 in range(0, n, _FEATURE_BLOCK):
+                    r1 = min(n, r0 + _FEATURE_BLOCK)
+                    noise = rng.standard_normal((r1 - r0, features), dtype=np.float32)
+                    x[r0:r1] = mu[y[r0:r1]] + np.float32(feature_noise) * noise
+                    bar.update(r1 - r0)
+            x.flush()
+            del x
+        w.add("y", y.astype(np.int64))
+        for k, ids in splits.items():
+            w.add(f"{k}_idx", ids)
+        return w.commit(num_nodes=n, num_edges=csr.num_edges, name=name, task="multiclass",
+                        num_classes=num_classes, source=source)
+
+
+def sbm_edges(y: np.ndarray, num_pairs: int, homophily: float, rng: np.random.Generator,
+              progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Planted-partition edge pairs, vectorized in fixed-size blocks.
+
+    Each pair has a uniform source and a destination in the source's class with probability
+    ``homophily``, else uniform over the nodes of the other classes.
+
+    Args:
+        y: Class of each node.
+        num_pairs: Number of (undirected) pairs to draw.
+        homophily: Probability that a pair joins two nodes of the same class.
+        rng: Random generator.
+        progress: Show a progress bar.
+
+    Returns:
+        ``(src, dst)`` int64 arrays of length ``num_pairs`` (may hold self loops and repeats).
+    """
+    n = y.shape[0]
+    num_classes = int(y.max()) + 1
+    order = np.argsort(y, kind="stable").astype(np.int64)  # nodes grouped by class
+    sizes = np.bincount(y, minlength=num_classes).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    src_parts, dst_parts = [], []
+    with _bar(num_pairs, "sbm edges", progress) as bar:
+        for start in range(0, num_pairs, _EDGE_BLOCK):
+            m = min(_EDGE_BLOCK, num_pairs - start)
+            u = rng.integers(0, n, m, dtype=np.int64)
+            intra = rng.random(m) < homophily
+            r = rng.random(m)
+            cu = y[u]
+            size_u, off_u = sizes[cu], offsets[cu]
+            others = n - size_u
+            intra |= others == 0  # a single class has no "other" nodes
+            idx_in = off_u + np.minimum((r * size_u).astype(np.int64), size_u - 1)
+            k = np.minimum((r * others).astype(np.int64), np.maximum(others - 1, 0))
+            idx_out = k + (k >= off_u) * size_u  # skip over the source's own class block
+            v = order[np.where(intra, idx_in, idx_out)]
+            src_parts.append(u)
+            dst_parts.append(v)
+            bar.update(m)
+    if not src_parts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(src_parts), np.concatenate(dst_parts)
+
+
+def generate_sbm(
+    out: str | os.PathLike[str],
+    *,
+    nodes: int,
+    avg_degree: float = 10.0,
+    features: int = 32,
+    classes: int = 4,
+    seed: int = 0,
+    homophily: float = 0.8,
+    feature_noise: float = DEFAULT_FEATURE_NOISE,
+    train_frac: float = 0.1,
+    val_frac: float = 0.1,
+    name: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Generate a planted-partition (stochastic block model) graph and write it as a store.
+
+    Args:
+        out: Store directory to create.
+        nodes: Number of nodes.
+        avg_degree: Directed edges per node after symmetrization (default: 10).
+        features: Feature width; 0 writes no features (default: 32).
+        classes: Number of planted classes, assigned uniformly at random (default: 4).
+        seed: Random seed; the same seed gives the same store arrays (default: 0).
+        homophily: Fraction of edges inside a class (default: 0.8).
+        feature_noise: Per-dimension feature noise; class means are ~sqrt(2) apart (default: 1.5).
+        train_frac: Fraction of nodes in the training split (default: 0.1).
+        val_frac: Fraction of nodes in the validation split (default: 0.1; the rest is test).
+        name: Dataset name (default: ``sbm-<nodes>``).
+        overwrite: Replace an existing store (default: False).
+        progress: Show progress bars on a terminal (default: True).
+
+    Returns:
+        The store path.
+    """
+    _check_common(nodes, avg_degree, features, classes, feature_noise)
+    check_output(out, overwrite=overwrite)
+    if not 0 <= homophily <= 1:
+        raise TrellisUserError(f"--homophily must be in [0, 1] (got {homophily})")
+    rng = _streams(seed)
+    splits = random_split(nodes, train_frac, val_frac, seed=int(rng["splits"].integers(2**63 - 1)))
+    y = rng["labels"].integers(0, classes, nodes, dtype=np.int64)
+    pairs = int(round(nodes * avg_degree / 2))
+    src, dst = sbm_edges(y, pairs, homophily, rng["edges"], progress)
+    csr = edges_to_csr(src, dst, nodes, symmetrize=True, dedup=True, remove_self_loops=True, where="sbm")
+    del src, dst
+    source = {"generator": "sbm", "nodes": nodes, "avg_degree": avg_degree, "features": features,
+              "classes": classes, "seed": seed, "homophily": homophily, "feature_noise": feature_noise,
+              "train_frac": train_frac, "val_frac": val_frac}
+    return _write(out, csr, y, classes, features, feature_noise, rng["features"], splits,
+                  name or f"sbm-{nodes}", source, overwrite, progress)
+
+
+def rmat_pairs(scale: int, m: int, a: float, b: float, c: float, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """``m`` R-MAT edge pairs on ``2**scale`` ids: one quadrant choice per bit level, vectorized over edges."""
+    src = np.zeros(m, dtype=np.int64)
+    dst = np.zeros(m, dtype=np.int64)
+    ab, abc = a + b, a + b + c
+    for level in range(scale):
+        r = rng.random(m, dtype=np.float32)
+        bit = np.int64(1) << np.int64(scale - 1 - level)
+        src_bit = r >= ab  # quadrants c, d
+        dst_bit = ((r >= a) & (r < ab)) | (r >= abc)  # quadrants b, d
+        src |= src_bit * bit
+        dst |= dst_bit * bit
+    return src, dst
+
+
+def generate_rmat(
+    out: str | os.PathLike[str],
+    *,
+    nodes: int,
+    avg_degree: float = 10.0,
+    features: int = 32,
+    classes: int = 4,
+    seed: int = 0,
+    a: float = 0.57,
+    b: float = 0.19,
+    c: float = 0.19,
+    feature_noise: float = DEFAULT_FEATURE_NOISE,
+    train_frac: float = 0.1,
+    val_frac: float = 0.1,
+    name: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Generate an R-MAT (Chakrabarti et al. 2004) power-law graph and write it as a store.
+
+    Edges are drawn in rounds until ``nodes * avg_degree / 2`` distinct undirected pairs exist (R-MAT
+    repeats many pairs; the first occurrences in generation order are kept). Node ids are randomly
+    permuted so hubs are spread over the id range. Labels are planted communities of the recursive
+    structure: class = position of the node's pre-permutation id in ``classes`` equal id ranges (pairs
+    inside a top-level quadrant are more likely, so labels are mildly homophilous). Features as in
+    :func:`generate_sbm`.
+
+    Args:
+        out: Store directory to create.
+        nodes: Number of nodes.
+        avg_degree: Directed edges per node after symmetrization (default: 10).
+        features: Feature width; 0 writes no features (default: 32).
+        classes: Number of classes (default: 4).
+        seed: Random seed (default: 0).
+        a: Probability of the top-left quadrant (default: 0.57).
+        b: Top-right (default: 0.19).
+        c: Bottom-left (default: 0.19); ``d = 1 - a - b - c``.
+        feature_noise: Per-dimension feature noise (default: 1.5).
+        train_frac: Fraction of nodes for training (default: 0.1).
+        val_frac: Fraction of nodes for validation (default: 0.1).
+        name: Dataset name (default: ``rmat-<nodes>``).
+        overwrite: Replace an existing store (default: False).
+        progress: Show progress bars on a terminal (default: True).
+
+    Returns:
+        The store path.
+    """
+    _check_common(nodes, avg_degree, features, classes, feature_noise)
+    check_output(out, overwrite=overwrite)
+    d = 1.0 - a - b - c
+    if min(a, b, c, d) < 0:
+        raise TrellisUserError(f"R-MAT probabilities a={a} b={b} c={c} must be >= 0 and sum to at most 1")
+    rng = _streams(seed)
+    splits = random_split(nodes, train_frac, val_frac, seed=int(rng["splits"].integers(2**63 - 1)))
+    scale = max(1, math.ceil(math.log2(max(nodes, 2))))
+    target = int(round(nodes * avg_degree / 2))
+    keys = np.zeros(0, dtype=np.int64)  # canonical lo * N + hi of distinct pairs, in generation order
+    inflation = 1.2
+    with _bar(target, "rmat edges", progress) as bar:
+        for _ in range(64):
+            missing = target - keys.size
+            if missing <= 0:
+                break
+            m = min(int(missing * inflation) + 1024, 4 * _EDGE_BLOCK)
+            s, t = rmat_pairs(scale, m, a, b, c, rng["edges"])
+            ok = (s < nodes) & (t < nodes) & (s != t)
+            s, t = s[ok], t[ok]
+            new = np.minimum(s, t) * np.int64(nodes) + np.maximum(s, t)
+            merged = np.concatenate([keys, new])
+            _, first = np.unique(merged, return_index=True)
+            first.sort()
+            gained = first.size - keys.size
+            keys = merged[first[:target]]
+            bar.update(keys.size - bar.n)
+            inflation = min(64.0, max(1.2, m / max(gained, 1)))
+    lo, hi = keys // nodes, keys % nodes
+    del keys
+    y_raw = (np.arange(nodes, dtype=np.int64) * classes) // nodes  # community = id range before permuting
+    perm = rng["permute"].permutation(nodes).astype(np.int64)  # old id -> new id
+    y = np.empty(nodes, dtype=np.int64)
+    y[perm] = y_raw
+    csr = edges_to_csr(perm[lo], perm[hi], nodes, symmetrize=True, dedup=True, remove_self_loops=True, where="rmat")
+    del lo, hi
+    source = {"generator": "rmat", "nodes": nodes, "avg_degree": avg_degree, "features": features,
+              "classes": classes, "seed": seed, "a": a, "b": b, "c": c, "feature_noise": feature_noise,
+              "train_frac": train_frac, "val_frac": val_frac}
+    return _write(out, csr, y, classes, features, feature_noise, rng["features"], splits,
+                  name or f"rmat-{nodes}", source, overwrite, progress)
+
+
+def generate(kind: str, out: str | os.PathLike[str], **options: Any) -> Path:
+    """Dispatch to :func:`generate_sbm` (``"sbm"``) or :func:`generate_rmat` (``"rmat"``)."""
+    if kind == "sbm":
+        return generate_sbm(out, **options)
+    if kind == "rmat":
+        return generate_rmat(out, **options)
+    raise TrellisUserError(f"unknown generator {kind!r}; use one of {', '.join(GENERATORS)}")

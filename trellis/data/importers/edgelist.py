@@ -1,0 +1,139 @@
+"""Edge-list importer: a folder of plain files, the simplest way to bring your own graph.
+
+Files (only the edges are required)::
+
+    edges.npy                int [E, 2] (src, dst), or
+    edges.txt|.csv|.tsv      "src dst" per line (comma, tab or space; # comments; .gz allowed)
+    features.npy             float [N, F], row i = node i
+    labels.npy               int [N] (-1 = unlabelled) or 0/1 [N, C] (multilabel)
+    train.npy / val.npy / test.npy   node ids, or boolean masks of length N
+    edge_weights.npy         float [E], row i = edge row i
+    edge_features.npy        float [E, D], row i = edge row i
+
+The node count is ``--num-nodes``, else the rows of ``features.npy``/``labels.npy``, else the largest id
++ 1. ``.npy`` files are memory-mapped and edge files larger than 512 MiB are streamed in chunks, so the
+import runs in O(N + chunk) memory for graphs larger than RAM.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from trellis.data.csr import DEFAULT_CHUNK_EDGES, EdgeSource
+from trellis.data.importers.common import GraphInput, check_features, check_labels, write_graph
+from trellis.data.store import check_output
+from trellis.data.textio import NpyEdgeSource, TextEdgeSource, load_npy
+from trellis.errors import TrellisUserError
+
+EDGE_FILES = ("edges.npy", "edges.txt", "edges.csv", "edges.tsv", "edges.txt.gz", "edges.csv.gz", "edges.tsv.gz")
+
+
+def find_edge_file(folder: Path) -> Path:
+    """The edge file in ``folder`` (exactly one of :data:`EDGE_FILES`)."""
+    found = [folder / f for f in EDGE_FILES if (folder / f).is_file()]
+    if not found:
+        raise TrellisUserError(f"{folder}: no edge file; add one of {', '.join(EDGE_FILES[:4])}")
+    if len(found) > 1:
+        raise TrellisUserError(f"{folder}: several edge files ({', '.join(p.name for p in found)}); keep one")
+    return found[0]
+
+
+def edge_source(path: Path, chunk_edges: int = DEFAULT_CHUNK_EDGES) -> EdgeSource:
+    """A chunked edge source for an ``.npy`` or text edge file."""
+    if path.suffix == ".npy":
+        return NpyEdgeSource(path, chunk_edges=chunk_edges)
+    return TextEdgeSource(path, chunk_edges=chunk_edges)
+
+
+def import_edgelist(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    num_nodes: int | None = None,
+    symmetrize: bool = True,
+    dedup: bool = True,
+    remove_self_loops: bool = True,
+    lcc: bool = False,
+    overwrite: bool = False,
+    streaming: bool | None = None,
+    chunk_edges: int = DEFAULT_CHUNK_EDGES,
+    progress: bool = True,
+) -> Path:
+    """Import a folder of edge-list files (or a single edge file).
+
+    Args:
+        src: The folder (or an edges file).
+        out: Store directory to create.
+        name: Dataset name (default: the folder name).
+        num_nodes: Node count (default: feature/label rows, else largest id + 1).
+        symmetrize: Make the graph undirected (default: True).
+        dedup: Drop repeated edges, keeping the first (default: True).
+        remove_self_loops: Drop ``u -> u`` (default: True).
+        lcc: Keep only the largest connected component (default: False).
+        overwrite: Replace an existing store (default: False).
+        streaming: Bounded-memory import (default: when the edge file exceeds 512 MiB).
+        chunk_edges: Edges per chunk in streaming mode.
+        progress: Show progress bars (default: True).
+
+    Returns:
+        The store path.
+    """
+    check_output(out, overwrite=overwrite)
+    src = Path(src)
+    if src.is_file():
+        folder, edge_path = src.parent, src
+    elif src.is_dir():
+        folder, edge_path = src, find_edge_file(src)
+    else:
+        raise TrellisUserError(f"{src}: not found; give a folder with edges.npy/edges.txt or an edge file")
+    edges = edge_source(edge_path, chunk_edges)
+
+    def optional(fname: str) -> Path | None:
+        p = folder / fname
+        return p if src.is_dir() and p.is_file() else None
+
+    feat_path, label_path = optional("features.npy"), optional("labels.npy")
+    ew_path, ef_path = optional("edge_weights.npy"), optional("edge_features.npy")
+    n = num_nodes
+    x = None
+    if feat_path is not None:
+        x = load_npy(feat_path)
+        if label_path is not None and n is None:
+            rows = load_npy(label_path).shape[0]
+            if rows != x.shape[0]:
+                raise TrellisUserError(f"{feat_path} has {x.shape[0]} rows but {label_path} has {rows}; give one "
+                                       "feature row and one label per node (or pass --num-nodes)")
+        n = x.shape[0] if n is None else n
+        check_features(x, n, str(feat_path))
+    y = None
+    if label_path is not None:
+        y_raw = load_npy(label_path, mmap=False)
+        n = y_raw.shape[0] if n is None else n
+        y = check_labels(y_raw, n, str(label_path))
+    splits: dict[str, np.ndarray] = {}
+    where: dict[str, str] = {}
+    for key in ("train", "val", "test"):
+        p = optional(f"{key}.npy")
+        if p is not None:
+            splits[key] = load_npy(p, mmap=False)
+            where[key] = str(p)
+    ew = None if ew_path is None else load_npy(ew_path)
+    ef = None if ef_path is None else load_npy(ef_path)
+    if ef is not None and ef.ndim == 1:
+        ef = ef.reshape(-1, 1)
+    if ew_path is not None:
+        where["edge_weight"] = str(ew_path)
+    if ef_path is not None:
+        where["edge_feat"] = str(ef_path)
+    if ew is not None and ew.ndim != 1:
+        raise TrellisUserError(f"{ew_path}: edge weights must be a 1-D array [E] but have shape {ew.shape}")
+
+    inp = GraphInput(edges=edges, num_nodes=n, x=x, y=y, splits=splits or None, edge_weight=ew, edge_feat=ef,
+                     name=name or (folder.resolve().name if src.is_dir() else edge_path.name.split(".")[0]),
+                     where=where, source={"importer": "edgelist", "path": str(src.resolve())})
+    return write_graph(inp, out, symmetrize=symmetrize, dedup=dedup, remove_self_loops=remove_self_loops, lcc=lcc,
+                       overwrite=overwrite, streaming=streaming, chunk_edges=chunk_edges, progress=progress)
