@@ -66,7 +66,12 @@ class CSRGraph:
     ) -> CSRGraph:
         """Wrap numpy arrays (memory maps are copied into RAM once); ``rev`` reuses a cached reverse CSR."""
         def t(a: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
-            return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+            if a is None:
+                return None
+            arr = np.ascontiguousarray(a)
+            if not arr.flags.writeable:  # a read-only memory map: copy into RAM (torch needs writable memory)
+                arr = np.array(arr)
+            return torch.from_numpy(arr).to(dtype)
 
         g = cls(t(indptr, torch.int64), t(indices, torch.int64),
                 int(num_src if num_src is not None else len(indptr) - 1),

@@ -1,0 +1,163 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.train.stubmodel import make_sbm_store, stub_build
+from trellis.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def stub_model(monkeypatch):
+    """The stub model (tests/train/stubmodel.py) on one thread; tests that need trellis.nn patch it back."""
+    import torch
+
+    import trellis.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "build_model_fn", stub_build)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return str(make_sbm_store(tmp_path_factory.mktemp("cli") / "sbm"))
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["train"], "STORE is required"),
+    (["train", "{store}", "--hidden", "abc"], "--hidden must be an integer"),
+    (["train", "{store}", "--hidden", "0"], "--hidden must be an integer >= 1"),
+    (["train", "{store}", "--lr", "-1"], "--lr must be a positive"),
+    (["train", "{store}", "--model", "gcnn"], "did you mean 'gcn'"),
+    (["train", "{store}", "--optimizer", "rmsprop"], "--optimizer 'rmsprop' is not one of"),
+    (["train", "{store}", "--device", "tpu"], "--device must be"),
+    (["train", "{store}", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "{store}", "--set", "lr"], "expected KEY=VALUE"),
+    (["train", "{store}", "--set", "lrr=0.1"], "did you mean 'lr'"),
+    (["train", "{store}", "--config", "/nonexistent.json"], "no such file"),
+    (["train", "/nonexistent/store", "--out", "{tmp}/r"], "not a Trellis store"),
+    (["train", "{store}", "--model-args", "{{bad"], "--model-args must be a JSON object"),
+    (["predict", "{tmp}", "{store}", "--out", "{tmp}/p.npy"], "not a run directory"),
+    (["predict", "{tmp}", "{store}", "--out", "{tmp}/p.npy", "--run", "-1"], "run number >= 0"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, tmp_path, store, argv, needle):
+    argv = [a.format(store=store, tmp=tmp_path) for a in argv]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle in lines[0]
+    assert "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_json_last_line_and_run_dir(capsys, tmp_path, store):
+    rc, out, err = run(capsys, "train", store, "--out", str(tmp_path / "run"), "--epochs", "5", "--runs", "2",
+                       "--json", "--no-progress", "--set", "lr=0.02", "hidden=8")
+    assert rc == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    for key in ("test_acc", "test_acc_mean", "test_acc_std", "val_acc_mean", "epoch_time_s_median", "peak_rss_mb",
+                "peak_rss_anon_mb"):
+        assert key in summary
+    assert len(summary["test_acc"]) == 2
+    assert summary["config"]["lr"] == 0.02 and summary["config"]["hidden"] == 8
+    assert "test acc" in err  # the human summary goes to stderr with --json
+
+
+def test_human_output_without_json(capsys, tmp_path, store):
+    rc, out, err = run(capsys, "train", store, "--out", str(tmp_path / "run"), "--epochs", "3", "--no-progress")
+    assert rc == 0
+    assert out.startswith("test acc") and "run directory" in out
+
+
+def test_precedence_config_then_flags_then_set(capsys, tmp_path, store):
+    (tmp_path / "c.json").write_text(json.dumps({"store": store, "epochs": 4, "lr": 0.5, "hidden": 4}))
+    rc, out, err = run(capsys, "train", "--config", str(tmp_path / "c.json"), "--lr", "0.02", "--hidden", "6",
+                       "--set", "hidden=7", "--out", str(tmp_path / "run"), "--json", "--no-progress")
+    assert rc == 0, err
+    cfg = json.loads(out.strip().splitlines()[-1])["config"]
+    assert (cfg["epochs"], cfg["lr"], cfg["hidden"]) == (4, 0.02, 7)
+    # A run's config.json repeats the run.
+    rc, out2, err = run(capsys, "train", "--config", str(tmp_path / "run" / "config.json"), "--out",
+                        str(tmp_path / "again"), "--json", "--no-progress")
+    assert rc == 0, err
+    a, b = json.loads(out.strip().splitlines()[-1]), json.loads(out2.strip().splitlines()[-1])
+    assert a["test_acc"] == b["test_acc"]
+
+
+def test_resume_refuses_changed_options(capsys, tmp_path, store):
+    assert run(capsys, "train", store, "--out", str(tmp_path / "run"), "--epochs", "2", "--no-progress")[0] == 0
+    rc, out, err = run(capsys, "train", "--resume", str(tmp_path / "run"), "--lr", "0.1")
+    assert rc == 2 and "--lr cannot change when resuming" in err
+    rc, out, err = run(capsys, "train", "--resume", str(tmp_path / "run"), "--json")
+    assert rc == 0 and "already complete" in err
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "complete"
+
+
+def test_explain(capsys, store):
+    rc, out, err = run(capsys, "train", store, "--explain")
+    assert rc == 0 and out.startswith("stub plan")
+
+
+def test_predict(capsys, tmp_path, store):
+    assert run(capsys, "train", store, "--out", str(tmp_path / "run"), "--epochs", "5", "--runs", "2",
+               "--no-progress")[0] == 0
+    rc, out, err = run(capsys, "predict", str(tmp_path / "run"), store, "--out", str(tmp_path / "pred.npy"),
+                       "--json")
+    assert rc == 0, err
+    info = json.loads(out.strip().splitlines()[-1])
+    pred = np.load(tmp_path / "pred.npy")
+    emb = np.load(tmp_path / "pred_emb.npy")
+    assert pred.shape == (300,) and pred.dtype == np.int64 and emb.shape == (300, 16)
+    assert info["embedding_source"] == "penultimate"
+    rc, out, err = run(capsys, "predict", str(tmp_path / "run"), store, "--out", str(tmp_path / "p.npy"), "--proba",
+                       "--run", "1")
+    assert rc == 0
+    prob = np.load(tmp_path / "p.npy")
+    assert prob.shape == (300, 3) and np.allclose(prob.sum(1), 1, atol=1e-5)
+    rc, out, err = run(capsys, "predict", str(tmp_path / "run"), store, "--out", str(tmp_path / "p.txt"))
+    assert rc == 2 and "must end in .npy" in err
+    rc, out, err = run(capsys, "predict", str(tmp_path / "run"), store, "--out", str(tmp_path / "p.npy"),
+                       "--run", "5")
+    assert rc == 2 and "does not exist" in err
+
+
+def test_help_lists_generated_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--weight-decay", "--feature-norm", "--json, --no-json", "--config", "--set", "--resume"):
+        assert flag in out
+
+
+def test_demo_small_with_real_models(capsys, tmp_path, monkeypatch):
+    import trellis.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
+    rc, out, err = run(capsys, "demo", "--nodes", "3000", "--epochs", "30", "--keep", str(tmp_path / "d"), "--json")
+    assert rc == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["nodes"] == 3000 and res["test_acc"] > 0.5  # 8 classes: chance is 0.125
+    assert (tmp_path / "d" / "run" / "summary.json").is_file()
+    rc, out, err = run(capsys, "demo", "--keep", str(tmp_path / "d"))
+    assert rc == 2 and "not empty" in err
+
+
+def test_explain_with_real_gcn(capsys, store, monkeypatch):
+    import trellis.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
+    rc, out, err = run(capsys, "train", store, "--model", "gcn", "--explain")
+    assert rc == 0 and "spmm" in out

@@ -1,0 +1,176 @@
+"""``trellis train`` and ``trellis predict``.
+
+The flags of ``trellis train`` are generated from :class:`trellis.train.config.TrainConfig`: one flag per
+field (``weight_decay`` -> ``--weight-decay``, booleans as ``--json/--no-json``), with the field's help.
+Values are layered, later wins: field defaults (per-model where marked), ``--config FILE`` (JSON or TOML;
+a run's ``config.json`` works), explicit flags, then ``--set KEY=VALUE ...``. Every value is parsed and
+validated by the config class itself, so a bad one is one line naming the flag and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from typing import Any
+
+from trellis.errors import TrellisUserError
+from trellis.train.config import SESSION_FIELDS, TrainConfig, base_type, check_keys, flag, load_config_file
+
+#: Fields that may be given again with ``--resume``: per-invocation ones, the store path (its content is
+#: checked against the run's) and the device.
+RESUME_ALLOWED = SESSION_FIELDS | {"store", "device"}
+
+_EPILOG = """\
+examples:
+  trellis train STORE                              GCN with the GCN paper's hyperparameters
+  trellis train STORE --model gat --runs 10        GAT paper setup, 10 seeds, mean and std
+  trellis train STORE --set lr=0.005 hidden=64     overrides as KEY=VALUE
+  trellis train --config RUN_DIR/config.json --out NEW_DIR   repeat a run
+  trellis train --resume RUN_DIR                   continue a killed run exactly
+"""
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one argument per :class:`TrainConfig` field; unset flags stay absent from the namespace."""
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        help_text = meta.get("help", "")
+        if f.name == "store":
+            parser.add_argument("store", nargs="?", default=argparse.SUPPRESS, metavar="STORE", help=help_text)
+            continue
+        typ, _ = base_type(f.name)
+        if typ is bool:
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+            continue
+        choices = meta.get("choices")
+        metavar = meta.get("metavar") or ("{" + ",".join(choices) + "}" if choices else
+                                          {int: "N", float: "X", dict: "JSON"}.get(typ, "VALUE"))
+        # Values stay strings here: TrainConfig parses them, so the error names the flag the same way for
+        # flags, --set and config files.
+        parser.add_argument(flag(f.name), default=argparse.SUPPRESS, metavar=metavar, help=help_text)
+    parser.add_argument("--config", dest="_config_file", metavar="FILE", default=None,
+                        help="read options from a JSON or TOML file (e.g. a run's config.json); flags override it")
+    parser.add_argument("--set", dest="_overrides", action="extend", nargs="+", metavar="KEY=VALUE", default=[],
+                        help="override options as KEY=VALUE (field names as in config.json), applied last")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Layer defaults, ``--config``, flags and ``--set`` into a validated :class:`TrainConfig`."""
+    flags = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    sets: dict[str, Any] = {}
+    for item in args._overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise TrellisUserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set lr=0.005")
+        sets[key.strip()] = value
+    check_keys(sets, "--set")
+    sets = {k.replace("-", "_"): v for k, v in sets.items()}
+    given = {**flags, **sets}
+    resume = given.get("resume")
+    if resume:
+        from trellis.train.runs import open_run_dir, read_json
+
+        if args._config_file:
+            raise TrellisUserError("--config cannot be combined with --resume: a resumed run keeps its saved config")
+        changed = sorted(k for k in given if k not in RESUME_ALLOWED)
+        if changed:
+            raise TrellisUserError(
+                f"{flag(changed[0])} cannot change when resuming: --resume continues the run with the config "
+                f"saved in {resume}/config.json (start a new run with --config {resume}/config.json instead)")
+        saved = read_json(open_run_dir(resume).config)
+        return TrainConfig.from_dict({**saved, **given}, source=f"{resume}/config.json")
+    values: dict[str, Any] = {}
+    if args._config_file:
+        values = load_config_file(args._config_file)
+        check_keys(values, f"--config {args._config_file}")
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+    return TrainConfig.from_dict({**values, **given}, source="trellis train")
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """Human-readable lines for a summary."""
+    m = s["metric"]
+    lines = [
+        f"test {m} {s[f'test_{m}_mean']:.4f} ± {s[f'test_{m}_std']:.4f} over {s['runs']} run(s) "
+        f"(seeds {s['seeds'][0]}..{s['seeds'][-1]}); val {m} {s[f'val_{m}_mean']:.4f}",
+        f"training step {s['epoch_time_s_median'] * 1000:.1f} ms (median of {s['steps_timed']}); "
+        f"peak RSS {s['peak_rss_mb']:.0f} MiB, anonymous {s['peak_rss_anon_mb']:.0f} MiB"
+        + (f", CUDA {s['peak_cuda_mb']:.0f} MiB" if "peak_cuda_mb" in s else "") + f" on {s['device']}",
+        f"run directory: {s['run_dir']}",
+    ]
+    return "\n".join(lines)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from trellis.train.trainer import Trainer, TrainingInterrupted
+
+    cfg = config_from_args(args)
+    trainer = Trainer(cfg)
+    if cfg.explain:
+        text = trainer.explain()
+        print(text)
+        if cfg.json:
+            print(json.dumps({"explain": text}))
+        return 0
+    try:
+        summary = trainer.fit()
+    except TrainingInterrupted as exc:
+        print(f"stopped at run {exc.run}, epoch {exc.epoch}; checkpoint written. Continue with:\n"
+              f"  trellis train --resume {exc.run_dir}", file=sys.stderr)
+        return 128 + int(exc.signum)
+    print(format_summary(summary), file=sys.stderr if cfg.json else sys.stdout)
+    if cfg.json:
+        sys.stdout.flush()
+        print(json.dumps(summary))
+    return 0
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    from trellis.train.predict import predict
+
+    info = predict(args.run_dir, args.store, args.out, run=args.run, proba=args.proba, device=args.device)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(f"wrote {info['kind'].replace('_', ' ')} of {info['num_nodes']} nodes to {info['predictions']} and "
+              f"{info['embedding_source']} embeddings ({info['embedding_dim']} wide) to {info['embeddings']} "
+              f"(run {info['run']})")
+    return 0
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a run number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a run number >= 0, got {value}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    """Add ``train`` and ``predict`` to the ``trellis`` command."""
+    p = subparsers.add_parser(
+        "train", help="train a GNN on a graph store and write a run directory",
+        description="Train a GNN on a graph store. Writes RUN_DIR/{config.json, metrics.jsonl, summary.json, "
+                    "checkpoints/, models/, curves.png}. SIGINT/SIGTERM write a checkpoint; --resume continues.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(p)
+    p.set_defaults(func=run_train)
+
+    q = subparsers.add_parser(
+        "predict", help="write predictions and embeddings of a trained run for every node of a store",
+        description="Rebuild the model of RUN_DIR (its best-validation run unless --run) and write class ids "
+                    "(or --proba probabilities) to FILE and node embeddings to FILE_emb.npy.")
+    q.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `trellis train`")
+    q.add_argument("store", metavar="STORE", help="graph store to predict on (same feature width)")
+    q.add_argument("--out", required=True, metavar="FILE.npy", help="predictions file; must end in .npy")
+    q.add_argument("--run", type=_nonneg_int, default=None, metavar="R",
+                   help="use run R's weights (default: the best validation run)")
+    q.add_argument("--proba", action="store_true", help="write probabilities [N, C] instead of class ids [N]")
+    q.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}", help="(default: auto)")
+    q.add_argument("--json", action="store_true", help="print what was written as one JSON line")
+    q.set_defaults(func=run_predict)

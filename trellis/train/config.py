@@ -1,0 +1,363 @@
+"""The training configuration: one validated dataclass that the CLI, config files and run dirs share.
+
+Why one schema: every way of configuring a run (``trellis train`` flags, ``--config FILE``,
+``--set key=value``, the ``config.json`` of a run directory that ``--resume`` reads back) goes through
+:class:`TrainConfig`, so a value is parsed, defaulted and validated in exactly one place and the error a
+user sees always names the flag. The CLI is generated from the fields' metadata (help, choices), so a
+new option is one field here.
+
+Defaults come from the papers: GCN (Kipf & Welling 2017: hidden 16, lr 0.01, weight decay 5e-4, dropout
+0.5, 200 epochs) and GAT (Veličković et al. 2018: 8 heads x 8 hidden, lr 0.005, weight decay 5e-4,
+dropout 0.6, patience 100). Fields that depend on the model default to ``None`` and are filled from
+:data:`MODEL_DEFAULTS` when the config is built, so ``--model gat`` alone gives the GAT paper's setup
+while an explicit ``--lr`` still wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from trellis.errors import TrellisUserError
+from trellis.train.optim import OPTIMIZERS
+from trellis.train.tasks import TASKS
+
+#: Model names known even before ``trellis.nn`` imports (used only if it cannot be imported).
+_FALLBACK_MODELS = ("gcn", "sage", "gin", "gat", "gate", "mlp")
+
+#: Training strategies; full-batch, mini-batch (neighbour sampling) and cluster-batch (trellis.train.minibatch).
+STRATEGIES = ("full", "mini", "cluster")
+
+#: Models the mini- and cluster-batch strategies train (message-passing stacks and the graph-free MLP).
+BATCH_MODELS = ("gcn", "sage", "gin", "gat", "gate", "mlp")
+
+#: ``--cluster-method`` choices (partitioners of trellis.partition, and ``hash`` = balanced random).
+CLUSTER_METHODS = ("metis", "grem", "hash")
+
+#: Per-layer fanouts when ``--fanouts`` is not given, target layer first (truncated to ``--layers``).
+DEFAULT_FANOUTS = (15, 10, 5)
+
+FEATURE_NORMS = ("auto", "none", "row")
+
+#: Hyperparameters every model starts from (the GCN paper's), overridden per model below.
+BASE_DEFAULTS: dict[str, Any] = {
+    "hidden": 16, "heads": 1, "dropout": 0.5, "lr": 0.01, "weight_decay": 5e-4, "epochs": 200, "patience": 100,
+}
+
+#: Per-model defaults (only the keys that differ from :data:`BASE_DEFAULTS`).
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gcn": {},
+    # GAT paper (transductive): 8 heads x 8 features, dropout 0.6 on inputs and attention, lr 0.005,
+    # patience 100 (its epoch budget was unbounded; 1000 covers every Planetoid run we measured).
+    "gat": {"hidden": 8, "heads": 8, "dropout": 0.6, "lr": 0.005, "epochs": 1000, "patience": 100},
+    "gate": {"hidden": 8, "heads": 8, "dropout": 0.6, "lr": 0.005, "epochs": 1000, "patience": 100},
+    # GraphSAGE/GIN papers are inductive/graph-level; a wider hidden layer is the common transductive setup.
+    "sage": {"hidden": 64},
+    "gin": {"hidden": 64},
+    "mlp": {"hidden": 64},
+}
+
+#: Fields that describe one invocation rather than the experiment: not written to ``config.json`` and
+#: allowed to differ when a run is resumed.
+SESSION_FIELDS = frozenset({"json", "explain", "resume", "progress", "overwrite"})
+
+
+def known_models() -> tuple[str, ...]:
+    """Model names from the ``trellis.nn`` registry (a fixed list if it cannot be imported)."""
+    try:
+        from trellis.nn import MODELS
+    except ImportError:
+        return _FALLBACK_MODELS
+    return tuple(MODELS)
+
+
+def _f(default: Any = None, help: str = "", *, choices: tuple[str, ...] | None = None, metavar: str | None = None,
+       factory: Any = None) -> Any:
+    meta = {"help": help, "choices": choices, "metavar": metavar}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; the CLI's flags are these fields (``_`` spelled ``-``).
+
+    Per-model fields (``None`` = the model's default from :data:`MODEL_DEFAULTS`) are resolved in
+    ``__post_init__``, so an instance always holds concrete values.
+    """
+
+    store: str | None = _f(None, "graph store directory (from `trellis data import|generate`)", metavar="STORE")
+    model: str = _f("gcn", "model: gcn, sage, gin, gat, gate (GAT with edge features) or mlp (default: gcn)",
+                    metavar="NAME")
+    hidden: int | None = _f(None, "hidden width, per attention head for gat/gate (default: 16; gat 8; "
+                                  "sage/gin/mlp 64)")
+    layers: int = _f(2, "number of layers (default: 2)")
+    heads: int | None = _f(None, "attention heads of hidden layers (default: 8 for gat/gate, else 1)")
+    dropout: float | None = _f(None, "dropout before every layer (default: 0.5; gat 0.6)")
+    lr: float | None = _f(None, "learning rate (default: 0.01; gat 0.005)")
+    weight_decay: float | None = _f(None, "L2 penalty (default: 5e-4)")
+    epochs: int | None = _f(None, "maximum epochs per run (default: 200; gat 1000)")
+    patience: int | None = _f(None, "stop a run after this many epochs without a better validation metric "
+                                    "(default: 100)")
+    runs: int = _f(1, "repeat with seeds seed..seed+runs-1 and report mean and std (default: 1)")
+    seed: int = _f(0, "seed of the first run (default: 0)")
+    device: str = _f("auto", "auto (cuda when available), cpu, cuda or cuda:N (default: auto)",
+                     metavar="{auto,cpu,cuda,cuda:N}")
+    out: str | None = _f(None, "run directory (default: runs/<store>-<model>-<time>)", metavar="RUN_DIR")
+    checkpoint_every: int = _f(50, "write a checkpoint every N epochs, 0 = only on SIGINT/SIGTERM and between "
+                                   "runs (default: 50)")
+    optimizer: str = _f("adam", "optimizer by name (default: adam)", choices=tuple(OPTIMIZERS))
+    optimizer_args: dict[str, Any] = _f(help="extra optimizer options as JSON, e.g. '{\"momentum\": 0.8}' "
+                                             "(default: {})", factory=dict, metavar="JSON")
+    model_args: dict[str, Any] = _f(help="extra model options as JSON, e.g. '{\"out_heads\": 8}' (default: {})",
+                                    factory=dict, metavar="JSON")
+    task: str = _f("auto", "prediction task; auto = the store's (default: auto)", choices=("auto", *TASKS))
+    metric: str | None = _f(None, "metric for early stopping and the summary (default: the task's, acc for "
+                                  "multiclass)", metavar="NAME")
+    feature_norm: str = _f("auto", "feature normalization: row = divide each row by its L1 norm (the GCN "
+                                   "paper's preprocessing), none, or auto = row when every feature is "
+                                   "non-negative (bag-of-words-like) (default: auto)", choices=FEATURE_NORMS)
+    strategy: str = _f("full", "training strategy: full = full-batch, mini = neighbour-sampled mini-batches, "
+                               "cluster = cluster-batches (default: full)", choices=STRATEGIES)
+    fanouts: str | None = _f(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "
+                                   "(default: 15,10 for 2 layers; 15,10,5,5,... for more)", metavar="F1,F2,...")
+    batch_size: int = _f(1024, "mini: target nodes per batch (default: 1024)")
+    labor: bool = _f(False, "mini: LABOR (layer-neighbour) sampling instead of uniform (default: off)")
+    clusters: int = _f(32, "cluster: number of clusters the graph is split into (default: 32)")
+    clusters_per_batch: int = _f(4, "cluster: clusters merged into one batch (default: 4)")
+    boundary_hops: int = _f(0, "cluster: hops of boundary neighbours added as extra sources, 0-2 (default: 0)")
+    cluster_method: str = _f("metis", "cluster: partitioner making the clusters (default: metis)",
+                             choices=CLUSTER_METHODS)
+    prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
+    deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
+                                    "(default: off)")
+    json: bool = _f(False, "print the summary as one JSON line at the end of stdout (default: off)")
+    explain: bool = _f(False, "print the model's operator plan (FLOPs, bytes per layer) and exit (default: off)")
+    progress: bool = _f(True, "show a progress bar per run on stderr when it is a terminal (default: on)")
+    overwrite: bool = _f(False, "replace an existing run directory (default: off)")
+    resume: str | None = _f(None, "continue the killed run in RUN_DIR with its saved config", metavar="RUN_DIR")
+
+    def __post_init__(self) -> None:
+        defaults = {**BASE_DEFAULTS, **MODEL_DEFAULTS.get(self.model, {})}
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.fanouts is None and isinstance(self.layers, int) and self.layers >= 1:
+            extra = max(0, self.layers - len(DEFAULT_FANOUTS))
+            fan = list(DEFAULT_FANOUTS[: self.layers]) + [DEFAULT_FANOUTS[-1]] * extra
+            self.fanouts = ",".join(map(str, fan))
+        self.validate()
+
+    # ---- validation ----------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every field; raise :class:`TrellisUserError` naming the flag and the fix."""
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name))
+        models = known_models()
+        if self.model not in models:
+            raise TrellisUserError(_choice_msg("model", self.model, models))
+        _check_range("hidden", self.hidden, 1)
+        _check_range("layers", self.layers, 1)
+        _check_range("heads", self.heads, 1)
+        _check_range("epochs", self.epochs, 1)
+        _check_range("patience", self.patience, 1)
+        _check_range("runs", self.runs, 1)
+        _check_range("seed", self.seed, 0)
+        _check_range("checkpoint_every", self.checkpoint_every, 0)
+        if not 0.0 <= self.dropout < 1.0:
+            raise TrellisUserError(f"--dropout must be in [0, 1) (got {self.dropout})")
+        if not self.lr > 0.0 or self.lr != self.lr or self.lr == float("inf"):
+            raise TrellisUserError(f"--lr must be a positive finite number (got {self.lr})")
+        if not 0.0 <= self.weight_decay < float("inf"):
+            raise TrellisUserError(f"--weight-decay must be a finite number >= 0 (got {self.weight_decay})")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise TrellisUserError(f"--device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
+        _check_range("batch_size", self.batch_size, 1)
+        _check_range("clusters", self.clusters, 1)
+        _check_range("clusters_per_batch", self.clusters_per_batch, 1)
+        _check_range("prefetch", self.prefetch, 0)
+        if self.boundary_hops not in (0, 1, 2):
+            raise TrellisUserError(f"--boundary-hops must be 0, 1 or 2 (got {self.boundary_hops})")
+        if self.clusters_per_batch > self.clusters:
+            raise TrellisUserError(f"--clusters-per-batch {self.clusters_per_batch} exceeds --clusters "
+                                   f"{self.clusters}; a batch cannot hold more clusters than there are")
+        if self.strategy in ("mini", "cluster") and self.model not in BATCH_MODELS:
+            raise TrellisUserError(f"--strategy {self.strategy} does not apply to --model {self.model}: it trains "
+                                   f"message-passing models ({', '.join(BATCH_MODELS)})")
+        if self.strategy == "mini":
+            from trellis.loader.blocks import parse_fanouts
+
+            parse_fanouts(self.fanouts or "", self.layers)
+        for name in ("optimizer", "task", "feature_norm", "strategy", "cluster_method"):
+            choices = _field_meta(name)["choices"]
+            if getattr(self, name) not in choices:
+                raise TrellisUserError(_choice_msg(name, getattr(self, name), choices))
+        if self.metric is not None:
+            allowed = (TASKS[self.task].metric_names if self.task != "auto"
+                       else tuple(sorted({m for t in TASKS.values() for m in t.metric_names})))
+            if self.metric not in allowed:
+                raise TrellisUserError(_choice_msg("metric", self.metric, allowed))
+        if self.store is None and self.resume is None:
+            raise TrellisUserError("STORE is required (a graph store directory), or --resume RUN_DIR")
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "config") -> TrainConfig:
+        """Build from a mapping whose values may be strings (parsed per field type) or JSON values.
+
+        Args:
+            values: Field name -> value; unknown names are refused with a did-you-mean hint.
+            source: Where the values came from, for error messages (e.g. the config file's path).
+        """
+        check_keys(values, source)
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            kwargs[name] = parse_value(name, value) if isinstance(value, str) else _coerce(name, value)
+        return cls(**kwargs)
+
+    def to_dict(self, *, session: bool = False) -> dict[str, Any]:
+        """JSON-ready values; ``session=False`` leaves out per-invocation fields (:data:`SESSION_FIELDS`)."""
+        d = dataclasses.asdict(self)
+        if not session:
+            for name in SESSION_FIELDS:
+                d.pop(name, None)
+        return d
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``trellis.nn.build_model`` (besides name, in_dim, out_dim)."""
+        return {"hidden": self.hidden, "layers": self.layers, "heads": self.heads, "dropout": self.dropout,
+                **self.model_args}
+
+
+def check_keys(values: dict[str, Any], source: str) -> None:
+    """Refuse option names that are not fields (``-`` and ``_`` both accepted), with a did-you-mean hint."""
+    names = {f.name for f in fields(TrainConfig)}
+    for key in values:
+        name = key.replace("-", "_")
+        if name not in names:
+            hint = difflib.get_close_matches(name, sorted(names), n=1)
+            raise TrellisUserError(
+                f"{source}: unknown option {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                + " (see `trellis train --help`)")
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a ``--config`` file: JSON (``.json``, including a run's ``config.json``) or TOML (``.toml``)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TrellisUserError(f"--config {p}: no such file")
+    try:
+        data = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise TrellisUserError(f"--config {p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'} ({exc})") \
+            from exc
+    if not isinstance(data, dict):
+        raise TrellisUserError(f"--config {p}: must hold an object of option names to values")
+    return data
+
+
+# ---- per-field parsing ------------------------------------------------------------------------------
+@cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _field_meta(name: str) -> dict[str, Any]:
+    return dict(next(f for f in fields(TrainConfig) if f.name == name).metadata)
+
+
+def flag(name: str) -> str:
+    """The CLI flag of field ``name`` (``weight_decay`` -> ``--weight-decay``)."""
+    return "STORE" if name == "store" else "--" + name.replace("_", "-")
+
+
+def base_type(name: str) -> tuple[type, bool]:
+    """``(type, optional)`` of a field: ``int | None`` -> ``(int, True)``; ``dict[str, Any]`` -> ``(dict, False)``."""
+    hint = _hints()[name]
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint = args[0]
+    origin = typing.get_origin(hint)
+    return (origin or hint), optional
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_value(name: str, text: str) -> Any:
+    """Parse the string ``text`` for field ``name`` (from a flag, ``--set`` or a config file).
+
+    Raises:
+        TrellisUserError: The value does not parse; the message names the flag.
+    """
+    typ, optional = base_type(name)
+    s = text.strip()
+    if optional and s.lower() in ("none", "null", ""):
+        return None
+    try:
+        if typ is bool:
+            if s.lower() in _TRUE:
+                return True
+            if s.lower() in _FALSE:
+                return False
+            raise ValueError
+        if typ is int:
+            return int(s)
+        if typ is float:
+            return float(s)
+        if typ is dict:
+            value = json.loads(s)
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
+    except (ValueError, json.JSONDecodeError):
+        kind = {bool: "true or false", int: "an integer", float: "a number",
+                dict: "a JSON object like '{\"key\": 1}'"}[typ]
+        raise TrellisUserError(f"{flag(name)} must be {kind} (got {text!r})") from None
+    return s
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Accept JSON values of the right kind (an int where a float is expected)."""
+    typ, _ = base_type(name)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _check_type(name: str, value: Any) -> None:
+    typ, optional = base_type(name)
+    if value is None:
+        if optional:
+            return
+        raise TrellisUserError(f"{flag(name)} needs a value")
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise TrellisUserError(f"{flag(name)} must be of type {typ.__name__} (got {value!r})")
+
+
+def _check_range(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise TrellisUserError(f"{flag(name)} must be an integer >= {low} (got {value})")
+
+
+def _choice_msg(name: str, value: Any, choices: tuple[str, ...] | list[str]) -> str:
+    hint = difflib.get_close_matches(str(value), list(choices), n=1)
+    return (f"{flag(name)} {value!r} is not one of {', '.join(choices)}"
+            + (f"; did you mean {hint[0]!r}?" if hint else ""))

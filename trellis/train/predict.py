@@ -1,0 +1,117 @@
+"""Inference with a trained run: predictions and node embeddings for every node of a store.
+
+``trellis predict RUN_DIR STORE --out FILE.npy`` rebuilds the model from ``RUN_DIR/models/run-<r>.pt``
+(the best-validation run by default), applies the same feature normalization the run trained with, and
+writes ``FILE.npy`` (class ids, or probabilities with ``--proba``) and ``FILE_emb.npy`` (the input of
+the last layer — the node embedding — when the model can return it, else the logits). The store may be
+another graph with the same feature width (inductive use).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from trellis.errors import TrellisUserError
+from trellis.train.runs import open_run_dir, read_json
+from trellis.train.tasks import TASKS
+from trellis.train.trainer import MODEL_FORMAT, load_graph_data, make_model, resolve_device
+
+
+def embedding_path(out: Path) -> Path:
+    """``preds.npy`` -> ``preds_emb.npy``."""
+    return out.with_name(out.stem + "_emb.npy")
+
+
+def _accepts_return_embedding(model: nn.Module) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "return_embedding" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def choose_run(run_dir: Path, run: int | None) -> int:
+    """The run whose weights predict uses: ``run`` if given, else the summary's best-validation run."""
+    paths = open_run_dir(run_dir)
+    if run is None:
+        if paths.summary.is_file():
+            return int(read_json(paths.summary)["best_run"])
+        done = sorted(int(p.stem.split("-")[1]) for p in paths.models.glob("run-*.pt"))
+        if not done:
+            raise TrellisUserError(f"{run_dir}: no run has finished yet (models/ is empty); resume it with "
+                                   f"`trellis train --resume {run_dir}` first")
+        run = done[-1]
+    if not paths.model(run).is_file():
+        raise TrellisUserError(f"--run {run}: {paths.model(run)} does not exist; choose a finished run")
+    return run
+
+
+@torch.no_grad()
+def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out: str | os.PathLike[str], *,
+            run: int | None = None, proba: bool = False, device: str = "auto") -> dict[str, Any]:
+    """Write predictions and embeddings of every node of ``store``.
+
+    Args:
+        run_dir: A ``trellis train`` run directory.
+        store: Graph store to predict on (features of the same width as in training).
+        out: Output path ending in ``.npy``; embeddings go to ``<out stem>_emb.npy`` beside it.
+        run: Which run's weights (default: the best-validation run).
+        proba: Write class probabilities ``[N, C]`` instead of class ids ``[N]`` (default: False).
+        device: ``auto|cpu|cuda[:N]`` (default: auto).
+
+    Returns:
+        A JSON-ready description of what was written.
+    """
+    out_path = Path(out)
+    if out_path.suffix != ".npy":
+        raise TrellisUserError(f"--out {out_path}: must end in .npy (embeddings go to <name>_emb.npy beside it)")
+    if not out_path.parent.is_dir():
+        raise TrellisUserError(f"--out {out_path}: directory {out_path.parent} does not exist")
+    run_dir = Path(run_dir)
+    r = choose_run(run_dir, run)
+    saved = torch.load(open_run_dir(run_dir).model(r), map_location="cpu", weights_only=True)
+    if saved.get("format") != MODEL_FORMAT:
+        raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
+    dev = resolve_device(device)
+    data = load_graph_data(store, device=dev, feature_norm=saved["feature_norm"], need_labels=False)
+    if data.in_dim != saved["in_dim"]:
+        raise TrellisUserError(f"{store}: features have width {data.in_dim} but the model was trained on width "
+                               f"{saved['in_dim']}; predict on a store with the same features")
+    model = make_model(saved["model"], saved["in_dim"], saved["out_dim"], edge_dim=saved["edge_dim"],
+                       **saved["kwargs"])
+    model.load_state_dict(saved["state_dict"])
+    model.to(dev).eval()
+    task = TASKS[saved["task"]](saved["out_dim"])
+    logits: Tensor = model(data.graph, data.x)
+    emb: Tensor = logits
+    emb_source = "logits"
+    if _accepts_return_embedding(model):
+        res = model(data.graph, data.x, return_embedding=True)
+        emb = res[1] if isinstance(res, tuple) else res
+        emb_source = "penultimate"
+    pred, prob = task.predict(logits)
+    _save_npy_atomic(out_path, (prob.float() if proba else pred).cpu().numpy())
+    emb_path = embedding_path(out_path)
+    _save_npy_atomic(emb_path, emb.float().cpu().numpy())
+    return {"predictions": str(out_path), "kind": "probabilities" if proba else "class_ids",
+            "embeddings": str(emb_path), "embedding_source": emb_source, "embedding_dim": int(emb.shape[1]),
+            "num_nodes": int(logits.shape[0]), "run": r, "model": saved["model"], "run_dir": str(run_dir)}

@@ -1,0 +1,230 @@
+"""Run directories: layout, atomic writes, the per-epoch metrics log and the curves plot.
+
+Layout of a run directory (``trellis train --out RUN_DIR``)::
+
+    RUN_DIR/
+      config.json          the resolved TrainConfig (``--config RUN_DIR/config.json`` repeats the run)
+      metrics.jsonl        one line per epoch per run: run, seed, epoch, loss, <split>_<metric>, times
+      summary.json         results over all runs (written last; its presence means the run completed)
+      checkpoints/last.pt  model, optimizer, early-stopping state and RNG states (rolling, atomic)
+      models/run-<r>.pt    best-validation weights of run r, with what is needed to rebuild the model
+      curves.png           loss and validation/test metric per epoch
+
+Why atomic writes: a run can be killed at any instant (that is what checkpoints are for); a JSON file or
+checkpoint is written to a temporary sibling and renamed over the old one, so a reader always sees
+either the old or the new complete file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from trellis.errors import TrellisUserError
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The files of one run directory."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.checkpoints / "last.pt"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    def model(self, run: int) -> Path:
+        return self.models / f"run-{run}.pt"
+
+    @property
+    def curves(self) -> Path:
+        return self.root / "curves.png"
+
+
+def default_run_dir(store_name: str, model: str) -> Path:
+    """``runs/<store>-<model>-<YYYYmmdd-HHMMSS>`` under the working directory."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in store_name) or "graph"
+    base = Path("runs") / f"{safe}-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, k = base, 1
+    while path.exists():  # two runs started in the same second get distinct directories
+        path, k = base.with_name(f"{base.name}-{k}"), k + 1
+    return path
+
+
+def prepare_run_dir(path: str | os.PathLike[str], *, overwrite: bool = False) -> RunPaths:
+    """Create a fresh run directory (and ``checkpoints/``, ``models/``).
+
+    Raises:
+        TrellisUserError: ``path`` exists and is not empty, unless ``overwrite``.
+    """
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise TrellisUserError(f"--out {root}: exists and is not a directory; choose another --out")
+    if root.is_dir() and any(root.iterdir()):
+        if not overwrite:
+            raise TrellisUserError(
+                f"--out {root}: run directory already exists; choose another --out, continue it with "
+                f"`trellis train --resume {root}`, or pass --overwrite")
+        for p in (RunPaths(root).summary, RunPaths(root).metrics, RunPaths(root).checkpoint, RunPaths(root).curves):
+            p.unlink(missing_ok=True)
+        for p in RunPaths(root).models.glob("run-*.pt"):
+            p.unlink()
+    paths = RunPaths(root)
+    paths.checkpoints.mkdir(parents=True, exist_ok=True)
+    paths.models.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def open_run_dir(path: str | os.PathLike[str]) -> RunPaths:
+    """An existing run directory (for ``--resume`` and ``trellis predict``)."""
+    paths = RunPaths(Path(path))
+    if not paths.config.is_file():
+        raise TrellisUserError(f"{paths.root}: not a run directory (no config.json); pass the --out of a "
+                               "`trellis train` run")
+    return paths
+
+
+def _atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` via a temporary file and rename."""
+    data = (json.dumps(obj, indent=2, default=_json_default) + "\n").encode()
+    _atomic(Path(path), lambda f: f.write(data))
+
+
+def torch_save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` to ``path`` via a temporary file and rename."""
+    _atomic(Path(path), lambda f: torch.save(obj, f))
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TrellisUserError(f"{p}: unreadable ({exc})") from exc
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def json_line(obj: dict[str, Any]) -> str:
+    """One compact JSON line; NaN and Inf become ``null`` so every line is strict JSON."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in obj.items()}
+    return json.dumps(clean, default=_json_default, separators=(",", ":"))
+
+
+class MetricsLog:
+    """Append-only JSONL log whose byte offset is recorded in checkpoints.
+
+    On resume the file is truncated back to the offset of the checkpoint, so the epochs that ran after
+    it (and are run again) are not logged twice.
+    """
+
+    def __init__(self, path: Path, *, offset: int | None = None) -> None:
+        self.path = path
+        if offset is not None and path.exists():
+            with open(path, "r+b") as f:
+                f.truncate(offset)
+        self._f = open(path, "ab")
+
+    @property
+    def offset(self) -> int:
+        return self._f.tell()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write((json_line(record) + "\n").encode())
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every record of a JSONL file."""
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def plot_curves(metrics_path: Path, out: Path, metric: str) -> None:
+    """Plot training loss and validation/test ``metric`` per epoch, one line per run, to ``out`` (PNG).
+
+    matplotlib is imported here (Agg backend, no display) because it costs ~0.5 s and only this needs it.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_run: dict[int, list[dict[str, Any]]] = {}
+    for rec in iter_jsonl(metrics_path):
+        by_run.setdefault(int(rec["run"]), []).append(rec)
+    fig, (ax_loss, ax_metric) = plt.subplots(1, 2, figsize=(11, 4))
+    for run, recs in sorted(by_run.items()):
+        epochs = [r["epoch"] for r in recs]
+        ax_loss.plot(epochs, [r["loss"] for r in recs], lw=1, label=f"run {run}")
+        val = [r.get(f"val_{metric}") for r in recs]
+        test = [r.get(f"test_{metric}") for r in recs]
+        (line,) = ax_metric.plot(epochs, [math.nan if v is None else v for v in val], lw=1, label=f"val, run {run}")
+        ax_metric.plot(epochs, [math.nan if v is None else v for v in test], lw=1, ls="--", color=line.get_color(),
+                       label=f"test, run {run}")
+    ax_loss.set(xlabel="epoch", ylabel="training loss", title="loss")
+    ax_metric.set(xlabel="epoch", ylabel=metric, title=f"{metric} (solid: val, dashed: test)")
+    if len(by_run) <= 5:
+        ax_loss.legend(fontsize=7)
+        ax_metric.legend(fontsize=7)
+    fig.tight_layout()
+    _atomic(out, lambda f: fig.savefig(f, format="png", dpi=100))
+    plt.close(fig)
