@@ -42,3 +42,28 @@ def test_empty_graph_and_empty_features():
         with use_numba(flag):
             assert torch.equal(spmm(g, torch.randn(5, 3)), torch.zeros(5, 3))
             assert spmm(g, torch.randn(5, 0), reduce="max").shape == (5, 0)
+
+
+def _child_spmm(queue):
+    g = random_graph(2000, 2000, 40000, seed=1)
+    x = torch.ones(2000, 8)
+    queue.put(float(spmm(g, x).sum()))
+
+
+@pytest.mark.skipif(not WITH_NUMBA, reason="numba not installed")
+def test_parallel_kernels_work_after_fork_and_from_threads():
+    import multiprocessing as mp
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = random_graph(2000, 2000, 40000, seed=1)
+    x = torch.ones(2000, 8)
+    expected = float(spmm(g, x).sum())  # starts the pool in this process
+    assert expected == 40000 * 8
+    with ThreadPoolExecutor(3) as ex:  # concurrent callers share the pool
+        assert all(float(s) == expected for s in ex.map(lambda _: spmm(g, x).sum(), range(6)))
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_spmm, args=(queue,))
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == 0 and queue.get(timeout=5) == expected

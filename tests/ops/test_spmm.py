@@ -146,3 +146,35 @@ def test_cuda_matches_cpu():
         ref = spmm(g, x, w, reduce, sw)
         out = spmm(g.to("cuda"), x.cuda(), w.cuda(), reduce, sw.cuda())
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_constant_weights_cached_for_backward_follow_changes(name):
+    g = random_graph(30, 30, 200, seed=2)
+    x = torch.randn(30, 4, requires_grad=True)
+    w = torch.rand(200)
+    with backend(name):
+        for step in range(3):
+            if step == 2:
+                w.mul_(2)  # in-place change: the cached permuted weights must not be reused
+            (gx,) = torch.autograd.grad(spmm(g, x, w, "mean").square().sum(), x)
+            dense = torch.zeros(30, 30).index_put_(edges(g), w, accumulate=True) / g.in_degree().clamp_min(1)[:, None]
+            (ref,) = torch.autograd.grad((dense @ x).square().sum(), x)
+            torch.testing.assert_close(gx, ref, rtol=1e-4, atol=1e-5)
+            w = w.clone() if step == 0 else w  # a new tensor with the same values
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_spmm_on_a_reverse_graph_and_its_gradients(name):
+    """Aggregating over graph.reverse() (rows = sources) works forward and backward (perm of the reverse)."""
+    g = random_graph(7, 9, 30, seed=4)
+    rev = g.reverse()
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(30, dtype=torch.float64, requires_grad=True)
+    dst, src = edges(g)
+    with backend(name):
+        out = spmm(rev, x, w[g.perm])  # weights in the reverse graph's edge order
+        dense = torch.zeros(9, 7, dtype=torch.float64).index_put_((src, dst), w, accumulate=True)
+        torch.testing.assert_close(out, dense @ x)
+        wr = w.detach()[g.perm].clone().requires_grad_()
+        assert torch.autograd.gradcheck(lambda x, wr: spmm(rev, x, wr), (x, wr))

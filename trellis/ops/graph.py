@@ -99,6 +99,12 @@ class CSRGraph:
             self.rev = CSRGraph(torch.from_numpy(rip).to(dev), torch.from_numpy(rix).to(dev), self.num_dst)
             self.perm = torch.from_numpy(perm).to(dev)
             self.rev.rev = self
+        elif self.perm is None and self.rev.perm is not None:
+            # This graph is itself a reverse CSR: its perm is the inverse of its forward graph's, so an
+            # aggregation over it (and that aggregation's backward) maps edge data correctly too.
+            fwd_perm = self.rev.perm
+            self.perm = torch.empty_like(fwd_perm)
+            self.perm[fwd_perm] = torch.arange(fwd_perm.shape[0], device=fwd_perm.device)
         return self.rev
 
     def in_degree(self) -> torch.Tensor:

@@ -8,10 +8,11 @@ by edges rather than rows matters on power-law graphs, where an even split of ro
 thread with the hubs.
 
 Why serial ``nogil`` kernels run by a thread pool rather than ``prange``: a ``parallel=True`` kernel takes
-about twice as long to compile (the test suite compiles every kernel in two dtypes), numba's OpenMP/TBB
-threading layers are not fork-safe and can deadlock a forked worker, and ``prange`` splits rows statically
-while a task queue also absorbs a thread that the OS preempts. The launcher hands each of
-``4 x torch.get_num_threads()`` tasks a contiguous range of chunks; the kernels release the GIL.
+about twice as long to compile (measured: the cold test suite spent 37 s of CPU compiling with ``prange``,
+10 s without), and numba's OpenMP/TBB threading layers are not fork-safe (a forked data-loader worker can
+deadlock). The launcher cuts the chunks into ``torch.get_num_threads()`` contiguous ranges of equal cost,
+runs the first on the calling thread and the rest on a pool; the kernels release the GIL. Single-thread
+kernel speed equals the ``prange`` version once ``noalias`` is set (see :func:`_noalias_option`).
 
 Conventions shared by the kernels (``lo, hi`` = the chunk range of one task):
 
@@ -30,6 +31,7 @@ Set ``TRELLIS_DISABLE_NUMBA=1`` to run the pure-torch path everywhere.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -80,7 +82,8 @@ def _noalias_option() -> dict[str, bool]:
 _JIT: dict[str, Any] = {"nogil": True, "fastmath": _FM, "cache": True, **(_noalias_option() if WITH_NUMBA else {})}
 #: Row chunks per graph (fixed, so the cached boundaries serve any thread count).
 NUM_CHUNKS = 256
-#: Tasks per thread: a task queue with a few tasks per thread absorbs threads slowed by other processes.
+#: Tasks per thread. One: every task hand-off costs a GIL round trip, which on a loaded machine costs
+#: more than the imbalance it would fix (chunks are already of equal cost).
 TASKS_PER_THREAD = 1
 #: Kernels with fewer element-operations (edges x row width) than this run on the calling thread: handing
 #: work to a pool costs tens of microseconds idle and hundreds on a loaded machine.
@@ -121,16 +124,22 @@ _pool: ThreadPoolExecutor | None = None
 _pool_key: tuple[int, int] = (-1, 0)
 
 
-def _get_pool(threads: int) -> ThreadPoolExecutor:
+_pool_lock = threading.Lock()
+
+
+def _get_pool(workers: int) -> ThreadPoolExecutor:
     """The shared pool, rebuilt after a fork (a forked child inherits no threads) or a thread-count change."""
     global _pool, _pool_key
-    key = (os.getpid(), threads)
-    if _pool is None or _pool_key != key:
-        if _pool is not None and _pool_key[0] == os.getpid():
-            _pool.shutdown(wait=False)
-        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="trellis-ops")
-        _pool_key = key
-    return _pool
+    key = (os.getpid(), workers)
+    if _pool is not None and _pool_key == key:
+        return _pool
+    with _pool_lock:
+        if _pool is None or _pool_key != key:
+            if _pool is not None and _pool_key[0] == os.getpid():
+                _pool.shutdown(wait=False)  # tasks already queued by other callers still run
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trellis-ops")
+            _pool_key = key
+        return _pool
 
 
 def launch(kernel: Callable[..., None], graph: Any, num_edges: int, t: torch.Tensor, *args: Any) -> None:
@@ -254,14 +263,17 @@ def spmm_sum_1(lo, hi, bounds, indptr, indices, w, x, rscale, sw, out):  # pragm
 
 
 @njit(**_JIT)
-def spmm_sum_h(lo, hi, bounds, indptr, indices, w, x, rscale, sw, out):  # pragma: no cover
-    """Per-head weights: ``out[i, h] = rscale[i] * sum_k w[k, h] x[s_k, h] + sw[i] x[i, h]``.
+def spmm_sum_h(lo, hi, bounds, indptr, indices, eid, w, x, rscale, sw, out):  # pragma: no cover
+    """Per-head weights: ``out[i, h] = rscale[i] * sum_k w[eid[k], h] x[s_k, h] + sw[i] x[i, h]``.
 
-    ``w`` is ``[E, H]`` per CSR position, ``x``/``out`` are ``[N, H, D]``; the head loop sits inside the edge
-    loop so each source row is read once, contiguously, for all heads.
+    ``w`` is ``[E, H]``, ``x``/``out`` are ``[N, H, D]``; the head loop sits inside the edge loop so each
+    source row is read once, contiguously, for all heads. ``eid`` (the reverse graph's ``perm`` in a
+    backward pass) is read here rather than gathered beforehand: the ``H`` weights of an edge are one
+    small random read next to a ``H x D`` row gather (a separate ``[E, H]`` gather cost ~10% of the pass).
     """
     H = x.shape[1]
     D = x.shape[2]
+    has_eid = eid.shape[0] > 0
     has_r = rscale.shape[0] > 0
     nself = sw.shape[0]
     for c in range(lo, hi):
@@ -274,16 +286,19 @@ def spmm_sum_h(lo, hi, bounds, indptr, indices, w, x, rscale, sw, out):  # pragm
             while k + 2 <= end:
                 s0 = indices[k]
                 s1 = indices[k + 1]
+                e0 = eid[k] if has_eid else k
+                e1 = eid[k + 1] if has_eid else k + 1
                 for h in range(H):
-                    c0 = w[k, h]
-                    c1 = w[k + 1, h]
+                    c0 = w[e0, h]
+                    c1 = w[e1, h]
                     for d in range(D):
                         out[i, h, d] += c0 * x[s0, h, d] + c1 * x[s1, h, d]
                 k += 2
             if k < end:
                 s0 = indices[k]
+                e0 = eid[k] if has_eid else k
                 for h in range(H):
-                    c0 = w[k, h]
+                    c0 = w[e0, h]
                     for d in range(D):
                         out[i, h, d] += c0 * x[s0, h, d]
             if has_r:
@@ -296,6 +311,47 @@ def spmm_sum_h(lo, hi, bounds, indptr, indices, w, x, rscale, sw, out):  # pragm
                 for h in range(H):
                     for d in range(D):
                         out[i, h, d] += a * x[i, h, d]
+
+
+@njit(**_JIT)
+def spmm_bwd_fused(lo, hi, bounds, rindptr, rindices, perm, w, nscale, g, x, sw, one, gx, gw):  # pragma: no cover
+    """Both gradients of a weighted sum/mean SpMM in one pass over the reverse CSR (rows = sources ``s``).
+
+    For each out-edge ``e = perm[k]`` of ``s`` to ``t = rindices[k]`` and head ``h``, with
+    ``a = nscale[t]`` (mean's ``1/deg``, else 1):
+    ``gx[s, h] += a w[e, h] g[t, h]`` and ``gw[e, h] = a dot(g[t, h], x[s, h])``; plus ``sw[s] g[s]``.
+
+    Why fused: the edge-weight gradient is an SDDMM that would gather every ``g[t]`` row a second time in
+    forward order; here each gathered row feeds both products while ``x[s]`` stays in cache, so attention's
+    backward reads the ``[E, H x D]`` rows once instead of twice. ``gw`` writes are scattered (through
+    ``perm``) but every edge is written exactly once, so threads never collide.
+    """
+    H = x.shape[1]
+    D = x.shape[2]
+    has_n = nscale.shape[0] > 0
+    nself = sw.shape[0]
+    for c in range(lo, hi):
+        for s in range(bounds[c], bounds[c + 1]):
+            for h in range(H):
+                for d in range(D):
+                    gx[s, h, d] = 0
+            for k in range(rindptr[s], rindptr[s + 1]):
+                t = rindices[k]
+                e = perm[k]
+                a = nscale[t] if has_n else one
+                for h in range(H):
+                    cf = w[e, h] * a
+                    acc = one - one
+                    for d in range(D):
+                        gv = g[t, h, d]
+                        gx[s, h, d] += cf * gv
+                        acc += gv * x[s, h, d]
+                    gw[e, h] = acc * a
+            if s < nself:
+                b = sw[s]
+                for h in range(H):
+                    for d in range(D):
+                        gx[s, h, d] += b * g[s, h, d]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -261,6 +261,42 @@ def scales(op: str, deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# feature normalization
+# ---------------------------------------------------------------------------------------------------
+
+#: ``feature_norm`` modes: row = divide each row by its L1 norm (Kipf & Welling's preprocessing of
+#: bag-of-words features), none, auto = row exactly when every feature is non-negative.
+FEATURE_NORMS = ("auto", "none", "row")
+
+
+def resolve_feature_norm(x: np.ndarray, mode: str, *, block_rows: int = 1 << 16) -> str:
+    """``row`` or ``none`` for ``mode``; ``auto`` streams ``x`` once to see whether it is non-negative.
+
+    The rule is the full-batch trainer's (``trellis train --feature-norm``), so pre-propagated and
+    message-passing models see the same inputs.
+    """
+    if mode not in FEATURE_NORMS:
+        raise TrellisUserError(f"unknown --feature-norm {mode!r}; use one of {', '.join(FEATURE_NORMS)}")
+    if mode != "auto":
+        return mode
+    n = x.shape[0]
+    for a, b in _row_blocks(n, block_rows):
+        if np.asarray(x[a:b]).min(initial=0.0) < 0:
+            return "none"
+    return "row" if n else "none"
+
+
+def l1_normalize_rows(x: np.ndarray, out: np.ndarray, *, block_rows: int = 1 << 16) -> np.ndarray:
+    """``out[i] = x[i] / Σ_j |x[i, j]|`` block by block (all-zero rows stay zero)."""
+    for a, b in _row_blocks(x.shape[0], block_rows):
+        blk = np.asarray(x[a:b], dtype=np.float32)
+        norm = np.abs(blk).sum(axis=1, keepdims=True, dtype=np.float64)
+        norm[norm == 0] = 1.0
+        out[a:b] = blk / norm
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 # streaming hop computation
 # ---------------------------------------------------------------------------------------------------
 
@@ -276,14 +312,13 @@ class Scratch:
         self.root = None if root is None else Path(root)
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
-        self._n = 0
 
     def new(self, shape: tuple[int, int]) -> np.ndarray:
         """A fresh writable ``float32`` array of ``shape``."""
         if self.root is None:
             return np.empty(shape, dtype=np.float32)
-        self._n += 1
-        path = self.root / f"scratch-{self._n}.f32"
+        fd, path = tempfile.mkstemp(prefix="scratch-", suffix=".f32", dir=self.root)  # unique per call
+        os.close(fd)
         return np.memmap(path, dtype=np.float32, mode="w+", shape=shape)
 
     def free(self, arr: np.ndarray | None) -> None:

@@ -1,9 +1,10 @@
 """Aggregation as SpMM: ``out[i] = reduce over in-edges (w_e * x[src_e])`` (+ a diagonal self term).
 
 Why a custom autograd function: the gradient w.r.t. ``x`` is the same aggregation on the *reverse* graph
-(rows = sources), so it runs row-parallel without atomics on the cached reverse CSR, reading each edge's
-weight through ``graph.perm`` instead of permuting a copy. The gradient w.r.t. the edge weights is an SDDMM
-(one dot product per edge), and only the gradients autograd asks for are computed. No ``[E, F]`` message
+(rows = sources), so it runs row-parallel without atomics on the cached reverse CSR, with each edge's
+weight taken through ``graph.perm`` (per-head weights inside the kernel; scalar weights permuted once, and
+cached while they are constant). The gradient w.r.t. the edge weights is an SDDMM (one dot product per
+edge), and only the gradients autograd asks for are computed. No ``[E, F]`` message
 tensor exists on the numba path, in either direction; the pure-torch path (CUDA, other dtypes) gathers
 messages with ``index_select`` and scatters with ``index_add_`` / ``scatter_reduce``.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -24,6 +26,32 @@ from trellis.ops.segment import bcast, check_reduce, one, opt, torch_scatter_max
 
 
 # ---- primitives (numba kernel or torch equivalent) -------------------------------------------------------
+def _coefficients(graph: CSRGraph, w: Tensor | None, eid: Tensor | None, nscale: Tensor | None) -> Tensor | None:
+    """Per-CSR-position coefficients ``w[eid[k]] * nscale[indices[k]]`` (None when all factors are absent).
+
+    One E-length gather here keeps every kernel's hot loop free of optional factors. On a reverse graph the
+    result is cached while the weights are constant (GCN's normalization: same tensor, not trainable,
+    unmodified), so a full-batch run permutes them once rather than every backward pass. The cache keeps
+    a reference to ``w``, so its storage cannot be reused by another tensor while the entry lives.
+    """
+    if eid is None and nscale is None:
+        return w
+    key = None
+    if w is None or not w.requires_grad:
+        key = (eid is not None, None if w is None else (w.data_ptr(), w.shape, w.dtype, w._version),
+               None if nscale is None else (nscale.data_ptr(), nscale.dtype))
+        hit = graph.cache.get("_coef")
+        if hit is not None and hit[0] == key:
+            return hit[2]
+    coef = None if w is None else (w if eid is None else w.index_select(0, eid))
+    if nscale is not None:
+        ns = nscale.index_select(0, graph.indices)
+        coef = ns if coef is None else coef * bcast(ns, coef)
+    if key is not None:
+        graph.cache["_coef"] = (key, (w, nscale), coef)
+    return coef
+
+
 def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tensor | None = None,
                   nscale: Tensor | None = None, rscale: Tensor | None = None, sw: Tensor | None = None) -> Tensor:
     """``out[i] = rscale[i] * sum_k w[eid[k]] nscale[s_k] x[s_k] + sw[i] x[i]`` over row ``i``'s edges.
@@ -38,23 +66,25 @@ def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tens
         sw: ``[n <= num_dst]`` diagonal term added after scaling.
     """
     n = graph.num_dst
-    if x.dim() == 3 and w is not None and w.shape[1] == 1:  # one coefficient per edge: flat, faster kernel
-        out = prim_spmm_sum(graph, x.reshape(x.shape[0], -1), w.reshape(-1), eid, nscale, rscale, sw)
-        return out.view(n, *x.shape[1:])
-    # Coefficient per CSR position: one E-length gather here keeps the kernel's hot loop free of options.
-    coef = None if w is None else (w if eid is None else w.index_select(0, eid))
-    if nscale is not None:
-        ns = nscale.index_select(0, graph.indices)
-        coef = ns if coef is None else coef * bcast(ns, coef)
-    if x.dim() == 3 and coef is None:
+    shape = (n, *x.shape[1:])
+    if x.dim() == 3 and w is not None and w.shape[1] == 1:  # one coefficient per edge: the flat, faster kernel
+        x, w = x.reshape(x.shape[0], -1), w.reshape(-1)
+    if x.dim() == 3 and w is None:
         raise ValueError("a multi-head x needs [E, H] weights")
     if K.wants_numba(x):
         dt = K.np_(x).dtype
         out = x.new_empty((n, *x.shape[1:]))
-        K.launch(K.spmm_sum_1 if x.dim() == 2 else K.spmm_sum_h, graph, graph.num_edges, x, K.np_(graph.indptr),
-                 K.np_(graph.indices), opt(coef, dt, x.dim() - 1), K.np_(x), opt(rscale, dt), opt(sw, dt),
-                 out.numpy())
-        return out
+        if x.dim() == 2:
+            K.launch(K.spmm_sum_1, graph, graph.num_edges, x, K.np_(graph.indptr), K.np_(graph.indices),
+                     opt(_coefficients(graph, w, eid, nscale), dt), K.np_(x), opt(rscale, dt), opt(sw, dt),
+                     out.numpy())
+        else:  # per-head weights are read through eid inside the kernel; nscale is folded in beforehand
+            if nscale is not None:
+                w, eid = _coefficients(graph, w, eid, nscale), None
+            K.launch(K.spmm_sum_h, graph, graph.num_edges, x, K.np_(graph.indptr), K.np_(graph.indices),
+                     opt(eid, np.int64), K.np_(w), K.np_(x), opt(rscale, dt), opt(sw, dt), out.numpy())
+        return out.view(shape)
+    coef = _coefficients(graph, w, eid, nscale)
     msg = x.index_select(0, graph.indices)
     if coef is not None:
         msg = msg * bcast(coef, msg)
@@ -64,7 +94,7 @@ def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tens
     if sw is not None:
         m = sw.shape[0]
         out[:m] += bcast(sw, x[:m]) * x[:m]
-    return out
+    return out.view(shape)
 
 
 def prim_spmm_max(graph: CSRGraph, x: Tensor, w: Tensor | None, sw: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -134,6 +164,22 @@ def prim_sddmm_dot(graph: CSRGraph, a: Tensor, b: Tensor, rscale: Tensor | None 
     return out if rscale is None else out * rscale.index_select(0, dst)[:, None]
 
 
+def prim_spmm_bwd_fused(graph: CSRGraph, g: Tensor, x: Tensor, w: Tensor, nscale: Tensor | None,
+                       sw: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Gradients w.r.t. ``x [Ns, H, D]`` and ``w [E, H]`` of a weighted sum/mean SpMM in one reverse pass.
+
+    Numba only (callers check :func:`~trellis.ops.kernels.wants_numba`): it reads each gathered gradient row
+    once for both products instead of once per gradient (see :func:`trellis.ops.kernels.spmm_bwd_fused`).
+    """
+    rev = graph.reverse()
+    dt = K.np_(g).dtype
+    gx = g.new_empty((graph.num_src, *g.shape[1:]))
+    gw = g.new_empty((graph.num_edges, g.shape[1]))
+    K.launch(K.spmm_bwd_fused, rev, graph.num_edges, g, K.np_(rev.indptr), K.np_(rev.indices), K.np_(graph.perm),
+             K.np_(w), opt(nscale, dt), K.np_(g), K.np_(x), opt(sw, dt), one(g), gx.numpy(), gw.numpy())
+    return gx, gw
+
+
 # ---- autograd ---------------------------------------------------------------------------------------------
 def _as3(t: Tensor) -> Tensor:
     return t if t.dim() == 3 else t.view(t.shape[0], 1, t.shape[1])
@@ -179,10 +225,14 @@ class _SpMM(torch.autograd.Function):
                 gw = prim_spmm_max_bwd_w(graph, arg, _as3(g), _as3(x))
         else:
             invdeg = inv_degree(graph, g.dtype) if mean else None
-            if need_x:
-                gx = prim_spmm_sum(graph.reverse(), g, w, eid=graph.perm, nscale=invdeg, sw=sw)
-            if need_w:
-                gw = prim_sddmm_dot(graph, _as3(x), _as3(g), rscale=invdeg)
+            if need_x and need_w and K.wants_numba(g):
+                gx, gw = prim_spmm_bwd_fused(graph, _as3(g), _as3(x), _w2(w), invdeg, sw)
+                gx = gx.view(ctx.x_shape)
+            else:
+                if need_x:
+                    gx = prim_spmm_sum(graph.reverse(), g, w, eid=graph.perm, nscale=invdeg, sw=sw)
+                if need_w:
+                    gw = prim_sddmm_dot(graph, _as3(x), _as3(g), rscale=invdeg)
         if gw is not None:
             gw = gw.view(ctx.w_shape)
         if need_sw:

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from tests.train.stubmodel import make_sbm_store
+from trellis.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return str(make_sbm_store(tmp_path_factory.mktemp("sweepcli") / "sbm", n=200, features=8))
+
+
+def run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_sweep_writes_a_leaderboard_and_prints_json(store, tmp_path, capsys):
+    out = tmp_path / "sw"
+    rc, stdout, err = run(capsys, "sweep", store, "--model", "gcn", "--grid", "lr=0.05,0.01", "hidden=8,16",
+                          "--set", "dropout=0.5", "--epochs", "4", "--patience", "2", "--out", out, "--json",
+                          "--no-progress")
+    assert rc == 0, err
+    board = json.loads(stdout.strip().splitlines()[-1])
+    assert len(board["rows"]) == 4 and board["configs"] == 4 and board["metric"] == "acc"
+    assert "val acc" in err and "test acc" in err  # the table goes to stderr with --json
+    with open(out / "leaderboard.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["config"] for r in rows) == ["c00", "c01", "c02", "c03"]
+    assert {"lr", "hidden", "val_acc", "test_acc", "epochs", "time_s"} <= set(rows[0])
+    for name in ("leaderboard.json", "leaderboard.png", "sweep.json"):
+        assert (out / name).is_file()
+    cfg = json.loads((out / "configs" / "c01" / "config.json").read_text())
+    assert cfg["lr"] == 0.05 and cfg["hidden"] == 16 and cfg["dropout"] == 0.5 and cfg["epochs"] == 4
+
+
+def test_explain_prints_the_choice_of_k_and_the_batched_plan(store, capsys):
+    rc, out, _ = run(capsys, "sweep", store, "--grid", "hidden=8,16,32", "dropout=0,0.5", "--explain")
+    assert rc == 0
+    assert "6 configurations" in out and "model batching: K =" in out and "<- chosen" in out
+    assert "spmm" in out and "configurations, graph read once" in out and "cached: once" in out
+    rc, out, _ = run(capsys, "sweep", store, "--grid", "hidden=8,16", "--batch-models", "1", "--explain")
+    assert rc == 0 and "K = 1 (--batch-models 1)" in out
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--grid"], "expected at least one argument"),
+    ([], "--grid is empty"),
+    (["--grid", "lr=0.1", "hiden=8"], "unknown hyperparameter 'hiden'; did you mean 'hidden'"),
+    (["--grid", "lr=fast"], "lr value 'fast' is not a number"),
+    (["--grid", "hidden=8,big"], "hidden value 'big' is not an integer"),
+    (["--grid", "model=gcn,sage"], "different model families cannot share a batch"),
+    (["--grid", "dropout=0.5,1.5"], "--dropout must be in [0, 1)"),
+    (["--grid", "lr=0.1", "--batch-models", "0"], "--batch-models must be a positive integer"),
+    (["--grid", "lr=0.1", "--batch-models", "two"], "--batch-models must be an integer"),
+    (["--grid", "lr=0.1", "--epochs", "0"], "--epochs must be an integer >= 1"),
+    (["--grid", "lr=0.1", "--set", "lr=0.2"], "--set lr and --grid lr"),
+    (["--grid", "lr=0.1", "--set", "layers"], "expected KEY=VALUE"),
+    (["--grid", "lr=0.1", "--model", "gat", "--batch-models", "2"], "cannot be model-batched"),
+    (["--grid", "lr=0.1", "--model", "nosuch"], "--model 'nosuch' is not one of"),
+])
+def test_bad_input_is_one_line_and_exit_2(store, tmp_path, capsys, argv, needle):
+    out = tmp_path / "never"
+    rc, _, err = run(capsys, "sweep", store, *argv, "--out", out, "--no-progress")
+    assert rc == 2
+    assert needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_missing_store_is_a_user_error(tmp_path, capsys):
+    rc, _, err = run(capsys, "sweep", tmp_path / "nostore", "--grid", "lr=0.1", "--out", tmp_path / "o")
+    assert rc == 2 and "not a Trellis store" in err

@@ -1,0 +1,218 @@
+"""Planner v2: whole-model plans, the shared constant aggregation, elementwise fusion and the choice of K."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trellis.errors import TrellisUserError
+from trellis.nn.decl import LayerDecl
+from trellis.ops.graph import CSRGraph
+from trellis.plan import GraphStats
+from trellis.plan.batching import balanced_batches, choose_k
+from trellis.plan.ir import ModelDecl
+from trellis.plan.planner import choose_order, plan_layer, plan_model
+from trellis.plan.rewrites import (
+    FUSE,
+    SHARE,
+    AggregationCache,
+    bias_act_dropout,
+    dropout,
+    fuse_elementwise,
+    generator_scope,
+)
+
+S = GraphStats(num_src=100_000, num_dst=100_000, num_edges=2_000_000)
+
+
+def gcn(hidden=64, dropout_p=0.5, f=128, c=16, layers=2, family="gcn"):
+    dims = [f] + [hidden] * (layers - 1) + [c]
+    decls = tuple(LayerDecl("gcn", a, b, message="weighted", root="self_loop") for a, b in zip(dims, dims[1:]))
+    return ModelDecl(family, decls, dropout_p)
+
+
+def sage_max(hidden=64):
+    return ModelDecl("sage", (LayerDecl("sage", 128, hidden, aggregate="max", root="linear"),
+                              LayerDecl("sage", hidden, 16, aggregate="max", root="linear")), 0.0)
+
+
+def kinds(plan):
+    return [op.kind for op in plan.ops]
+
+
+def test_first_layer_aggregation_is_cached_only_when_its_input_is_constant():
+    ev = plan_model([gcn()], S, training=False)
+    cached = [op for op in ev.ops if op.cached]
+    assert SHARE in ev.rewrites and len(cached) == 1 and cached[0].kind == "spmm"
+    assert ev.layers[0].is_cached(0) and ev.layers[0].aggregate_first
+    # dropout on the input changes it every step: nothing to cache
+    assert not any(op.cached for op in plan_model([gcn(dropout_p=0.5)], S, training=True).ops)
+    # no dropout: the training step reads the cache too
+    assert any(op.cached for op in plan_model([gcn(dropout_p=0.0)], S, training=True).ops)
+    # learned features need gradients: not constant
+    assert not any(op.cached for op in plan_model([gcn(dropout_p=0.0)], S, input_grad=True).ops)
+    # max does not commute / is not shared
+    assert not any(op.cached for op in plan_model([sage_max()], S, training=False).ops)
+    # rewrites off
+    assert not any(op.cached for op in plan_model([gcn()], S, training=False, rewrites=()).ops)
+
+
+def test_cached_work_is_paid_once_not_per_step():
+    on = plan_model([gcn(256)], S, training=False)
+    off = plan_model([gcn(256)], S, training=False, rewrites=())  # aggregate-first too (widening)
+    spmm0 = next(op for op in on.ops if op.cached)
+    assert on.once_cost.flops == spmm0.cost.flops
+    assert on.forward_cost.flops == pytest.approx(off.forward_cost.flops - spmm0.cost.flops)
+    assert on.seconds() < off.seconds()
+    assert "cached: once" in on.format() and "once (cached across epochs)" in on.format()
+
+
+def test_batched_configs_share_one_cached_aggregation_and_one_spmm_per_layer():
+    models = [gcn(h, p) for h in (64, 128, 256) for p in (0.0, 0.5)]
+    train = plan_model(models, S, training=True)
+    for lp in train.layers:
+        live = [op for op in lp.ops if op.kind == "spmm" and not op.cached]
+        assert len(live) == 1  # the graph is read once per layer for all configurations
+    assert sum(op.cached for op in train.ops) == 1  # the three p = 0 configurations share one Â X
+    assert [train.layers[0].is_cached(k) for k in range(6)] == [True, False] * 3
+    wide = next(op for op in train.layers[1].ops if op.kind == "spmm")
+    assert wide.cost.accesses == S.num_edges  # one random row access per edge for all six
+    assert "width 96" in wide.detail  # 6 x 16 classes, transform first
+
+
+def test_fusion_merges_the_epilogue_and_saves_memory():
+    fused = plan_model([gcn(256, 0.5)], S, training=True)
+    plain = plan_model([gcn(256, 0.5)], S, training=True, rewrites=(SHARE,))
+    assert FUSE in fused.rewrites and FUSE not in plain.rewrites
+    f0 = [op for op in fused.layers[0].ops if op.kind == "fused"]
+    assert len(f0) == 1 and "bias+activation+dropout" in f0[0].detail
+    assert fused.activation_bytes < plain.activation_bytes
+    assert fused.forward_cost.bytes == pytest.approx(plain.forward_cost.bytes)  # eager: the passes remain
+    assert fused.forward_cost.flops == pytest.approx(plain.forward_cost.flops)
+
+
+def test_fusion_of_dropout_and_concat_for_a_batch():
+    plan = plan_model([gcn(64, 0.3), gcn(128, 0.5)], S, training=True)
+    first = plan.layers[0].ops[0]
+    assert first.kind == "fused" and first.detail.startswith("dropout+concat x2")
+    assert "concat" not in kinds(plan.layers[0])
+    lp = plan_model([gcn(64, 0.3), gcn(128, 0.5)], S, training=True, rewrites=()).layers[0]
+    assert fuse_elementwise(lp).ops[0].kind == "fused"
+
+
+def test_training_aware_order_avoids_the_backward_spmm_of_the_features():
+    d = LayerDecl("gcn", 128, 64, message="weighted", root="self_loop")
+    assert not plan_layer(d, S).aggregate_first  # v1: forward only, narrower SpMM after the transform
+    agg_first, why = choose_order(d, S, input_grad=False, training=True)
+    assert agg_first and "aggregate-first" in why  # v2: no backward SpMM when features need no gradient
+    assert not choose_order(LayerDecl("gcn", 256, 16, message="weighted", root="self_loop"), S)[0]
+    step = plan_model([gcn(64, 0.5)], S)
+    spmm0 = next(op for op in step.layers[0].ops if op.kind == "spmm")
+    assert not spmm0.input_grad and spmm0.backward.bytes == 0
+
+
+def test_batching_refuses_mixed_families_depths_and_attention():
+    with pytest.raises(TrellisUserError, match="different model families"):
+        plan_model([gcn(), gcn(family="sage")], S)
+    with pytest.raises(TrellisUserError, match="different depths"):
+        plan_model([gcn(), gcn(layers=3)], S)
+    gat = ModelDecl("gat", (LayerDecl("gat", 128, 64, heads=4, message="attention", message_params=True),), 0.6)
+    assert plan_model([gat], S).layers[0].ops  # one configuration plans fine
+    with pytest.raises(TrellisUserError, match="cannot be model-batched"):
+        plan_model([gat, gat], S)
+    with pytest.raises(TrellisUserError, match="at least one"):
+        plan_model([], S)
+    mean = ModelDecl("sage", (LayerDecl("sage", 128, 64, aggregate="mean", root="linear"),
+                              LayerDecl("sage", 64, 16, aggregate="mean", root="linear")), 0.0)
+    with pytest.raises(TrellisUserError, match="differs in kind"):
+        plan_model([mean, sage_max()], S)
+
+
+def test_balanced_batches():
+    assert [len(b) for b in balanced_batches(12, 8)] == [6, 6]
+    assert [len(b) for b in balanced_batches(12, 5)] == [4, 4, 4]
+    assert [len(b) for b in balanced_batches(7, 3)] == [3, 2, 2]
+    assert [list(b) for b in balanced_batches(3, 10)] == [[0, 1, 2]]
+    assert balanced_batches(0, 4) == []
+
+
+def test_choose_k_follows_the_cost_model_and_the_memory_budget():
+    models = [gcn(h, p) for h in (64, 128, 256) for p in (0.3, 0.5)] * 2
+    big = choose_k(models, S, budget_bytes=1e12)
+    secs = [e.epoch_seconds for e in big.estimates]
+    assert all(a >= b * 0.999 for a, b in zip(secs, secs[1:]))  # larger K is never estimated slower here
+    assert big.k > 1
+    small = choose_k(models, S, budget_bytes=big.estimates[1].peak_bytes * 1.01)
+    assert small.k <= big.estimates[1].k and all(e.fits == (e.peak_bytes <= small.budget_bytes)
+                                                  for e in small.estimates)
+    assert choose_k(models, S, budget_bytes=1.0).k == 1
+    forced = choose_k(models, S, budget_bytes=1e12, override=6)
+    assert forced.k == 6 and "--batch-models 6" in forced.reason and "<- chosen" in forced.format()
+    assert choose_k(models, S, budget_bytes=1e12, override=5).k == 4  # balanced: 4 + 4 + 4
+    assert choose_k(models, S, budget_bytes=1e12, override=99).k == 12
+    with pytest.raises(TrellisUserError, match="positive"):
+        choose_k(models, S, budget_bytes=1e12, override=0)
+
+
+def _graph(n=40, p=0.2, seed=0):
+    rng = np.random.default_rng(seed)
+    adj = rng.random((n, n)) < p
+    dst, src = np.nonzero(adj)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dst, minlength=n), out=indptr[1:])
+    return CSRGraph.from_numpy(indptr, src.astype(np.int64), n)
+
+
+def test_aggregation_cache_hits_and_invalidates():
+    g, g2 = _graph(), _graph(seed=1)
+    x = torch.randn(40, 3)
+    cache = AggregationCache()
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return x * 2
+
+    a = cache.get(g, x, "k", compute)
+    assert cache.get(g, x, "k", compute) is a and len(calls) == 1 and cache.hits == 1
+    cache.get(g2, x, "k", compute)  # another graph
+    cache.get(g, x, "other", compute)  # another key
+    x.add_(1)  # in-place write bumps the version: stale entry is not returned
+    cache.get(g, x, "k", compute)
+    assert len(calls) == 4 and not a.requires_grad
+    assert cache.nbytes > 0
+    cache.clear()
+    assert cache.nbytes == 0
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_fused_epilogue_equals_the_unfused_chain(p):
+    torch.manual_seed(0)
+    x1 = torch.randn(50, 7, requires_grad=True)
+    b1 = torch.randn(7, requires_grad=True)
+    x2, b2 = x1.detach().clone().requires_grad_(), b1.detach().clone().requires_grad_()
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    y1 = bias_act_dropout(x1, b1, act=True, p=p, training=True, generator=g1)
+    with generator_scope(g2):
+        y2 = F.dropout(F.relu(x2 + b2), p, True)
+    assert torch.equal(y1, y2)
+    w = torch.randn(50, 7)
+    (y1 * w).sum().backward()
+    (y2 * w).sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+    torch.testing.assert_close(b1.grad, b2.grad)
+    assert torch.equal(g1.get_state(), g2.get_state())  # both drew the same random numbers
+
+
+def test_generator_scope_draws_what_the_default_generator_would():
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    expected = F.dropout(torch.ones(1000), 0.5, True)
+    g = torch.Generator()
+    g.set_state(state)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    got = dropout(torch.ones(1000), 0.5, True, g)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.get_rng_state(), before)  # the default generator is left as it was
+    assert dropout(torch.ones(3), 0.5, False, g).eq(1).all()

@@ -1,0 +1,119 @@
+"""Mini-batch and cluster-batch strategies through the real trainer and the real models."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import trellis.train.trainer as trainer
+from trellis.cli.main import main
+from trellis.data.generate import generate_sbm
+from trellis.errors import TrellisUserError
+from trellis.train.config import TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def real_models(monkeypatch):
+    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
+
+
+@pytest.fixture(scope="module")
+def sbm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mb") / "sbm"
+    return str(generate_sbm(out, nodes=2000, avg_degree=8, features=16, classes=4, seed=1, train_frac=0.3,
+                            val_frac=0.2, progress=False))
+
+
+def cfg(sbm, tmp_path, **kw):
+    base = dict(store=sbm, out=str(tmp_path / "run"), epochs=8, patience=50, progress=False, checkpoint_every=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(strategy="mini", model="sage", fanouts="5,5", batch_size=128),
+    dict(strategy="mini", model="gcn", fanouts="5,5", batch_size=128, labor=True, hidden=32),
+    dict(strategy="cluster", model="gcn", clusters=16, clusters_per_batch=4, cluster_method="hash", hidden=32),
+    dict(strategy="cluster", model="sage", clusters=16, clusters_per_batch=4, cluster_method="metis",
+         boundary_hops=1),
+])
+def test_batch_strategies_learn(sbm, tmp_path, kw):
+    s = trainer.train(cfg(sbm, tmp_path, lr=0.01, **kw))
+    assert s["strategy"] == kw["strategy"]
+    assert s["test_acc_mean"] > 0.6, s["test_acc_mean"]  # 4 planted classes: chance is 0.25
+
+
+def test_minibatch_gradient_with_all_neighbors_equals_full_batch(sbm):
+    from trellis.data.store import open_store
+    from trellis.loader.sampler import NeighborSampler
+    from trellis.nn import build_model
+    from trellis.ops.graph import CSRGraph
+
+    store = open_store(sbm)
+    g = CSRGraph.from_store(store)
+    x = torch.from_numpy(np.array(store.x))
+    y = torch.from_numpy(np.array(store.y))
+    targets = np.asarray(store.split("train"))[:64]
+    for name in ("gcn", "sage"):
+        torch.manual_seed(0)
+        model = build_model(name, x.shape[1], 4, hidden=8, layers=2, dropout=0.0)
+        loss = torch.nn.functional.cross_entropy(model(g, x)[targets], y[targets])
+        full = torch.autograd.grad(loss, list(model.parameters()))
+        b = NeighborSampler(store.indptr, store.indices, [-1, -1]).sample(targets, 0)
+        loss_b = torch.nn.functional.cross_entropy(model(b.graph, x[b.node_ids]), y[targets])
+        mini = torch.autograd.grad(loss_b, list(model.parameters()))
+        for p, q in zip(full, mini):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
+def test_resume_is_exact_for_minibatch(sbm, tmp_path):
+    c = cfg(sbm, tmp_path, strategy="mini", model="sage", fanouts="3,3", batch_size=512, epochs=3, hidden=16,
+            checkpoint_every=2)
+    stopped = []
+
+    def stop_at(t, rec):
+        if rec["epoch"] == 1 and not stopped:
+            stopped.append(1)
+            t.request_stop()
+
+    with pytest.raises(trainer.TrainingInterrupted):
+        trainer.Trainer(c, callbacks=[stop_at]).fit()
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    resumed = trainer.train(TrainConfig.from_dict({**saved, "resume": c.out, "progress": False}))
+    ref = trainer.train(cfg(sbm, tmp_path / "ref", strategy="mini", model="sage", fanouts="3,3", batch_size=512,
+                            epochs=3, hidden=16, checkpoint_every=2))
+    assert resumed["test_acc"] == ref["test_acc"]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(strategy="mini", fanouts="15,10,5"), "--layers 2"),
+    (dict(strategy="mini", batch_size=0), "--batch-size"),
+    (dict(strategy="mini", batch_size=-5), "--batch-size"),
+    (dict(strategy="cluster", clusters=4, clusters_per_batch=5), "exceeds --clusters 4"),
+    (dict(strategy="cluster", boundary_hops=3), "--boundary-hops"),
+])
+def test_bad_config(sbm, tmp_path, kw, match):
+    with pytest.raises(TrellisUserError, match=match):
+        cfg(sbm, tmp_path, **kw)
+
+
+def test_cli_exit_codes(sbm, tmp_path, capsys):
+    assert main(["train", sbm, "--strategy", "mini", "--fanouts", "15,10,5"]) == 2
+    assert "--layers 2" in capsys.readouterr().err
+    assert main(["train", sbm, "--strategy", "cluster", "--clusters", "3", "--clusters-per-batch", "4"]) == 2
+    assert main(["train", sbm, "--strategy", "mini", "--batch-size", "0"]) == 2
+    rc = main(["train", sbm, "--strategy", "mini", "--model", "sage", "--fanouts", "4,4", "--batch-size", "512",
+               "--epochs", "2", "--out", str(tmp_path / "cli"), "--no-progress", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(out)["strategy"] == "mini"
+
+
+def test_bench_sampler_cli(sbm, capsys):
+    assert main(["bench", "sampler", sbm, "--fanouts", "5,5", "--batch-size", "100", "--batches", "4", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["batches"] == 4 and r["sampling"]["batches_per_s"] > 0 and r["sampling_gather"]["edges_per_s"] > 0
+    assert main(["bench", "sampler", sbm, "--fanouts", "5,5", "--batches", "2", "--labor", "--workers", "2"]) == 0
+    assert "sampling + feature gather" in capsys.readouterr().out
+    assert main(["bench", "sampler", sbm, "--batch-size", "0"]) == 2

@@ -1,0 +1,131 @@
+"""Sweeps: grid parsing and validation, the leaderboard, and equality with solo ``trellis train`` runs."""
+
+import csv
+import json
+
+import pytest
+
+import trellis.train.trainer as trainer
+from tests.train.stubmodel import make_sbm_store
+from trellis.errors import TrellisUserError
+from trellis.train.config import TrainConfig
+from trellis.train.runs import read_jsonl
+from trellis.train.sweep import SweepConfig, expand_grid, make_entries, parse_grid, run_sweep
+
+
+@pytest.fixture(autouse=True)
+def real_models(monkeypatch):
+    """This package's conftest stubs the model builder; sweeps batch the real layers."""
+    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return str(make_sbm_store(tmp_path_factory.mktemp("sweep") / "sbm", n=240, features=10))
+
+
+def test_parse_and_expand_grid():
+    grid = parse_grid(["lr=0.01,0.005", "hidden=16,32", "optimizer=adam,adagrad", "init=default,xavier",
+                       "weight-decay=0,5e-4", "dropout=0.5"])
+    assert grid["lr"] == [0.01, 0.005] and grid["hidden"] == [16, 32] and grid["weight_decay"] == [0.0, 5e-4]
+    combos = expand_grid(grid)
+    assert len(combos) == 32 and combos[0]["optimizer"] == "adam" and combos[1]["dropout"] == 0.5
+    assert len({tuple(sorted(c.items())) for c in combos}) == 32
+
+
+@pytest.mark.parametrize("items, message", [
+    ([], "--grid is empty"),
+    (["lr"], "expected KEY=V1,V2"),
+    (["=0.1"], "expected KEY=V1,V2"),
+    (["lrr=0.1"], "unknown hyperparameter 'lrr'; did you mean 'lr'"),
+    (["epochs=5,10"], "unknown hyperparameter 'epochs'"),
+    (["model=gcn,sage"], "different model families cannot share a batch"),
+    (["lr=0.1,abc"], "lr value 'abc' is not a number"),
+    (["lr=nan"], "not a finite number"),
+    (["hidden=64.5"], "hidden value '64.5' is not an integer"),
+    (["optimizer=adamx"], "not one of adam"),
+    (["init=glorot"], "init value 'glorot' is not one of default, xavier, he"),
+    (["lr="], "needs comma-separated values"),
+    (["lr=0.1,,0.2"], "needs comma-separated values"),
+    (["lr=0.1", "lr=0.2"], "given twice"),
+    (["hidden=16,16"], "value 16 of hidden is given twice"),
+])
+def test_bad_grids_are_user_errors(items, message):
+    with pytest.raises(TrellisUserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_grid(items)
+
+
+def test_values_trellis_train_refuses_are_refused_naming_the_configuration(store):
+    sc = SweepConfig(store=store, grid=parse_grid(["dropout=0.5,1.5"]))
+    with pytest.raises(TrellisUserError, match=r"configuration dropout=1.5: --dropout must be in \[0, 1\)"):
+        make_entries(sc)
+    with pytest.raises(TrellisUserError, match="--set lr and --grid lr"):
+        SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), base={"lr": "0.2"})
+    with pytest.raises(TrellisUserError, match="unknown option"):
+        SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), base={"lrate": "0.2"})
+    with pytest.raises(TrellisUserError, match="--batch-models"):
+        SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), batch_models=0)
+
+
+def solo_metrics(cfg_path, out):
+    """Run the configuration's saved config.json through the real trainer, as `trellis train --config`."""
+    values = json.loads(cfg_path.read_text())
+    values.update(out=str(out), progress=False)
+    trainer.Trainer(TrainConfig.from_dict(values)).fit()
+    return read_jsonl(out / "metrics.jsonl")
+
+
+def test_sweep_equals_solo_runs_and_lists_every_configuration_once(store, tmp_path):
+    grid = parse_grid(["lr=0.05,0.01", "optimizer=adam,adagrad", "dropout=0,0.5"])
+    out = tmp_path / "sweep"
+    board = run_sweep(SweepConfig(store=store, model="gcn", grid=grid, base={"hidden": "16"}, epochs=12,
+                                  patience=3, batch_models=3, out=str(out), progress=False))
+    rows = board["rows"]
+    assert sorted(r["config"] for r in rows) == [f"c{i:02d}" for i in range(8)]  # each exactly once
+    assert [r["rank"] for r in rows] == list(range(1, 9))
+    vals = [r["val_acc"] for r in rows]
+    assert vals == sorted(vals, reverse=True)
+    assert [len(b["configs"]) for b in board["batches"]] == [3, 3, 2] and board["batch_models"] == {"2": 3}
+    with open(out / "leaderboard.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [t["config"] for t in table] == [r["config"] for r in rows]
+    assert {"lr", "optimizer", "dropout", "val_acc", "test_acc", "epochs", "time_s"} <= set(table[0])
+    assert (out / "leaderboard.png").stat().st_size > 0 and (out / "leaderboard.json").is_file()
+    assert not list(tmp_path.glob(".sweep.tmp-*"))
+    for r in rows:  # early stopping is per configuration
+        assert r["epochs"] == (r["best_epoch"] + 4 if r["stopped"] == "patience" else 12)
+    # Every configuration's curve equals its solo `trellis train` run: adam and adagrad, with and without
+    # dropout, in batches where other configurations stopped earlier or later.
+    for cid in ("c00", "c03", "c06"):
+        batched = read_jsonl(out / "configs" / cid / "metrics.jsonl")
+        solo = solo_metrics(out / "configs" / cid / "config.json", tmp_path / f"solo-{cid}")
+        assert len(batched) == len(solo)
+        for a, b in zip(batched, solo):
+            assert abs(a["loss"] - b["loss"]) <= 1e-4 and abs(a["val_loss"] - b["val_loss"]) <= 1e-4
+            assert a["val_acc"] == pytest.approx(b["val_acc"], abs=1e-9) and a["best_epoch"] == b["best_epoch"]
+        summary = json.loads((out / "configs" / cid / "summary.json").read_text())
+        assert summary["test_acc_mean"] == pytest.approx(
+            json.loads((tmp_path / f"solo-{cid}" / "summary.json").read_text())["test_acc_mean"], abs=1e-9)
+        assert (out / "configs" / cid / "models" / "run-0.pt").is_file()
+
+
+def test_existing_output_is_refused_and_left_alone(store, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(TrellisUserError, match="already exists"):
+        run_sweep(SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), out=str(out), progress=False))
+    assert (out / "keep.txt").read_text() == "x"
+
+
+def test_families_that_cannot_batch_run_one_at_a_time(store, tmp_path):
+    grid = parse_grid(["lr=0.01,0.005"])
+    with pytest.raises(TrellisUserError, match="cannot be model-batched"):
+        run_sweep(SweepConfig(store=store, model="gat", grid=grid, epochs=2, batch_models=2,
+                              out=str(tmp_path / "x"), progress=False))
+    board = run_sweep(SweepConfig(store=store, model="gat", grid=grid, base={"hidden": "4", "heads": "2"}, epochs=3,
+                                  out=str(tmp_path / "gat"), progress=False))
+    assert len(board["rows"]) == 2 and [len(b["configs"]) for b in board["batches"]] == [1, 1]
+    batched = read_jsonl(tmp_path / "gat" / "configs" / "c01" / "metrics.jsonl")
+    solo = solo_metrics(tmp_path / "gat" / "configs" / "c01" / "config.json", tmp_path / "solo-gat")
+    assert [round(r["loss"], 5) for r in batched] == [round(r["loss"], 5) for r in solo]

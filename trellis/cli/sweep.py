@@ -1,0 +1,123 @@
+"""``trellis sweep``: train a grid of hyperparameter configurations, K at a time in one batched model.
+
+Every configuration is a complete ``trellis train`` configuration (its ``config.json`` in
+``SWEEP_DIR/configs/<id>/`` repeats it solo); model batching changes how fast they train, never what they
+compute. Bad input — an empty grid, an unknown hyperparameter, a value of the wrong type, a grid over model
+families — is one line naming the item and exit code 2, with nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from trellis.errors import TrellisUserError
+
+_EPILOG = """\
+examples:
+  trellis sweep STORE --model gcn --grid lr=0.01,0.005 hidden=64,128,256 dropout=0.3,0.5 --out SWEEP_DIR
+  trellis sweep STORE --grid optimizer=adam,adagrad lr=0.05,0.01 --set layers=3 hidden=256 --out SWEEP_DIR
+  trellis sweep STORE --grid hidden=64,256 --batch-models 1 --out SWEEP_DIR     one at a time
+  trellis sweep STORE --grid hidden=64,256 --explain      the K table and the batched plan, no training
+
+sweepable hyperparameters: lr, weight_decay, dropout, hidden, layers, optimizer, init
+"""
+
+
+def _int(name: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer (got {text!r})") from None
+    return parse
+
+
+def _float(name: str) -> Any:
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number (got {text!r})") from None
+    return parse
+
+
+def register(sub: Any) -> None:
+    """Add ``trellis sweep`` to the CLI."""
+    p = sub.add_parser("sweep", help="train a hyperparameter grid with model batching; leaderboard and plot",
+                       description=__doc__, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("store", metavar="STORE", help="graph store directory")
+    p.add_argument("--model", default="gcn", metavar="NAME",
+                   help="model family: gcn, sage, gin batch; others train one configuration at a time "
+                        "(default: gcn)")
+    p.add_argument("--grid", nargs="+", metavar="KEY=V1,V2", default=None,
+                   help="hyperparameter values to combine, e.g. lr=0.01,0.005 hidden=64,128 dropout=0.3,0.5")
+    p.add_argument("--set", dest="base", action="extend", nargs="+", metavar="KEY=VALUE", default=[],
+                   help="values every configuration shares (fields of `trellis train`, e.g. layers=3 "
+                        "weight_decay=0)")
+    p.add_argument("--batch-models", type=_int("--batch-models"), default=None, metavar="K",
+                   help="configurations per batched model (default: chosen from the cost model and memory budget)")
+    p.add_argument("--memory-budget", type=_float("--memory-budget"), default=None, metavar="MIB",
+                   help="memory the batches may use, in MiB (default: 60%% of the available memory)")
+    p.add_argument("--epochs", type=_int("--epochs"), default=None, metavar="N",
+                   help="maximum epochs per configuration (default: the model's, 200 for gcn)")
+    p.add_argument("--patience", type=_int("--patience"), default=None, metavar="N",
+                   help="early-stopping patience per configuration (default: the model's, 100)")
+    p.add_argument("--seed", type=_int("--seed"), default=0, metavar="N",
+                   help="seed of every configuration, as `trellis train --seed` (default: 0)")
+    p.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}", help="device (default: auto)")
+    p.add_argument("--out", default=None, metavar="SWEEP_DIR",
+                   help="output directory (default: sweeps/<store>-<model>-<time>)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing SWEEP_DIR")
+    p.add_argument("--explain", action="store_true",
+                   help="print the configurations, the choice of K and the batched plan, then exit")
+    p.add_argument("--json", action="store_true", help="print the leaderboard as one JSON line at the end")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="progress bar per batch on a terminal (default: on)")
+    p.set_defaults(func=run)
+
+
+def _base(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise TrellisUserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set layers=3")
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The validated :class:`~trellis.train.sweep.SweepConfig` of the command line."""
+    from trellis.train.sweep import SweepConfig, parse_grid
+
+    for name in ("epochs", "patience"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise TrellisUserError(f"--{name} must be an integer >= 1 (got {value})")
+    if args.seed < 0:
+        raise TrellisUserError(f"--seed must be an integer >= 0 (got {args.seed})")
+    return SweepConfig(store=args.store, model=args.model, grid=parse_grid(args.grid), base=_base(args.base),
+                       epochs=args.epochs, patience=args.patience, seed=args.seed, device=args.device,
+                       batch_models=args.batch_models, memory_budget_mb=args.memory_budget, out=args.out,
+                       overwrite=args.overwrite, progress=args.progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trellis.train.sweep import explain_sweep, format_leaderboard, run_sweep
+
+    sc = config_from_args(args)
+    if args.explain:
+        text = explain_sweep(sc)
+        print(text)
+        if args.json:
+            print(json.dumps({"explain": text}))
+        return 0
+    board = run_sweep(sc)
+    print(format_leaderboard(board), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps(board))
+    return 0

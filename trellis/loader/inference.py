@@ -1,0 +1,143 @@
+"""Exact layer-wise inference over every node, in chunks of destination rows.
+
+Why layer-wise: a model trained on sampled blocks is evaluated on full neighbourhoods (sampling at test
+time makes predictions noisy -- GraphTheta §1 cites this), but running the full ``L``-hop neighbourhood
+of each test chunk recomputes shared neighbours again and again (the neighbour explosion). Layer-wise
+inference computes layer ``l``'s output for *every* node -- one chunk of destination rows at a time, each
+over its full in-neighbourhood -- before moving to layer ``l + 1``. Each layer reads every edge once, and
+memory is one ``[N, width]`` matrix per layer plus one chunk, so a graph whose full-batch forward does not
+fit still gets exact predictions. The result equals the full-batch forward (up to float summation order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from trellis.loader.blocks import attach_edge_data
+from trellis.loader.sampler import NeighborSampler, _np_int64
+from trellis.ops.graph import CSRGraph
+
+#: Default edges per chunk: bounds a chunk's gathered input rows and per-edge work.
+DEFAULT_CHUNK_EDGES = 4_000_000
+
+
+def chunk_bounds(indptr: np.ndarray, chunk_edges: int = DEFAULT_CHUNK_EDGES, max_rows: int = 1 << 20) -> np.ndarray:
+    """Row boundaries splitting a CSR into chunks of about ``chunk_edges`` edges (and at most ``max_rows`` rows)."""
+    n = indptr.shape[0] - 1
+    cost = np.asarray(indptr, dtype=np.int64) + np.arange(n + 1, dtype=np.int64)  # an empty row still costs one
+    k = max(1, int(-(-int(cost[-1]) // max(1, chunk_edges))), -(-n // max(1, max_rows)))
+    b = np.unique(np.searchsorted(cost, np.linspace(0, cost[-1], k + 1)))
+    b[0], b[-1] = 0, n
+    return b.astype(np.int64)
+
+
+def _layers(model: nn.Module) -> tuple[list[nn.Module], Callable[[Tensor], Tensor]] | None:
+    """The message-passing layers and the activation between them, if ``model`` is a layer stack."""
+    convs = getattr(model, "convs", None)
+    act = getattr(model, "activation", None)
+    if convs is None or act is None:
+        return None
+    return list(convs), act
+
+
+@torch.no_grad()
+def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.ndarray | Tensor, x: Tensor, *,
+                        chunk_edges: int = DEFAULT_CHUNK_EDGES, edge_weight: Tensor | None = None,
+                        edge_feat: Tensor | None = None, device: torch.device | str | None = None,
+                        rows: np.ndarray | Tensor | None = None) -> Tensor:
+    """Outputs of ``model`` for every node (or for ``rows``), computed layer by layer in chunks.
+
+    Args:
+        model: A layer stack with ``convs`` and ``activation`` (:class:`trellis.nn.models.GNN`); other
+            models (the MLP) are run per chunk of rows.
+        indptr: ``int64 [N+1]`` in-edge CSR of the whole graph.
+        indices: ``int64 [E]`` sources.
+        x: ``[N, F]`` input features (on the compute device or the CPU).
+        chunk_edges: Edges per chunk (default: 4M).
+        edge_weight: ``[E]`` edge weights of the graph (None = none).
+        edge_feat: ``[E, D]`` edge features of the graph (None = none).
+        device: Where layers run (default: ``x``'s device).
+        rows: Only these nodes' final outputs are returned (the last layer runs only for their rows);
+            None = all nodes.
+
+    Returns:
+        ``[N or len(rows), out_dim]`` on ``device``.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        dev = torch.device(device) if device is not None else x.device
+        indptr_np = _np_int64(indptr)
+        indices_np = _np_int64(indices)
+        n = indptr_np.shape[0] - 1
+        sampler = NeighborSampler(indptr_np, indices_np, [-1])
+        rows_np = None if rows is None else _np_int64(rows)
+        stack = _layers(model)
+        if stack is None:
+            return _rowwise(model, x, rows_np, dev, chunk_edges)
+        convs, act = stack
+        h = x
+        for li, conv in enumerate(convs):
+            last = li == len(convs) - 1
+            if last and rows_np is not None:
+                targets = rows_np
+                bounds = np.arange(0, targets.shape[0] + 1, max(1, chunk_edges // max(1, _avg_degree(indptr_np))))
+                if bounds[-1] != targets.shape[0]:
+                    bounds = np.append(bounds, targets.shape[0])
+            else:
+                targets = None
+                bounds = chunk_bounds(indptr_np, chunk_edges)
+            out: Tensor | None = None
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                seeds = np.arange(a, b, dtype=np.int64) if targets is None else targets[a:b]
+                batch = sampler.sample(seeds, 0)
+                block = batch.blocks[0]
+                attach_edge_data([block], edge_weight, edge_feat)
+                block = _to(block, dev)
+                h_in = h.index_select(0, batch.node_ids.to(h.device)).to(dev)
+                y = conv(block, h_in)
+                if not last:
+                    y = act(y)
+                if out is None:
+                    total = n if targets is None else targets.shape[0]
+                    out = torch.empty((total, *y.shape[1:]), dtype=y.dtype, device=dev)
+                out[a:b] = y
+            assert out is not None
+            h = out
+        return h
+    finally:
+        model.train(was_training)
+
+
+def _avg_degree(indptr: np.ndarray) -> int:
+    n = indptr.shape[0] - 1
+    return max(1, int(indptr[-1]) // max(1, n))
+
+
+def _to(block: CSRGraph, device: torch.device) -> CSRGraph:
+    if block.device == device:
+        return block
+    moved = block.to(device)
+    for key in ("src_degree", "dst_degree"):
+        if key in block.cache:
+            moved.cache[key] = block.cache[key].to(device)
+    return moved
+
+
+def _rowwise(model: nn.Module, x: Tensor, rows: np.ndarray | None, device: torch.device,
+             chunk_rows: int) -> Tensor:
+    """Graph-agnostic models: the forward on chunks of rows (a featureless empty graph of that many rows)."""
+    ids = torch.arange(x.shape[0]) if rows is None else torch.from_numpy(rows)
+    outs = []
+    step = max(1, min(chunk_rows, 1 << 20))
+    for a in range(0, ids.shape[0], step):
+        sel = ids[a:a + step]
+        m = int(sel.shape[0])
+        g = CSRGraph(torch.zeros(m + 1, dtype=torch.int64, device=device),
+                     torch.zeros(0, dtype=torch.int64, device=device), m)
+        outs.append(model(g, x.index_select(0, sel.to(x.device)).to(device)))
+    return torch.cat(outs) if outs else torch.empty(0, device=device)

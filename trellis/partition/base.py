@@ -1,0 +1,319 @@
+"""The partitioner interface, the registry of methods by name, and the :class:`PartitionBook` result.
+
+Every method answers one question — which part owns each node — and states where each edge lives
+(its *ownership*), because exact distributed training must know whether a part pulls its in-edges'
+sources (destination-owned), pushes along its out-edges (source-owned), keeps both directions (Lotan's
+reverse placement) or splits nodes into a master and mirrors (vertex-cut). The result is a
+:class:`PartitionBook`; the partitioned layout (:mod:`trellis.partition.layout`) is derived from it and
+the store.
+
+A new method is one file: subclass :class:`Partitioner`, implement :meth:`Partitioner.assign`, and
+decorate it with :func:`register`; the CLI lists it automatically.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import secrets
+import shutil
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from trellis.data.store import GraphStore, check_output
+from trellis.errors import TrellisUserError
+
+#: Where edges live. ``dst``: with their destination's part (a part holds its nodes' in-edges; METIS,
+#: GREM, LDG/Fennel, random, hash by destination). ``src``: with their source's part (hash by source,
+#: GraphTheta's 1D default). ``reverse``: Lotan's scheme, each edge with its source in the forward graph
+#: and a reversed copy with its destination for back-propagation. ``vertex-cut``: each edge in the part
+#: its 2D grid hash picks; nodes have a master part and mirrors.
+OWNERSHIPS = ("dst", "src", "reverse", "vertex-cut")
+BOOK_FILE = "book.json"
+NODE_PARTS_FILE = "node_parts.npy"
+#: Default allowed imbalance: every part holds at most ``(1 + 0.05) * N / P`` nodes.
+DEFAULT_IMBALANCE = 0.05
+
+
+def part_cap(num_nodes: int, num_parts: int, imbalance: float) -> int:
+    """Largest allowed part size: ``floor((1 + imbalance) * N / P)`` but never below ``ceil(N / P)``."""
+    return max(-(-num_nodes // num_parts), int(math.floor((1.0 + imbalance) * num_nodes / num_parts)))
+
+
+@dataclass
+class PartitionBook:
+    """Node → part assignment plus what a consumer needs to place edges and interpret the result.
+
+    Attributes:
+        node_parts: ``int32 [N]`` part of every node (for vertex-cut: the node's master part).
+        num_parts: Number of parts ``P``.
+        method: Registered name of the method that produced it.
+        ownership: One of :data:`OWNERSHIPS` (where each edge is stored).
+        params: Options the method ran with (seed, chunk size, ...), recorded for reproducibility.
+        stats: Measurements of the run (``time_s``, ``peak_rss_mb``, ``peak_rss_anon_mb``, ...).
+    """
+
+    node_parts: np.ndarray
+    num_parts: int
+    method: str
+    ownership: str = "dst"
+    params: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.node_parts = np.ascontiguousarray(self.node_parts, dtype=np.int32)
+        if self.node_parts.ndim != 1:
+            raise ValueError("node_parts must be one-dimensional")
+        if self.ownership not in OWNERSHIPS:
+            raise ValueError(f"ownership {self.ownership!r} is not one of {OWNERSHIPS}")
+        if self.node_parts.size and (self.node_parts.min() < 0 or self.node_parts.max() >= self.num_parts):
+            raise ValueError("node_parts has a value outside [0, num_parts)")
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.node_parts.shape[0])
+
+    def part_sizes(self) -> np.ndarray:
+        """``int64 [P]`` number of nodes in each part."""
+        return np.bincount(self.node_parts, minlength=self.num_parts).astype(np.int64)
+
+    def nodes(self, part: int) -> np.ndarray:
+        """Global ids (ascending) of the nodes owned by ``part``."""
+        return np.flatnonzero(self.node_parts == part).astype(np.int64)
+
+    def edge_parts(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Part that stores each edge ``src[k] -> dst[k]`` (the forward copy under ``reverse``).
+
+        Computed, not stored: for vertex-cut the part is a hash of the endpoints, so no ``[E]`` array is
+        ever held.
+        """
+        if self.ownership == "dst":
+            return self.node_parts[dst]
+        if self.ownership in ("src", "reverse"):
+            return self.node_parts[src]
+        from trellis.partition.vertex_cut import grid_edge_parts
+
+        rows, cols = self.params["grid"]
+        return grid_edge_parts(src, dst, rows, cols, int(self.params.get("seed", 0)))
+
+    def metadata(self) -> dict[str, Any]:
+        """JSON-serialisable description (everything but ``node_parts``)."""
+        return {"num_nodes": self.num_nodes, "num_parts": self.num_parts, "method": self.method,
+                "ownership": self.ownership, "params": self.params, "stats": self.stats}
+
+    def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Write ``node_parts.npy`` and ``book.json`` into directory ``path`` atomically (temp dir + rename)."""
+        out = Path(path)
+        check_out_dir(out, overwrite=overwrite)
+        tmp = temp_sibling(out)
+        try:
+            self.write_into(tmp)
+            replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+
+    def write_into(self, directory: Path) -> list[str]:
+        """Write the book's two files into an existing directory; returns their names."""
+        np.save(directory / NODE_PARTS_FILE, self.node_parts)
+        (directory / BOOK_FILE).write_text(json.dumps(self.metadata(), indent=2, default=_json_default))
+        return [NODE_PARTS_FILE, BOOK_FILE]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, mmap: bool = False) -> PartitionBook:
+        """Read a book from a directory written by :meth:`save` or by the layout writer."""
+        d = Path(path)
+        if not (d / BOOK_FILE).is_file() or not (d / NODE_PARTS_FILE).is_file():
+            raise TrellisUserError(
+                f"{d}: not a partition directory (needs {BOOK_FILE} and {NODE_PARTS_FILE}); create one with "
+                "`trellis partition`"
+            )
+        meta = json.loads((d / BOOK_FILE).read_text())
+        parts = np.load(d / NODE_PARTS_FILE, mmap_mode="r" if mmap else None)
+        if parts.shape != (meta["num_nodes"],):
+            raise TrellisUserError(f"{d / NODE_PARTS_FILE}: shape {parts.shape} does not match {BOOK_FILE}")
+        return cls(parts, int(meta["num_parts"]), meta["method"], meta["ownership"],
+                   dict(meta.get("params", {})), dict(meta.get("stats", {})))
+
+
+def check_out_dir(out: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+    """Refuse an existing output unless ``overwrite``, and even then only replace a partition directory.
+
+    Like :func:`trellis.data.store.check_output` (which also accepts a store), but a directory saved by
+    :meth:`PartitionBook.save` has ``book.json`` and no manifest, so it counts as replaceable too: a
+    mistyped ``--out ~/data --overwrite`` must still not delete the user's files.
+    """
+    out = Path(out)
+    if out.is_dir() and not out.is_symlink() and overwrite and (out / BOOK_FILE).is_file():
+        return
+    check_output(out, overwrite=overwrite)
+
+
+def temp_sibling(out: Path) -> Path:
+    """Create and return an empty temporary directory beside ``out`` (same file system, so rename works).
+
+    A plain ``mkdir`` rather than ``mkdtemp``: the renamed result keeps the umask's mode, not 0700.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Rename a finished temp directory onto ``out``, replacing an old one only after the new one is whole."""
+    if out.exists():
+        trash = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, trash)
+        os.rename(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"not JSON serialisable: {type(obj)}")
+
+
+class Partitioner(ABC):
+    """A partitioning method. Subclasses implement :meth:`assign` and declare ``name``/``ownership``.
+
+    Args:
+        num_parts: Number of parts ``P`` (1 ≤ P ≤ number of nodes).
+        seed: Seed of every random choice; the same seed gives the same book (default: 0).
+        imbalance: Allowed imbalance ε: methods with ``balanced = True`` keep every part at most
+            ``part_cap(N, P, ε)`` nodes (default: 0.05).
+        progress: Show a progress bar where the method streams (default: False).
+    """
+
+    name: ClassVar[str] = ""
+    ownership: ClassVar[str] = "dst"
+    #: Whether the method guarantees the imbalance cap (hash-based methods only balance in expectation).
+    balanced: ClassVar[bool] = True
+
+    def __init__(self, num_parts: int, *, seed: int = 0, imbalance: float = DEFAULT_IMBALANCE,
+                 progress: bool = False) -> None:
+        if int(num_parts) < 1:
+            raise TrellisUserError(f"--parts must be at least 1 (got {num_parts})")
+        if not (0.0 <= float(imbalance) < 10.0):
+            raise TrellisUserError(f"--imbalance must be in [0, 10) (got {imbalance})")
+        self.num_parts = int(num_parts)
+        self.seed = int(seed)
+        self.imbalance = float(imbalance)
+        self.progress = progress
+
+    def options(self) -> dict[str, Any]:
+        """Options recorded in the book's ``params``."""
+        return {"seed": self.seed, "imbalance": self.imbalance}
+
+    def check_store(self, store: GraphStore) -> None:
+        """Reject a part count the graph cannot fill."""
+        if self.num_parts > store.num_nodes:
+            raise TrellisUserError(
+                f"--parts {self.num_parts} exceeds the graph's {store.num_nodes} nodes; every part needs a node"
+            )
+
+    def cap(self, num_nodes: int) -> int:
+        """Largest allowed part size for ``num_nodes`` nodes (see :func:`part_cap`)."""
+        return part_cap(num_nodes, self.num_parts, self.imbalance)
+
+    @abstractmethod
+    def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        """Return ``(node_parts int32 [N], extra params)`` for the graph in ``store``."""
+
+    def partition(self, store: GraphStore) -> PartitionBook:
+        """Partition ``store`` and return the book (measurements are added by :func:`partition_graph`)."""
+        self.check_store(store)
+        parts, extra = self.assign(store)
+        return PartitionBook(parts, self.num_parts, self.name, self.ownership, {**self.options(), **extra})
+
+
+_REGISTRY: dict[str, type[Partitioner]] = {}
+#: Command-line spelling of options whose flag is not ``--option-name``.
+_FLAGS = {"refine": "--no-refine"}
+_ALIASES: dict[str, str] = {}
+
+
+def register(name: str, *aliases: str) -> Any:
+    """Class decorator: register a :class:`Partitioner` under ``name`` (and optional aliases)."""
+    def deco(cls: type[Partitioner]) -> type[Partitioner]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        for alias in aliases:
+            _ALIASES[alias] = name
+        return cls
+    return deco
+
+
+def available_methods() -> list[str]:
+    """Registered method names (aliases excluded), in registration order."""
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def get_partitioner(method: str) -> type[Partitioner]:
+    """Look a method up by name or alias; unknown names are a user error listing the known ones."""
+    _load_builtin()
+    key = _ALIASES.get(method, method)
+    if key not in _REGISTRY:
+        raise TrellisUserError(
+            f"unknown partitioning method {method!r}; choose one of {', '.join(available_methods())}"
+        )
+    return _REGISTRY[key]
+
+
+def create_partitioner(method: str, num_parts: int, **options: Any) -> Partitioner:
+    """Instantiate a method; an option the method does not take is a user error naming it."""
+    cls = get_partitioner(method)
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "num_parts"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        flags = ", ".join(_FLAGS.get(k, "--" + k.replace("_", "-")) for k in unknown)
+        raise TrellisUserError(f"{flags} does not apply to --method {cls.name}")
+    return cls(num_parts, **options)
+
+
+def partition_graph(store: GraphStore, method: str, num_parts: int, *, measure: bool = True,
+                    **options: Any) -> PartitionBook:
+    """Partition a store with a registered method; records wall time and peak memory in ``book.stats``.
+
+    Args:
+        store: The graph.
+        method: A name from :func:`available_methods`.
+        num_parts: Number of parts.
+        measure: Sample peak ``RssAnon`` in a helper process (default: True); when False only wall time
+            and the kernel's peak RSS are recorded.
+        **options: Method options (``seed``, ``imbalance``, ``chunk_frac``, ...).
+    """
+    from trellis.partition.memory import PeakMemory
+
+    partitioner = create_partitioner(method, num_parts, **options)
+    partitioner.check_store(store)
+    with PeakMemory(sample=measure) as mem:
+        book = partitioner.partition(store)
+    rep = mem.report
+    book.stats.update(time_s=rep.time_s, peak_rss_mb=rep.peak_rss_mb, peak_rss_anon_mb=rep.peak_rss_anon_mb,
+                      base_rss_anon_mb=rep.base_rss_anon_mb)
+    return book
+
+
+_BUILTIN = ("hash", "vertex_cut", "reverse", "streaming", "grem", "metis")
+
+
+def _load_builtin() -> None:
+    """Import the built-in method modules so their ``@register`` decorators run."""
+    import importlib
+
+    for mod in _BUILTIN:
+        importlib.import_module(f"trellis.partition.{mod}")

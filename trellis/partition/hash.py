@@ -1,0 +1,68 @@
+"""Structure-blind baselines: balanced random placement and 1D hash placement (GraphTheta §4.1, §5.4).
+
+``hash`` places node ``v`` by a seeded integer hash of its id and keeps each edge with its **source**
+(GraphTheta's default "1D-edge" partition: a master and all its out-edges in one worker, so edge
+attributes and edge attention are computed without communication). ``hash-dst`` uses the same node
+placement but keeps each edge with its destination. ``random`` is a seeded, exactly balanced random
+placement (a shuffled round robin). None of them reads an edge, so they cost O(N) time and memory; they
+are the floor every structure-aware method must beat.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trellis.data.store import GraphStore
+from trellis.partition.base import Partitioner, register
+
+_NODE_CHUNK = 1 << 22
+
+
+def mix64(x: np.ndarray, seed: int) -> np.ndarray:
+    """SplitMix64 finaliser of ``x + seed``: a fast, well-mixed ``uint64`` hash of integer ids."""
+    z = np.asarray(x).astype(np.uint64) + np.uint64((int(seed) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def hash_parts(num_nodes: int, num_parts: int, seed: int) -> np.ndarray:
+    """``int32 [N]``: ``mix64(v, seed) mod P`` for every node id, computed in chunks."""
+    out = np.empty(num_nodes, dtype=np.int32)
+    for a in range(0, num_nodes, _NODE_CHUNK):
+        b = min(a + _NODE_CHUNK, num_nodes)
+        out[a:b] = (mix64(np.arange(a, b, dtype=np.uint64), seed) % np.uint64(num_parts)).astype(np.int32)
+    return out
+
+
+@register("random")
+class RandomPartitioner(Partitioner):
+    """Seeded random placement with exact balance (part sizes differ by at most one); edges with destination."""
+
+    ownership = "dst"
+
+    def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        n = store.num_nodes
+        parts = np.empty(n, dtype=np.int32)
+        parts[np.random.default_rng(self.seed).permutation(n)] = np.arange(n, dtype=np.int64) % self.num_parts
+        return parts, {}
+
+
+@register("hash", "hash-src")
+class HashSrcPartitioner(Partitioner):
+    """1D hash placement, edges with their source (GraphTheta's default; balanced only in expectation)."""
+
+    ownership = "src"
+    balanced = False
+
+    def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        return hash_parts(store.num_nodes, self.num_parts, self.seed), {}
+
+
+@register("hash-dst")
+class HashDstPartitioner(HashSrcPartitioner):
+    """1D hash placement, edges with their destination (GraphTheta's configurable alternative)."""
+
+    ownership = "dst"

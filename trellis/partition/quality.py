@@ -1,0 +1,196 @@
+"""Quality of a partition: edge cut, balance, replication, halo sizes and the exchange a GNN layer costs.
+
+All figures come from one streaming pass over the store's edges in chunks; the only O(N) state is a
+bitmask per node of the parts that need it as a halo node (``ceil(P/64)`` words per node), so the
+report is as memory-bounded as the streaming partitioners it judges.
+
+Definitions (``E`` stored edges, ``N`` nodes, ``P`` parts):
+
+* ``edge_cut_frac``: stored edges whose endpoints lie in different parts, over ``E`` (self loops are
+  never cut). For a symmetric store this equals the undirected fraction.
+* ``balance``: largest part (nodes) over ``N / P``; ``edge_balance``: the same over stored edges per part.
+* **halo** of part ``p``: the remote nodes ``p`` needs, which depends on edge ownership — the sources of
+  its in-edges (``dst``), the destinations of its out-edges (``src``), both (``reverse``), or the
+  mirrors of the nodes whose edges it holds (``vertex-cut``).
+* ``replication_factor``: ``(N + sum of halo sizes) / N`` — copies of a node's state per node.
+* **exchange** for one full-batch layer of width ``F`` (float32), after Lotan §5.1. A *single vector*
+  is ``4F`` bytes per (node, remote part) pair; a *per-edge map* is ``4F`` bytes per cut edge:
+
+  ============  ==========================================  =============================================
+  ownership     forward                                     backward
+  ============  ==========================================  =============================================
+  dst           pull halo sources: 1 vector per halo node   push their partial gradients back: same count
+  src           push partial sums to remote destinations    per-edge gradient maps back to the edges'
+                (1 vector per (dst, part))                  part: 1 vector per cut edge (Lotan's ``d``×)
+  reverse       as ``src``                                  reverse graph, single vectors per (src, part)
+  vertex-cut    mirrors → master partials + master → mirror values: 2 vectors per mirror, both ways
+  ============  ==========================================  =============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numba
+import numpy as np
+
+from trellis.data.store import GraphStore
+from trellis.partition.base import PartitionBook
+from trellis.partition.edges import edge_ranges
+
+#: Edges per chunk of the evaluation pass.
+DEFAULT_CHUNK_EDGES = 1 << 20
+FLOAT_BYTES = 4
+
+
+@numba.njit(cache=True, nogil=True)
+def mark_parts(nodes: np.ndarray, at_parts: np.ndarray, owner: np.ndarray, mask: np.ndarray) -> None:
+    """Set bit ``at_parts[k]`` of ``mask[nodes[k]]`` when that part is not the node's owner."""
+    for k in range(nodes.shape[0]):
+        v = nodes[k]
+        p = at_parts[k]
+        if owner[v] != p:
+            mask[v, p >> 6] |= np.uint64(1) << np.uint64(p & 63)
+
+
+@numba.njit(cache=True, nogil=True)
+def count_parts(mask: np.ndarray, num_parts: int) -> np.ndarray:
+    """``int64 [P]``: how many nodes have bit ``p`` set (halo size of each part)."""
+    out = np.zeros(num_parts, dtype=np.int64)
+    for v in range(mask.shape[0]):
+        for p in range(num_parts):
+            if (mask[v, p >> 6] >> np.uint64(p & 63)) & np.uint64(1):
+                out[p] += 1
+    return out
+
+
+def new_mask(num_nodes: int, num_parts: int) -> np.ndarray:
+    """Zeroed ``uint64 [N, ceil(P/64)]`` part bitmask."""
+    return np.zeros((num_nodes, max(1, -(-num_parts // 64))), dtype=np.uint64)
+
+
+def exchange_bytes(ownership: str, width: int, halo_in: int, halo_out: int, cut_edges: int,
+                   mirrors: int) -> tuple[int, int]:
+    """Estimated ``(forward, backward)`` bytes one layer of width ``width`` exchanges (module table)."""
+    vec = FLOAT_BYTES * int(width)
+    if ownership == "dst":
+        return vec * halo_in, vec * halo_in
+    if ownership == "src":
+        return vec * halo_out, vec * cut_edges
+    if ownership == "reverse":
+        return vec * halo_out, vec * halo_in
+    return 2 * vec * mirrors, 2 * vec * mirrors
+
+
+@dataclass
+class PartitionQuality:
+    """The quality report (``to_dict`` is what ``trellis partition --json`` prints)."""
+
+    method: str
+    num_parts: int
+    num_nodes: int
+    num_edges: int
+    ownership: str
+    edge_cut: int
+    edge_cut_frac: float
+    balance: float
+    edge_balance: float
+    replication_factor: float
+    width: int
+    exchange_fwd_bytes: int
+    exchange_bwd_bytes: int
+    time_s: float | None = None
+    peak_rss_mb: float | None = None
+    peak_rss_anon_mb: float | None = None
+    part_nodes: list[int] = field(default_factory=list)
+    part_halo: list[int] = field(default_factory=list)
+    part_edges: list[int] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self, max_rows: int = 32) -> str:
+        """Human-readable summary plus a per-part table (first ``max_rows`` parts)."""
+        def mb(x: float | None) -> str:
+            return "-" if x is None else f"{x:,.1f} MB"
+
+        lines = [
+            f"method             {self.method} (edges owned by: {self.ownership})",
+            f"parts              {self.num_parts}   nodes {self.num_nodes:,}   edges {self.num_edges:,}",
+            f"edge cut           {self.edge_cut:,} ({100 * self.edge_cut_frac:.2f}%)",
+            f"balance            {self.balance:.3f} nodes, {self.edge_balance:.3f} edges (max / mean)",
+            f"replication factor {self.replication_factor:.3f}",
+            f"exchange (F={self.width})  forward {self.exchange_fwd_bytes / 2**20:,.1f} MiB, "
+            f"backward {self.exchange_bwd_bytes / 2**20:,.1f} MiB per layer",
+            f"time               {'-' if self.time_s is None else f'{self.time_s:.2f} s'}",
+            f"peak memory        RSS {mb(self.peak_rss_mb)}, RssAnon {mb(self.peak_rss_anon_mb)}",
+            "",
+            f"{'part':>6} {'local':>12} {'halo':>12} {'edges':>14}",
+        ]
+        for p in range(min(self.num_parts, max_rows)):
+            lines.append(f"{p:>6} {self.part_nodes[p]:>12,} {self.part_halo[p]:>12,} {self.part_edges[p]:>14,}")
+        if self.num_parts > max_rows:
+            lines.append(f"   ... {self.num_parts - max_rows} more parts")
+        return "\n".join(lines)
+
+
+def evaluate(store: GraphStore, book: PartitionBook, *, width: int = 256,
+             chunk_edges: int = DEFAULT_CHUNK_EDGES) -> PartitionQuality:
+    """Compute the quality report of ``book`` on ``store`` in one chunked pass over the edges.
+
+    Args:
+        store: The graph the book partitions.
+        book: The partition.
+        width: Feature width ``F`` for the exchange estimate (default: 256).
+        chunk_edges: Edges per chunk of the pass (default: 1M).
+    """
+    n, num_parts = store.num_nodes, book.num_parts
+    parts = np.asarray(book.node_parts)
+    own = book.ownership
+    mask_in = new_mask(n, num_parts) if own in ("dst", "reverse") else None
+    mask_out = new_mask(n, num_parts) if own in ("src", "reverse") else None
+    mask_mir = new_mask(n, num_parts) if own == "vertex-cut" else None
+    cut = 0
+    part_edges = np.zeros(num_parts, dtype=np.int64)
+    for src, dst, _ in edge_ranges(store.indptr, store.indices, chunk_edges):
+        ps, pd = parts[src], parts[dst]
+        cut += int(np.count_nonzero(ps != pd))
+        if own == "vertex-cut":
+            ep = book.edge_parts(src, dst)
+            part_edges += np.bincount(ep, minlength=num_parts)
+            mark_parts(src, ep, parts, mask_mir)
+            mark_parts(dst, ep, parts, mask_mir)
+            continue
+        if mask_in is not None:  # the part of the destination needs the source
+            mark_parts(src, pd, parts, mask_in)
+        if mask_out is not None:  # the part of the source pushes to the destination
+            mark_parts(dst, ps, parts, mask_out)
+        part_edges += np.bincount(book.edge_parts(src, dst), minlength=num_parts)
+        if own == "reverse":  # the reversed copy lives with the destination
+            part_edges += np.bincount(pd, minlength=num_parts)
+    halo_in = count_parts(mask_in, num_parts) if mask_in is not None else np.zeros(num_parts, np.int64)
+    halo_out = count_parts(mask_out, num_parts) if mask_out is not None else np.zeros(num_parts, np.int64)
+    if own == "vertex-cut":
+        halo = count_parts(mask_mir, num_parts)
+    elif own == "reverse":
+        halo = count_parts(mask_in | mask_out, num_parts)
+    else:
+        halo = halo_in + halo_out
+    sizes = book.part_sizes()
+    fwd, bwd = exchange_bytes(own, width, int(halo_in.sum()), int(halo_out.sum()), cut, int(halo.sum()))
+    e = store.num_edges
+    mean_edges = part_edges.sum() / num_parts
+    return PartitionQuality(
+        method=book.method, num_parts=num_parts, num_nodes=n, num_edges=e, ownership=own,
+        edge_cut=cut, edge_cut_frac=cut / e if e else 0.0,
+        balance=float(sizes.max() * num_parts / n),
+        edge_balance=float(part_edges.max() / mean_edges) if mean_edges else 1.0,
+        replication_factor=float((n + halo.sum()) / n), width=int(width),
+        exchange_fwd_bytes=int(fwd), exchange_bwd_bytes=int(bwd),
+        time_s=book.stats.get("time_s"), peak_rss_mb=book.stats.get("peak_rss_mb"),
+        peak_rss_anon_mb=book.stats.get("peak_rss_anon_mb"),
+        part_nodes=sizes.tolist(), part_halo=halo.tolist(), part_edges=part_edges.tolist(),
+        params=dict(book.params),
+    )
