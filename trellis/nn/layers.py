@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trellis.nn.decl import LayerDecl
+from trellis.nn.dropout import dropout
 from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
 from trellis.ops.graph import CSRGraph
 from trellis.plan import GraphStats, LayerPlan, plan_layer
@@ -150,7 +151,7 @@ class GATConv(MessagePassing):
             ef = g.edge_feat
             logits = logits + ef @ self.att_edge
         alpha = edge_softmax(g, F.leaky_relu(logits, self.negative_slope))
-        alpha = F.dropout(alpha, self.dropout, self.training)
+        alpha = dropout(alpha, self.dropout, self.training)  # [E, heads]: the counter-based kernel
         out = spmm(g, z, alpha)
         if ef is not None:
             agg_e = segment_reduce(g, alpha.unsqueeze(-1) * ef.unsqueeze(1))  # [num_dst, heads, edge_dim]
