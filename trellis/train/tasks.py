@@ -120,7 +120,7 @@ class MulticlassTask(Task):
                     f"[0, {self.num_outputs}); every split node needs a class id (re-import with a clean split)")
 
     def labels_tensor(self, y: np.ndarray) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+        return torch.from_numpy(np.array(y, dtype=np.int64))  # a copy: store arrays are read-only maps
 
     def loss(self, logits: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(logits, y)
