@@ -155,3 +155,13 @@ def test_validation_errors_write_nothing(tmp_path):
         with pytest.raises(TrellisUserError, match=match):
             write_store(out, **{**g, **bad})
         assert_nothing_written(out)
+
+
+def test_preferred_feature_norm_follows_the_importer(tmp_path, data_dir):
+    from trellis.data.importers import import_graph
+    from trellis.data.store import open_store
+
+    cora = import_graph(data_dir / "cora", tmp_path / "cora", format="planetoid", progress=False)
+    assert open_store(cora).preferred_feature_norm == "row"
+    npz = import_graph(data_dir / "cora-npz", tmp_path / "coranpz", format="npz", progress=False)
+    assert open_store(npz).preferred_feature_norm == "none"

@@ -346,15 +346,16 @@ def test_killed_preprocessing_is_detected_and_redone(store_path, tmp_path) -> No
     np.testing.assert_allclose(c.hop(2), ref[2][np.asarray(c.rows)], rtol=1e-5, atol=1e-6)
 
 
-def test_feature_norm_row_for_nonnegative_features(tmp_path) -> None:
-    """auto = row L1 normalization when features are non-negative (the full-batch trainer's rule)."""
+def test_feature_norm_row_is_applied_and_keyed(tmp_path) -> None:
+    """Row L1 normalization before propagation; the cache is keyed on it (auto follows the store: none here)."""
     rng = np.random.default_rng(0)
     a = sp.random(50, 50, density=0.1, random_state=1, format="csr")
     x = rng.integers(0, 3, (50, 6)).astype(np.float32)
     x[7] = 0.0  # an all-zero row stays zero
     p = write_store(tmp_path / "bow", indptr=a.indptr, indices=a.indices, x=x, y=rng.integers(0, 2, 50),
                     splits={"train": np.arange(30), "val": np.arange(30, 40), "test": np.arange(40, 50)})
-    c, _ = ensure_pp(p, tmp_path / "pp", settings(), progress=False, log=None)
+    assert open_store(p).preferred_feature_norm == "none"
+    c, _ = ensure_pp(p, tmp_path / "pp", settings(feature_norm="row"), progress=False, log=None)
     assert c.feature_norm == "row"
     xn = x / np.maximum(np.abs(x).sum(1, keepdims=True), 1e-30)
     rows = np.asarray(c.rows)

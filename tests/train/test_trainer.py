@@ -182,18 +182,19 @@ def test_sigterm_subprocess_then_resume_is_exact(small_store, tmp_path):
 
 def test_feature_norm():
     x = torch.tensor([[1.0, 3.0], [0.0, 0.0], [2.0, 2.0]])
-    y, mode = normalize_features(x.clone(), "auto")
+    y, mode = normalize_features(x.clone(), "row")
     assert mode == "row" and torch.allclose(y, torch.tensor([[0.25, 0.75], [0.0, 0.0], [0.5, 0.5]]))
-    y, mode = normalize_features(torch.tensor([[1.0, -1.0]]), "auto")
+    y, mode = normalize_features(torch.tensor([[1.0, -1.0]]), "none")
     assert mode == "none" and torch.equal(y, torch.tensor([[1.0, -1.0]]))
     y, mode = normalize_features(torch.tensor([[1.0, -3.0]]), "row")
     assert mode == "row" and torch.allclose(y, torch.tensor([[0.25, -0.75]]))
 
 
 def test_feature_norm_recorded(tmp_path):
+    # auto follows the store: row for Planetoid imports (the GCN paper's preprocessing), none otherwise
     store = make_sbm_store(tmp_path / "nonneg", nonneg=True)
-    assert train(cfg_for(store, tmp_path / "r1", epochs=2))["feature_norm"] == "row"
-    assert train(cfg_for(store, tmp_path / "r2", epochs=2, feature_norm="none"))["feature_norm"] == "none"
+    assert train(cfg_for(store, tmp_path / "r1", epochs=2))["feature_norm"] == "none"
+    assert train(cfg_for(store, tmp_path / "r2", epochs=2, feature_norm="row"))["feature_norm"] == "row"
 
 
 def _store_without(tmp_path, drop):

@@ -53,7 +53,6 @@ from trellis.ops.propagate import (
     gather_rows,
     iter_hops,
     l1_normalize_rows,
-    resolve_feature_norm,
 )
 
 FORMAT = "trellis-ppcache"
@@ -144,7 +143,7 @@ class PPSettings:
         """These settings with ``feature_norm="auto"`` resolved against ``store``'s features."""
         if self.feature_norm != "auto" or store.x is None:
             return self
-        return replace(self, feature_norm=resolve_feature_norm(store.x, "auto"))
+        return replace(self, feature_norm=store.preferred_feature_norm)
 
 
 def _describe_key(key: dict[str, Any]) -> str:

@@ -265,25 +265,8 @@ def scales(op: str, deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------------------------------
 
 #: ``feature_norm`` modes: row = divide each row by its L1 norm (Kipf & Welling's preprocessing of
-#: bag-of-words features), none, auto = row exactly when every feature is non-negative.
+#: bag-of-words features), none, auto = the store's preference (``GraphStore.preferred_feature_norm``).
 FEATURE_NORMS = ("auto", "none", "row")
-
-
-def resolve_feature_norm(x: np.ndarray, mode: str, *, block_rows: int = 1 << 16) -> str:
-    """``row`` or ``none`` for ``mode``; ``auto`` streams ``x`` once to see whether it is non-negative.
-
-    The rule is the full-batch trainer's (``trellis train --feature-norm``), so pre-propagated and
-    message-passing models see the same inputs.
-    """
-    if mode not in FEATURE_NORMS:
-        raise TrellisUserError(f"unknown --feature-norm {mode!r}; use one of {', '.join(FEATURE_NORMS)}")
-    if mode != "auto":
-        return mode
-    n = x.shape[0]
-    for a, b in _row_blocks(n, block_rows):
-        if np.asarray(x[a:b]).min(initial=0.0) < 0:
-            return "none"
-    return "row" if n else "none"
 
 
 def l1_normalize_rows(x: np.ndarray, out: np.ndarray, *, block_rows: int = 1 << 16) -> np.ndarray:

@@ -125,8 +125,8 @@ class TrainConfig:
     metric: str | None = _f(None, "metric for early stopping and the summary (default: the task's, acc for "
                                   "multiclass)", metavar="NAME")
     feature_norm: str = _f("auto", "feature normalization: row = divide each row by its L1 norm (the GCN "
-                                   "paper's preprocessing), none, or auto = row when every feature is "
-                                   "non-negative (bag-of-words-like) (default: auto)", choices=FEATURE_NORMS)
+                                   "paper's preprocessing), none, or auto = the store's preference: row for "
+                                   "Planetoid imports, none otherwise (default: auto)", choices=FEATURE_NORMS)
     strategy: str = _f("full", "training strategy: full = full-batch, mini = neighbour-sampled mini-batches, "
                                "cluster = cluster-batches (default: full)", choices=STRATEGIES)
     fanouts: str | None = _f(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "

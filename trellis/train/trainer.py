@@ -120,14 +120,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def normalize_features(x: Tensor, mode: str) -> tuple[Tensor, str]:
-    """Apply ``--feature-norm`` in place; returns ``(x, resolved mode)``.
+    """Apply ``--feature-norm`` (already resolved to ``row`` or ``none``) in place; returns ``(x, mode)``.
 
-    ``row`` divides each row by its L1 norm (Kipf & Welling's preprocessing of bag-of-words features);
-    ``auto`` picks ``row`` exactly when every feature is non-negative, which is what bag-of-words and
-    TF-IDF features look like, and leaves signed (e.g. Gaussian or embedding) features alone.
+    ``row`` divides each row by its L1 norm (Kipf & Welling's preprocessing of bag-of-words features).
+    ``auto`` is resolved by the caller from the store (:attr:`GraphStore.preferred_feature_norm`).
     """
-    if mode == "auto":
-        mode = "row" if x.numel() and bool((x >= 0).all()) else "none"
     if mode == "row":
         norm = x.abs().sum(dim=1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
         x.div_(norm)  # all-zero rows stay zero
@@ -154,6 +151,8 @@ def load_graph_data(store_path: str | Path, *, device: torch.device, task: str =
     x = torch.from_numpy(np.array(store.x, dtype=np.float32, copy=True))
     if x.ndim == 1:
         x = x.unsqueeze(1)
+    if feature_norm == "auto":
+        feature_norm = store.preferred_feature_norm
     x, resolved_norm = normalize_features(x, feature_norm)
     graph = CSRGraph.from_store(store).to(device)
     y_t: Tensor | None = None
