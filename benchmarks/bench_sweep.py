@@ -21,7 +21,8 @@ forward and backward), dense matmuls, dropout's random numbers and the rest (ele
 what batching can share (the aggregation's random row accesses and, for evaluation, the cached first
 aggregation) versus what it cannot (every configuration's own matmuls and masks). ``--ab K`` alternates
 one epoch of the 12 solo models with one epoch of the batched model(s) a few times (robust to a shared
-machine's drifting load) and repeats it with the rewrites off, which isolates batching itself.
+machine's drifting load; the speedup is the median of the per-repetition ratios) and repeats it with the
+rewrites off, which isolates batching itself.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ def _ab(store: str, k: Any, reps: int, rewrites: tuple[str, ...]) -> dict[str, A
         tb.append(time.perf_counter() - t)
     return {"k": kk, "rewrites": list(rewrites), "solo_epoch_s": statistics.median(ts),
             "batched_epoch_s": statistics.median(tb), "solo_all": ts, "batched_all": tb,
-            "speedup": statistics.median(ts) / statistics.median(tb)}
+            "speedup": statistics.median([s / b for s, b in zip(ts, tb)])}
 
 
 def _cli_baseline(store: str, work: Path, epochs: int) -> dict[str, Any]:
@@ -289,6 +290,7 @@ def main() -> None:
     p.add_argument("--ab", default="", help="interleaved per-epoch A/B at these K (e.g. 12,4); each also "
                                             "without rewrites (batching alone)")
     p.add_argument("--only-ab", action="store_true", help="run only the interleaved A/B")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of the interleaved A/B (default: 3)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     if a.child:
@@ -301,7 +303,8 @@ def main() -> None:
         for k in [k for k in a.ab.split(",") if k]:
             for rw in (list(DEFAULT), []):
                 res = run_isolated("benchmarks.bench_sweep", {"mode": "ab", "store": store, "k": k, "rewrites": rw,
-                                                              "work": str(work), "epochs": a.epochs})
+                                                              "work": str(work), "epochs": a.epochs,
+                                                              "reps": a.reps})
                 res.update(graph=name, load_avg=os.getloadavg()[0])
                 abs_.append(res)
                 print(json.dumps(res), flush=True)

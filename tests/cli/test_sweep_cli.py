@@ -41,9 +41,11 @@ def test_sweep_writes_a_leaderboard_and_prints_json(store, tmp_path, capsys):
 
 def test_explain_prints_the_choice_of_k_and_the_batched_plan(store, capsys):
     rc, out, _ = run(capsys, "sweep", store, "--grid", "hidden=8,16,32", "dropout=0,0.5", "--explain")
-    assert rc == 0
-    assert "6 configurations" in out and "model batching: K =" in out and "<- chosen" in out
-    assert "spmm" in out and "configurations, graph read once" in out and "cached: once" in out
+    assert rc == 0 and "6 configurations" in out and "model batching: K =" in out and "<- chosen" in out
+    rc, out, _ = run(capsys, "sweep", store, "--grid", "hidden=8,16,32", "dropout=0,0.5", "--explain",
+                     "--batch-models", "6")
+    assert rc == 0 and "K = 6 (--batch-models 6)" in out
+    assert "spmm" in out and "6 configurations, graph read once" in out and "cached: once" in out
     rc, out, _ = run(capsys, "sweep", store, "--grid", "hidden=8,16", "--batch-models", "1", "--explain")
     assert rc == 0 and "K = 1 (--batch-models 1)" in out
 

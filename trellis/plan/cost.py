@@ -37,21 +37,25 @@ class Cost:
 
     ``accesses`` counts random row accesses of the graph engine (one per edge for a gather or SpMM): a
     random row costs a cache miss whatever its width, which is what model batching amortizes (K models
-    read each edge's source row once, as one wide row). It enters the time model, not the byte count.
+    read each edge's source row once, as one wide row). ``draws`` counts random numbers drawn (dropout
+    masks; PyTorch draws them serially on CPU, one generator stream per tensor). Both enter the time
+    model, not the FLOP or byte counts.
     """
 
     flops: float
     bytes: float
     out_bytes: float
     accesses: float = 0.0
+    draws: float = 0.0
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(self.flops + other.flops, self.bytes + other.bytes, self.out_bytes + other.out_bytes,
-                    self.accesses + other.accesses)
+                    self.accesses + other.accesses, self.draws + other.draws)
 
     def scale(self, factor: float) -> Cost:
         """This cost ``factor`` times (e.g. a backward pass that repeats the forward's work)."""
-        return Cost(self.flops * factor, self.bytes * factor, self.out_bytes * factor, self.accesses * factor)
+        return Cost(self.flops * factor, self.bytes * factor, self.out_bytes * factor, self.accesses * factor,
+                    self.draws * factor)
 
 
 ZERO = Cost(0.0, 0.0, 0.0)
@@ -102,17 +106,13 @@ def elementwise_cost(rows: int, width: int, flops_per: float = 1.0) -> Cost:
     return Cost(flops_per * rows * width, 2 * FLOAT * rows * width, rows * width * FLOAT)
 
 
-#: FLOP-equivalents of drawing one random number (dropout's Bernoulli mask is as costly as a few FLOPs).
-RNG_FLOPS = 8.0
-
-
 def dropout_cost(rows: int, width: int) -> Cost:
     """Dropout as eager PyTorch runs it: draw a Bernoulli mask, scale it, multiply (three passes).
 
     The mask is kept for backward besides the output, so the op keeps two tensors alive.
     """
     n = rows * width
-    return Cost((RNG_FLOPS + 2.0) * n, 7 * FLOAT * n, 2 * FLOAT * n)
+    return Cost(3.0 * n, 7 * FLOAT * n, 2 * FLOAT * n, draws=float(n))
 
 
 def backward_cost(kind: str, forward: Cost, input_grad: bool = True) -> Cost:
@@ -150,6 +150,8 @@ BYTES_PER_S = 1e10
 #: ``t(width) = E * (ACCESS_S + 4 * width / BYTES_PER_S)`` over SpMMs of width 16..1536 on a 100k-node /
 #: 2M-edge graph: the intercept is worth about 10 feature columns.
 ACCESS_S = 4e-9
+#: Seconds per random number of a dropout mask (``bernoulli_`` runs serially on CPU; measured ~1e-8).
+RNG_S = 1e-8
 #: Fixed cost of launching one tensor op (dispatch, allocation): Lotan §7.2.3's intercept.
 OP_OVERHEAD_S = 2e-5
 
@@ -157,10 +159,11 @@ OP_OVERHEAD_S = 2e-5
 def seconds(c: Cost) -> float:
     """Estimated time of a cost: compute and memory traffic, whichever dominates, plus a share of the other.
 
-    Random row accesses (``c.accesses``) add their latency on top of the streamed bytes.
+    Random row accesses (``c.accesses``) add their latency on top of the streamed bytes, random numbers
+    (``c.draws``) their serial generation.
     """
     a, b = c.flops / FLOPS_PER_S, c.bytes / BYTES_PER_S
-    return max(a, b) + 0.25 * min(a, b) + c.accesses * ACCESS_S
+    return max(a, b) + 0.25 * min(a, b) + c.accesses * ACCESS_S + c.draws * RNG_S
 
 
 def graph_bytes(s: GraphStats) -> float:

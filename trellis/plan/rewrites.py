@@ -88,7 +88,8 @@ def fuse_elementwise(plan: LayerPlan) -> LayerPlan:
             moved = sum(o.cost.bytes for o in run)
             names = "+".join(o.detail.split(" ", 1)[0] for o in run)
             width = run[-1].detail.split(" ", 1)[1] if " " in run[-1].detail else ""
-            ops.append(Op("fused", f"{names} {width}".strip(), C.Cost(flops, moved, out),
+            draws = sum(o.cost.draws for o in run)
+            ops.append(Op("fused", f"{names} {width}".strip(), C.Cost(flops, moved, out, 0.0, draws),
                           input_grad=any(o.input_grad for o in run), launches=max(o.launches for o in run)))
         run.clear()
 
@@ -99,7 +100,8 @@ def fuse_elementwise(plan: LayerPlan) -> LayerPlan:
         # columns of the wide SpMM input: the concatenation pass disappears.
         d, c = src[0], src[1]
         src[:2] = [Op("fused", f"dropout+concat x{d.launches} -> {c.detail.rsplit(' ', 1)[-1]} wide",
-                      C.Cost(d.cost.flops, d.cost.bytes, c.cost.out_bytes), input_grad=False, launches=d.launches)]
+                      C.Cost(d.cost.flops, d.cost.bytes, c.cost.out_bytes, 0.0, d.cost.draws), input_grad=False,
+                      launches=d.launches)]
     for op in src:
         if op.kind == "elementwise" and op.fusable and not op.cached:
             run.append(op)
