@@ -8,8 +8,10 @@
 ``speed``: a generated planted-partition graph (``trellis.data.generate.generate_sbm``) with 80% of the
 nodes in the training split (>= 1M training rows), preprocessed once with ``sym`` and R hops (timed, in its
 own process). Then, for each model and loader mode, a separate process (so peak-memory figures are its
-own) trains ``--epochs`` epochs and reports the median training-only epoch time, the loader-only epoch
-time (iterating batches without a model), peak RssAnon and peak RSS, and ``/proc/self/io`` read_bytes:
+own) trains ``--epochs`` epochs and reports the median training-only epoch time (first epoch excluded), the
+loader-only epoch time (iterating batches without a model), peak RssAnon and peak RSS, and ``/proc/self/io``
+read_bytes; the sweep is repeated ``--rounds`` times and medians over rounds are reported (other processes'
+load on a shared machine drifts over minutes):
 
     (a)  naive        torch DataLoader over a TensorDataset (per-row __getitem__ + collate)
     (a') naive-batch  the same DataLoader fed whole index batches by a BatchSampler (NOTES #5)
@@ -125,7 +127,9 @@ def child_epoch(a: argparse.Namespace) -> dict[str, Any]:
         data.close()
     warm = epoch_s[1:] if len(epoch_s) > 1 else epoch_s
     return {"model": a.model, "mode": a.mode, "placement": pl.to_dict(), "epoch_s": epoch_s,
-            "epoch_median_s": statistics.median(warm), "loader_only_s": statistics.median(load_s) if load_s else None,
+            "epoch_median_s": statistics.median(warm), "epoch_min_s": min(warm),
+            "loader_only_s": statistics.median(load_s) if load_s else None,
+            "loader_only_min_s": min(load_s) if load_s else None,
             "read_bytes_per_epoch": statistics.median(reads), "peak_rss_anon": mem.peak_anon, "peak_rss": mem.peak_rss,
             "batches": len(data.train), "threads": torch.get_num_threads()}
 
@@ -171,23 +175,34 @@ def run_speed(a: argparse.Namespace) -> dict[str, Any]:
     st = open_store(store, verify=False)
     n_train = int(st.split("train").shape[0])
     pp = work / f"pp-sym-R{a.hops}"
-    pre = _child(["_preprocess", "--store", str(store), "--pp", str(pp), "--hops", str(a.hops)])
+    if a.reuse and (pp / "COMPLETE").exists():  # keep an earlier build; report its recorded build time
+        from trellis.loader.ppcache import open_pp
+
+        c = open_pp(pp)
+        pre = {"seconds": c.manifest["build"]["seconds"], "action": "reused", "bytes": c.nbytes(),
+               "peak_rss_anon": 0, "peak_rss": 0, "write_bytes": 0}
+    else:
+        pre = _child(["_preprocess", "--store", str(store), "--pp", str(pp), "--hops", str(a.hops)])
     print(f"preprocess: {pre['seconds']:.1f} s, {_gib(pre['bytes'])}, peak RssAnon {_mib(pre['peak_rss_anon'])}",
           file=sys.stderr)
     budget = pre["bytes"] // 4
-    results: list[dict[str, Any]] = []
-    for model in a.models.split(","):
-        for mode in a.modes.split(","):
-            argv = ["_epoch", "--pp", str(pp), "--model", model, "--mode", mode, "--batch-size", str(a.batch_size),
-                    "--epochs", str(a.epochs), "--hidden", str(a.hidden), "--threads", str(a.threads),
-                    "--load-epochs", str(a.load_epochs)]
-            if mode == "storage":
-                argv += ["--budget", str(budget)]
-            r = _child(argv)
-            results.append(r)
-            print(f"{model:5s} {LABELS[mode]:30s} epoch {r['epoch_median_s']:7.3f} s  loader-only "
-                  f"{r['loader_only_s'] or 0:7.3f} s  RssAnon {_mib(r['peak_rss_anon']):>9s}  RSS "
-                  f"{_mib(r['peak_rss']):>9s}  read/epoch {_mib(r['read_bytes_per_epoch']):>9s}", file=sys.stderr)
+    rounds: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rnd in range(a.rounds):  # whole sweeps repeated: load from other processes drifts over minutes
+        for model in a.models.split(","):
+            for mode in a.modes.split(","):
+                argv = ["_epoch", "--pp", str(pp), "--model", model, "--mode", mode, "--batch-size",
+                        str(a.batch_size), "--epochs", str(a.epochs), "--hidden", str(a.hidden), "--threads",
+                        str(a.threads), "--load-epochs", str(a.load_epochs)]
+                if mode == "storage":
+                    argv += ["--budget", str(budget)]
+                r = _child(argv)
+                r["loadavg"] = os.getloadavg()[0]
+                rounds.setdefault((model, mode), []).append(r)
+                print(f"round {rnd} {model:5s} {LABELS[mode]:30s} epoch {r['epoch_median_s']:7.3f} s  loader-only "
+                      f"{r['loader_only_s'] or 0:7.3f} s  RssAnon {_mib(r['peak_rss_anon']):>9s}  RSS "
+                      f"{_mib(r['peak_rss']):>9s}  read/epoch {_mib(r['read_bytes_per_epoch']):>9s}  "
+                      f"load {r['loadavg']:.1f}", file=sys.stderr)
+    results = [_merge_rounds(rs) for rs in rounds.values()]
     train = None
     if a.train_run:
         train = _child(["_train", "--store", str(store), "--pp", str(pp), "--model", "sign", "--hidden",
@@ -198,6 +213,18 @@ def run_speed(a: argparse.Namespace) -> dict[str, Any]:
     return {"nodes": a.nodes, "edges": st.num_edges, "train_rows": n_train, "features": a.features, "hops": a.hops,
             "batch_size": a.batch_size, "hidden": a.hidden, "preprocess": pre, "budget_storage": budget,
             "results": results, "train_run": train, "machine": _machine()}
+
+
+def _merge_rounds(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row per (model, mode): median over rounds of each round's median; min over all epochs."""
+    out = dict(rs[0])
+    for key in ("epoch_median_s", "loader_only_s", "read_bytes_per_epoch"):
+        out[key] = statistics.median(r[key] for r in rs)
+    out["epoch_min_s"] = min(r["epoch_min_s"] for r in rs)
+    for key in ("peak_rss_anon", "peak_rss"):
+        out[key] = max(r[key] for r in rs)
+    out["rounds"] = [{k: r[k] for k in ("epoch_s", "loader_only_s", "loadavg")} for r in rs]
+    return out
 
 
 def _machine() -> dict[str, Any]:
@@ -211,9 +238,10 @@ def _machine() -> dict[str, Any]:
 def print_speed(rep: dict[str, Any]) -> None:
     print(f"\n## SGC/SIGN epoch time by loader — {rep['train_rows']:,} training rows, {rep['hops']} hops, "
           f"{rep['features']} features, batch {rep['batch_size']}, SIGN hidden {rep['hidden']}\n")
-    print("| model | loader | epoch (s) | loader only (s) | vs (a) | vs (a') | peak RssAnon | peak RSS | "
+    print("| model | loader | epoch median (min) s | loader only (s) | vs (a) | vs (a') | peak RssAnon | peak RSS | "
           "read/epoch |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    half = rep["preprocess"]["bytes"] / 2
     for model in dict.fromkeys(r["model"] for r in rep["results"]):
         rows = {r["mode"]: r for r in rep["results"] if r["model"] == model}
         a0 = rows.get("naive", {}).get("epoch_median_s")
@@ -222,10 +250,15 @@ def print_speed(rep: dict[str, Any]) -> None:
             t = r["epoch_median_s"]
             va = f"{a0 / t:.1f}×" if a0 else "–"
             vb = f"{a1 / t:.1f}×" if a1 else "–"
-            print(f"| {model} | {LABELS[mode]} | {t:.3f} | {r['loader_only_s']:.3f} | {va} | {vb} | "
-                  f"{_mib(r['peak_rss_anon'])} | {_mib(r['peak_rss'])} | {_mib(r['read_bytes_per_epoch'])} |")
+            print(f"| {model} | {LABELS[mode]} | {t:.3f} ({r.get('epoch_min_s', t):.3f}) | {r['loader_only_s']:.3f} | "
+                  f"{va} | {vb} | {_mib(r['peak_rss_anon'])} | {_mib(r['peak_rss'])} | "
+                  f"{_mib(r['read_bytes_per_epoch'])} |")
+        if "chunk" in rows and "storage" in rows:
+            d, e = rows["chunk"], rows["storage"]
+            print(f"\n{model}: storage-backed throughput = {d['epoch_median_s'] / e['epoch_median_s']:.2f}× of (d); "
+                  f"its peak RSS {_mib(e['peak_rss'])} vs half the preprocessed data {_mib(half)}\n")
     pre = rep["preprocess"]
-    print(f"\npreprocessing (sym, R={rep['hops']}, {rep['nodes']:,} nodes, {rep['edges']:,} edges): "
+    print(f"preprocessing (sym, R={rep['hops']}, {rep['nodes']:,} nodes, {rep['edges']:,} edges): "
           f"{pre['seconds']:.1f} s, output {_gib(pre['bytes'])}, peak RssAnon {_mib(pre['peak_rss_anon'])}; "
           f"storage budget {_gib(rep['budget_storage'])}")
     if rep.get("train_run"):
@@ -233,6 +266,9 @@ def print_speed(rep: dict[str, Any]) -> None:
         print(f"one training run (SIGN, auto placement, early stopping): {t['run_time_s']:.1f} s "
               f"({t['epochs_total']} epochs, median epoch {t['epoch_time_median_s']:.2f} s, test acc "
               f"{t['test_acc_mean'] * 100:.2f}%); preprocessing / run = {pre['seconds'] / t['run_time_s']:.2f}")
+    m = rep["machine"]
+    print(f"\nmachine: {m['cpus']} CPUs, {m['ram'] / 2**30:.0f} GiB RAM, torch {m['torch']}, "
+          f"load average at the end {m['loadavg_at_end']}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -308,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--modes", default=",".join(MODES))
         p.add_argument("--train-run", action=argparse.BooleanOptionalAction, default=True)
         p.add_argument("--train-epochs", type=int, default=30)
+        p.add_argument("--reuse", action="store_true", help="reuse an existing preprocessed cache in --work")
+        p.add_argument("--rounds", type=int, default=2, help="repeat the sweep; medians over rounds")
         a = p.parse_args(argv)
         rep = run_speed(a)
         print_speed(rep)
@@ -326,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(argv)
         rep = run_accuracy(a)
         print_accuracy(rep)
+    elif cmd == "report":  # re-print a saved report: python -m benchmarks.bench_pp report FILE
+        rep = json.loads(Path(argv[0]).read_text())
+        (print_speed if "results" in rep and "train_rows" in rep else print_accuracy)(rep)
+        return 0
     elif cmd in ("_preprocess", "_epoch", "_train"):
         p.add_argument("--store")
         p.add_argument("--pp")

@@ -228,7 +228,7 @@ def train_pp(store: GraphStore | str | os.PathLike[str], pp_dir: PPCache | str |
     device = torch.device(cfg.device)
     hops = hops_used(cfg.model, cache.hops)
     placement = plan_placement(cache, hops, cfg.batch_size, loader=cfg.loader, chunk_size=cfg.chunk_size,
-                               memory_budget=cfg.memory_budget)
+                               memory_budget=cfg.memory_budget, device=device)
     if log:
         log(placement.describe())
     out = Path(cfg.out) if cfg.out else None
