@@ -1,4 +1,4 @@
-"""``trellis preprocess`` and ``trellis train-pp``: success paths, reuse, and bad input → exit 2."""
+"""``trellis preprocess`` and ``trellis train --strategy pp``: success paths, reuse, and bad input → exit 2."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def one_thread():
     import torch
 
     n = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 
@@ -71,8 +72,8 @@ def test_preprocess_operators_and_progress(store, tmp_path, capsys) -> None:
 
 def test_train_pp_end_to_end(store, pp_dir, tmp_path, capsys) -> None:
     run = tmp_path / "run"
-    rc = main(["train-pp", str(store), "--pp-dir", str(pp_dir), "--model", "sign", "--hidden", "16",
-               "--epochs", "30", "--batch-size", "32", "--runs", "2", "--out", str(run), "--json", "--threads", "1"])
+    rc = main(["train", str(store), "--strategy", "pp", "--pp-dir", str(pp_dir), "--model", "sign", "--hidden", "16",
+               "--epochs", "30", "--batch-size", "32", "--runs", "2", "--out", str(run), "--json"])
     assert rc == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
@@ -85,10 +86,10 @@ def test_train_pp_end_to_end(store, pp_dir, tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize("model,loader", [("sgc", "storage"), ("hoga", "chunk")])
-def test_train_pp_models_and_loaders(store, pp_dir, model, loader, capsys) -> None:
-    rc = main(["train-pp", str(store), "--pp-dir", str(pp_dir), "--model", model, "--hidden", "16",
-               "--epochs", "3", "--batch-size", "32", "--chunk-size", "8", "--loader", loader, "--json",
-               "--threads", "1"])
+def test_train_pp_models_and_loaders(store, pp_dir, model, loader, tmp_path, capsys) -> None:
+    rc = main(["train", str(store), "--strategy", "pp", "--pp-dir", str(pp_dir), "--model", model, "--hidden", "16",
+               "--epochs", "3", "--batch-size", "32", "--chunk-size", "8", "--pp-loader", loader, "--json",
+               "--out", str(tmp_path / "run")])
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["placement"]["loader"] == loader
 
@@ -118,20 +119,40 @@ def test_pp_dir_from_other_store_refused(pp_dir, tmp_path, capsys) -> None:
     other = make_store(tmp_path / "other", seed=1)
     assert main(["preprocess", str(other), "--hops", "2", "--out", str(pp_dir)]) == 2
     assert "another store" in err_of(capsys)
-    assert main(["train-pp", str(other), "--pp-dir", str(pp_dir), "--epochs", "1"]) == 2
+    assert main(["train", str(other), "--strategy", "pp", "--pp-dir", str(pp_dir), "--epochs", "1",
+                 "--out", str(tmp_path / "run")]) == 2
     assert "preprocessed from another store" in err_of(capsys)
+    assert not (tmp_path / "run").exists()
 
 
 def test_budget_too_small_for_one_batch(store, pp_dir, capsys) -> None:
-    assert main(["train-pp", str(store), "--pp-dir", str(pp_dir), "--memory-budget", "4KiB", "--epochs", "1"]) == 2
+    assert main(["train", str(store), "--strategy", "pp", "--pp-dir", str(pp_dir), "--memory-budget", "4KiB",
+                 "--epochs", "1"]) == 2
     err = err_of(capsys)
     assert "too small for one batch" in err and "--batch-size" in err
-    assert main(["train-pp", str(store), "--pp-dir", str(pp_dir), "--memory-budget", "lots"]) == 2
+    assert main(["train", str(store), "--strategy", "pp", "--pp-dir", str(pp_dir), "--memory-budget", "lots"]) == 2
     assert "cannot read the size" in err_of(capsys)
 
 
 def test_missing_or_incomplete_pp_dir(store, tmp_path, capsys) -> None:
-    assert main(["train-pp", str(store), "--pp-dir", str(tmp_path / "nope")]) == 2
+    assert main(["train", str(store), "--strategy", "pp", "--pp-dir", str(tmp_path / "nope")]) == 2
     assert "trellis preprocess" in err_of(capsys)
     assert main(["preprocess", str(tmp_path / "nostore"), "--out", str(tmp_path / "pp")]) == 2
     assert "not a Trellis store" in err_of(capsys)
+
+
+def test_pp_model_needs_pp_strategy_and_dir(store, pp_dir, tmp_path, capsys) -> None:
+    assert main(["train", str(store), "--model", "sign", "--out", str(tmp_path / "r")]) == 2
+    assert "--strategy pp --pp-dir" in err_of(capsys)
+    assert main(["train", str(store), "--strategy", "pp", "--model", "gcn", "--pp-dir", str(pp_dir)]) == 2
+    assert "--strategy pp trains sgc, sign, hoga" in err_of(capsys)
+    assert main(["train", str(store), "--strategy", "pp", "--model", "sgc"]) == 2
+    assert "needs --pp-dir" in err_of(capsys)
+    assert not (tmp_path / "r").exists()
+
+
+def test_train_pp_explain(store, pp_dir, capsys) -> None:
+    assert main(["train", str(store), "--strategy", "pp", "--model", "sign", "--pp-dir", str(pp_dir),
+                 "--explain", "--memory-budget", "1G"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters" in out and "placement: memory" in out

@@ -29,6 +29,7 @@ examples:
   trellis train STORE --set lr=0.005 hidden=64     overrides as KEY=VALUE
   trellis train --config RUN_DIR/config.json --out NEW_DIR   repeat a run
   trellis train --resume RUN_DIR                   continue a killed run exactly
+  trellis train STORE --strategy pp --pp-dir PP_DIR --model sign   SIGN from `trellis preprocess` output
 """
 
 
@@ -124,7 +125,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(format_summary(summary), file=sys.stderr if cfg.json else sys.stdout)
     if cfg.json:
         sys.stdout.flush()
-        print(json.dumps(summary))
+        print(json.dumps(summary, default=str))
     return 0
 
 

@@ -118,7 +118,7 @@ class PPSettings:
             only the split rows fit the free disk space).
         shuffle_seed: Seed of the one-time shuffle of training rows (default: 0).
         feature_norm: ``auto``, ``none`` or ``row`` (L1 row normalization of X before propagating; auto =
-            row when all features are non-negative, the full-batch trainer's rule) (default: auto).
+            the store's preference, the full-batch trainer's rule) (default: auto).
     """
 
     operator: OperatorSpec = field(default_factory=OperatorSpec)

@@ -34,8 +34,15 @@ from trellis.train.tasks import TASKS
 #: Model names known even before ``trellis.nn`` imports (used only if it cannot be imported).
 _FALLBACK_MODELS = ("gcn", "sage", "gin", "gat", "gate", "mlp")
 
-#: Training strategies; full-batch, mini-batch (neighbour sampling) and cluster-batch (trellis.train.minibatch).
-STRATEGIES = ("full", "mini", "cluster")
+#: Training strategies; full-batch, mini-batch (neighbour sampling) and cluster-batch (trellis.train.minibatch),
+#: and pre-propagation (trellis.train.pp: SGC/SIGN/HOGA from a ``trellis preprocess`` cache).
+STRATEGIES = ("full", "mini", "cluster", "pp")
+
+#: Models of the ``pp`` strategy (trellis.nn.pp_models.PP_MODELS); they train on no other strategy.
+PP_MODELS = ("sgc", "sign", "hoga")
+
+#: ``--pp-loader`` choices (trellis.loader.pp.LOADERS; auto = the placement planner's choice).
+PP_LOADERS = ("auto", "naive", "naive-batch", "index", "prefetch", "chunk", "storage")
 
 #: Models the mini- and cluster-batch strategies train (message-passing stacks and the graph-free MLP).
 BATCH_MODELS = ("gcn", "sage", "gin", "gat", "gate", "mlp")
@@ -64,7 +71,14 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "sage": {"hidden": 64},
     "gin": {"hidden": 64},
     "mlp": {"hidden": 64},
+    # Pre-propagation models (PP-GNN §6 setups): wide MLPs, no L2 penalty, large batches.
+    "sgc": {"hidden": 256, "weight_decay": 0.0, "patience": 50},
+    "sign": {"hidden": 256, "weight_decay": 0.0, "patience": 50},
+    "hoga": {"hidden": 256, "heads": 4, "weight_decay": 0.0, "patience": 50},
 }
+
+#: Per-strategy defaults of fields that depend on the strategy (``None`` until resolved).
+STRATEGY_DEFAULTS: dict[str, dict[str, Any]] = {"pp": {"batch_size": 8192}}
 
 #: Fields that describe one invocation rather than the experiment: not written to ``config.json`` and
 #: allowed to differ when a run is resumed.
@@ -97,8 +111,8 @@ class TrainConfig:
     """
 
     store: str | None = _f(None, "graph store directory (from `trellis data import|generate`)", metavar="STORE")
-    model: str = _f("gcn", "model: gcn, sage, gin, gat, gate (GAT with edge features) or mlp (default: gcn)",
-                    metavar="NAME")
+    model: str | None = _f(None, "model: gcn, sage, gin, gat, gate (GAT with edge features) or mlp; sgc, sign or hoga "
+                                 "with --strategy pp (default: gcn; pp sign)", metavar="NAME")
     hidden: int | None = _f(None, "hidden width, per attention head for gat/gate (default: 16; gat 8; "
                                   "sage/gin/mlp 64)")
     layers: int = _f(2, "number of layers (default: 2)")
@@ -124,6 +138,9 @@ class TrainConfig:
     task: str = _f("auto", "prediction task; auto = the store's (default: auto)", choices=("auto", *TASKS))
     metric: str | None = _f(None, "metric for early stopping and the summary (default: the task's, acc for "
                                   "multiclass)", metavar="NAME")
+    target_acc: float | None = _f(None, "target of the selection metric on validation, in (0, 1]: the summary "
+                                        "reports each run's time and epochs to reach it (default: none)",
+                                  metavar="X")
     feature_norm: str = _f("auto", "feature normalization: row = divide each row by its L1 norm (the GCN "
                                    "paper's preprocessing), none, or auto = the store's preference: row for "
                                    "Planetoid imports, none otherwise (default: auto)", choices=FEATURE_NORMS)
@@ -131,13 +148,22 @@ class TrainConfig:
                                "cluster = cluster-batches (default: full)", choices=STRATEGIES)
     fanouts: str | None = _f(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "
                                    "(default: 15,10 for 2 layers; 15,10,5,5,... for more)", metavar="F1,F2,...")
-    batch_size: int = _f(1024, "mini: target nodes per batch (default: 1024)")
+    batch_size: int | None = _f(None, "mini/pp: target nodes (mini) or rows (pp) per batch (default: 1024; "
+                                      "pp 8192)")
     labor: bool = _f(False, "mini: LABOR (layer-neighbour) sampling instead of uniform (default: off)")
     clusters: int = _f(32, "cluster: number of clusters the graph is split into (default: 32)")
     clusters_per_batch: int = _f(4, "cluster: clusters merged into one batch (default: 4)")
     boundary_hops: int = _f(0, "cluster: hops of boundary neighbours added as extra sources, 0-2 (default: 0)")
     cluster_method: str = _f("metis", "cluster: partitioner making the clusters (default: metis)",
                              choices=CLUSTER_METHODS)
+    pp_dir: str | None = _f(None, "pp: pre-propagated cache from `trellis preprocess STORE --out PP_DIR`",
+                            metavar="PP_DIR")
+    pp_loader: str = _f("auto", "pp: data loader; auto = the placement planner's choice from --memory-budget "
+                                "(default: auto)", choices=PP_LOADERS)
+    chunk_size: int | None = _f(None, "pp: chunk reshuffling chunk in rows, 1 = exact reshuffling (default: the "
+                                      "placement's choice)")
+    memory_budget: str | None = _f(None, "pp: memory for the data, e.g. 4G or 512MiB (default: 80%% of available "
+                                         "RAM)", metavar="SIZE")
     prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
     deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
                                     "(default: off)")
@@ -148,10 +174,17 @@ class TrainConfig:
     resume: str | None = _f(None, "continue the killed run in RUN_DIR with its saved config", metavar="RUN_DIR")
 
     def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = "sign" if self.strategy == "pp" else "gcn"
         defaults = {**BASE_DEFAULTS, **MODEL_DEFAULTS.get(self.model, {})}
         for key, value in defaults.items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
+        for key, value in STRATEGY_DEFAULTS.get(self.strategy, {}).items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.batch_size is None:
+            self.batch_size = 1024
         if self.fanouts is None and isinstance(self.layers, int) and self.layers >= 1:
             extra = max(0, self.layers - len(DEFAULT_FANOUTS))
             fan = list(DEFAULT_FANOUTS[: self.layers]) + [DEFAULT_FANOUTS[-1]] * extra
@@ -163,7 +196,7 @@ class TrainConfig:
         """Check every field; raise :class:`TrellisUserError` naming the flag and the fix."""
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name))
-        models = known_models()
+        models = (*known_models(), *PP_MODELS)
         if self.model not in models:
             raise TrellisUserError(_choice_msg("model", self.model, models))
         _check_range("hidden", self.hidden, 1)
@@ -180,6 +213,8 @@ class TrainConfig:
             raise TrellisUserError(f"--lr must be a positive finite number (got {self.lr})")
         if not 0.0 <= self.weight_decay < float("inf"):
             raise TrellisUserError(f"--weight-decay must be a finite number >= 0 (got {self.weight_decay})")
+        if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:  # also refuses NaN
+            raise TrellisUserError(f"--target-acc must be in (0, 1] (got {self.target_acc})")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise TrellisUserError(f"--device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
         _check_range("batch_size", self.batch_size, 1)
@@ -194,11 +229,29 @@ class TrainConfig:
         if self.strategy in ("mini", "cluster") and self.model not in BATCH_MODELS:
             raise TrellisUserError(f"--strategy {self.strategy} does not apply to --model {self.model}: it trains "
                                    f"message-passing models ({', '.join(BATCH_MODELS)})")
+        if (self.strategy == "pp") != (self.model in PP_MODELS):
+            raise TrellisUserError(
+                f"--model {self.model} trains on the pre-propagation strategy only: add --strategy pp --pp-dir "
+                "PP_DIR" if self.model in PP_MODELS else
+                f"--strategy pp trains {', '.join(PP_MODELS)} (got --model {self.model})")
+        if self.strategy == "pp":
+            if self.pp_dir is None:
+                raise TrellisUserError("--strategy pp needs --pp-dir PP_DIR (build it with `trellis preprocess "
+                                       "STORE --out PP_DIR`)")
+            if self.chunk_size is not None:
+                _check_range("chunk_size", self.chunk_size, 1)
+            if self.memory_budget is not None:
+                from trellis.loader.pp import parse_bytes
+
+                try:
+                    parse_bytes(self.memory_budget)
+                except TrellisUserError as exc:
+                    raise TrellisUserError(f"--memory-budget: {exc}") from None
         if self.strategy == "mini":
             from trellis.loader.blocks import parse_fanouts
 
             parse_fanouts(self.fanouts or "", self.layers)
-        for name in ("optimizer", "task", "feature_norm", "strategy", "cluster_method"):
+        for name in ("optimizer", "task", "feature_norm", "strategy", "cluster_method", "pp_loader"):
             choices = _field_meta(name)["choices"]
             if getattr(self, name) not in choices:
                 raise TrellisUserError(_choice_msg(name, getattr(self, name), choices))

@@ -253,7 +253,10 @@ def train_pp(store: GraphStore | str | os.PathLike[str], pp_dir: PPCache | str |
     tests = [r["test_acc"] for r in runs]
     vals = [r["best_val_acc"] for r in runs]
     summary: dict[str, Any] = {
+        "status": "complete",
         "strategy": "pp",
+        "metric": "acc",
+        "seeds": [r["seed"] for r in runs],
         "model": cfg.model,
         "store": str(store.path),
         "dataset": store.name,
@@ -268,6 +271,8 @@ def train_pp(store: GraphStore | str | os.PathLike[str], pp_dir: PPCache | str |
         "val_acc_mean": _mean(vals),
         "val_acc_std": _std(vals),
         "epoch_time_median_s": statistics.median(epoch_times) if epoch_times else float("nan"),
+        "epoch_time_s_median": statistics.median(epoch_times) if epoch_times else float("nan"),
+        "steps_timed": len(epoch_times),
         "epochs_total": len(epoch_times),
         "train_time_s": sum(epoch_times),
         "load_time_s": load_s,
@@ -275,6 +280,10 @@ def train_pp(store: GraphStore | str | os.PathLike[str], pp_dir: PPCache | str |
         "preprocess_seconds": cache.manifest.get("build", {}).get("seconds"),
         "peak_rss_bytes": mem.peak_rss,
         "peak_rss_anon_bytes": mem.peak_anon,
+        "peak_rss_mb": mem.peak_rss / 2**20,
+        "peak_rss_anon_mb": mem.peak_anon / 2**20,
+        "device": str(device),
+        "run_dir": str(out) if out is not None else None,
         "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
     }
     if log:
@@ -284,6 +293,54 @@ def train_pp(store: GraphStore | str | os.PathLike[str], pp_dir: PPCache | str |
     if out is not None:
         _write_json_atomic(out / "summary.json", summary)
     return summary
+
+
+def train_pp_from_config(cfg: Any, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """``trellis train --strategy pp``: map a :class:`trellis.train.config.TrainConfig` onto :func:`train_pp`.
+
+    The run directory defaults like the other strategies' (``runs/<store>-<model>-<time>``) and is
+    refused when it exists, unless ``--overwrite``. ``--resume`` is refused: a pre-propagation run keeps
+    no checkpoints (its epochs are seconds; rerun it).
+    """
+    from trellis.train.runs import default_run_dir
+    from trellis.train.trainer import resolve_device
+
+    if cfg.resume:
+        raise TrellisUserError("--resume is not supported with --strategy pp (no checkpoints are kept: an epoch "
+                               "over pre-propagated rows takes seconds); start the run again")
+    if cfg.task not in ("auto", "multiclass"):
+        raise TrellisUserError(f"--task {cfg.task}: --strategy pp trains multiclass node classification")
+    if cfg.metric not in (None, "acc"):
+        raise TrellisUserError(f"--metric {cfg.metric}: --strategy pp selects by validation accuracy (acc)")
+    device = resolve_device(cfg.device)
+    out = Path(cfg.out) if cfg.out else default_run_dir(Path(str(cfg.store)).name, cfg.model)
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+        raise TrellisUserError(f"--out {out}: run directory already exists; choose another --out or pass --overwrite")
+    pcfg = PPTrainConfig(model=cfg.model, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+                         dropout=cfg.dropout, lr=cfg.lr, weight_decay=cfg.weight_decay, epochs=cfg.epochs,
+                         patience=cfg.patience, batch_size=cfg.batch_size, chunk_size=cfg.chunk_size,
+                         memory_budget=cfg.memory_budget, loader=cfg.pp_loader, runs=cfg.runs, seed=cfg.seed,
+                         device=str(device), out=str(out), **cfg.model_args)
+    return train_pp(str(cfg.store), str(cfg.pp_dir), pcfg, log=log)
+
+
+def explain_pp(cfg: Any) -> str:
+    """``trellis train --strategy pp --explain``: the model, its parameter count and the placement decision."""
+    from trellis.train.trainer import resolve_device
+
+    cache = open_pp(str(cfg.pp_dir))
+    cache.check_store(open_store(str(cfg.store)))
+    hops = hops_used(cfg.model, cache.hops)
+    placement = plan_placement(cache, hops, cfg.batch_size, loader=cfg.pp_loader, chunk_size=cfg.chunk_size,
+                               memory_budget=cfg.memory_budget, device=resolve_device(cfg.device))
+    num_classes = cache.num_classes or int(np.max(cache.y)) + 1
+    model = build_pp_model(cfg.model, cache.num_features, cache.hops, num_classes, hidden=cfg.hidden,
+                           layers=cfg.layers, heads=cfg.heads, dropout=cfg.dropout, **cfg.model_args)
+    params = sum(p.numel() for p in model.parameters())
+    return (f"{cfg.model} over hops {list(hops)} of {cache.path} ({cache.num_features} features per hop, "
+            f"{num_classes} classes): {params:,} parameters; no graph work at training time "
+            f"(preprocessing took {cache.manifest.get('build', {}).get('seconds', float('nan')):.2f} s)\n"
+            + placement.describe())
 
 
 def _one_run(cfg: PPTrainConfig, run: int, data: PPData, cache: PPCache, num_classes: int, device: torch.device,

@@ -39,11 +39,13 @@ from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.ops.graph import CSRGraph
 from trellis.train.config import TrainConfig
+from trellis.train.convergence import summarize_time_to_accuracy
 from trellis.train.optim import build_optimizer
 from trellis.train.runs import (
     MetricsLog,
     RunPaths,
     default_run_dir,
+    iter_jsonl,
     open_run_dir,
     plot_curves,
     prepare_run_dir,
@@ -379,6 +381,10 @@ class Trainer:
     def explain(self) -> str:
         """The model's operator plan on the store's graph (``--explain``); trains nothing."""
         cfg = self.cfg
+        if cfg.strategy == "pp":
+            from trellis.train.pp import explain_pp
+
+            return explain_pp(cfg)
         data = load_graph_data(cfg.store, device=resolve_device(cfg.device), task=cfg.task,
                                feature_norm=cfg.feature_norm)
         seed_everything(cfg.seed)
@@ -398,6 +404,10 @@ class Trainer:
             TrellisUserError: Bad store, options or run directory.
         """
         cfg = self.cfg
+        if cfg.strategy == "pp":
+            from trellis.train.pp import train_pp_from_config
+
+            return train_pp_from_config(cfg, log=lambda msg: print(msg, file=self.err))
         ckpt: dict[str, Any] | None = None
         if cfg.resume:
             paths = open_run_dir(cfg.resume)
@@ -544,6 +554,9 @@ class Trainer:
                 else:
                     bad_epochs += 1
                 run_time += time.perf_counter() - t_epoch
+                # time_s: cumulative wall time of this run's epochs so far (training step and evaluation);
+                # setup and checkpoint writes are left out, and it continues from the checkpoint on
+                # --resume, so time to a target does not depend on checkpoint frequency or on downtime.
                 record = {"run": r, "seed": seed, "epoch": epoch, "loss": loss, **ev, "best_epoch": best.epoch,
                           "step_time_s": step, "time_s": run_time}
                 ctx.log.write(record)
@@ -628,6 +641,12 @@ class Trainer:
             "config": cfg.to_dict(),
             "per_run": results,
         })
+        # Time to accuracy from the log, not from this process's memory: after --resume the epochs of
+        # earlier processes exist only there (the log is truncated to the checkpoint, so it holds each
+        # epoch exactly once).
+        summary.update(summarize_time_to_accuracy(
+            iter_jsonl(ctx.paths.metrics), ctx.metric, cfg.target_acc,
+            higher_is_better=task.higher_is_better.get(ctx.metric, True)))
         return summary
 
 
