@@ -52,6 +52,15 @@ def _coefficients(graph: CSRGraph, w: Tensor | None, eid: Tensor | None, nscale:
     return coef
 
 
+def _ones(graph: CSRGraph, x: Tensor) -> Tensor:
+    """Unit edge values for an unweighted sparse matmul, cached on the graph per dtype."""
+    key = f"_ones_{x.dtype}"
+    t = graph.cache.get(key)
+    if t is None:
+        t = graph.cache[key] = torch.ones(graph.num_edges, dtype=x.dtype, device=x.device)
+    return t
+
+
 def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tensor | None = None,
                   nscale: Tensor | None = None, rscale: Tensor | None = None, sw: Tensor | None = None) -> Tensor:
     """``out[i] = rscale[i] * sum_k w[eid[k]] nscale[s_k] x[s_k] + sw[i] x[i]`` over row ``i``'s edges.
@@ -85,10 +94,15 @@ def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tens
                      opt(eid, np.int64), K.np_(w), K.np_(x), opt(rscale, dt), opt(sw, dt), out.numpy())
         return out.view(shape)
     coef = _coefficients(graph, w, eid, nscale)
-    msg = x.index_select(0, graph.indices)
-    if coef is not None:
-        msg = msg * bcast(coef, msg)
-    out = x.new_zeros((n, *x.shape[1:])).index_add_(0, graph.dst_of_edges(), msg)
+    if x.dim() == 2 and x.is_cuda and x.dtype in (torch.float32, torch.float64):
+        # cuSPARSE CSR x dense: no [E, F] message tensor on the GPU either.
+        vals = coef.to(x.dtype) if coef is not None else _ones(graph, x)
+        out = torch.sparse.mm(torch.sparse_csr_tensor(graph.indptr, graph.indices, vals, (n, x.shape[0])), x)
+    else:
+        msg = x.index_select(0, graph.indices)
+        if coef is not None:
+            msg = msg * bcast(coef, msg)
+        out = x.new_zeros((n, *x.shape[1:])).index_add_(0, graph.dst_of_edges(), msg)
     if rscale is not None:
         out = out * bcast(rscale, out)
     if sw is not None:
