@@ -8,7 +8,8 @@ from trellis.train.runs import read_json, read_jsonl
 
 TIMING = {"step_time_s", "time_s"}
 VOLATILE_SUMMARY = {"epoch_time_s_median", "epoch_time_s_mean", "train_time_s", "wall_time_s_this_process",
-                    "peak_rss_mb", "peak_rss_anon_mb", "peak_cuda_mb", "run_dir", "config", "per_run", "threads"}
+                    "peak_rss_mb", "peak_rss_anon_mb", "peak_cuda_mb", "run_dir", "config", "per_run", "threads",
+                    "time_to_target_s", "time_to_target_s_mean"}
 
 
 def metrics_without_timing(run_dir: Path) -> list[dict]:

@@ -34,6 +34,7 @@ from trellis.errors import TrellisUserError
 from trellis.loader.pp import LOADERS, PPData, fmt_bytes, plan_placement
 from trellis.loader.ppcache import PPCache, open_pp
 from trellis.nn.pp_models import PP_MODELS, PPModel, build_pp_model, hops_used
+from trellis.train.convergence import summarize_time_to_accuracy
 
 # ---------------------------------------------------------------------------------------------------
 # process memory and I/O
@@ -130,6 +131,8 @@ class PPTrainConfig:
         device: Torch device (default: cpu).
         threads: Torch intra-op threads (default: torch's choice).
         out: Run directory for config.json / metrics.jsonl / summary.json (default: none).
+        target_acc: Validation accuracy in (0, 1] whose time and epochs to reach the summary reports
+            (default: none; see :mod:`trellis.train.convergence`).
     """
 
     model: str = "sign"
@@ -152,6 +155,7 @@ class PPTrainConfig:
     device: str = "cpu"
     threads: int | None = None
     out: str | None = None
+    target_acc: float | None = None
 
     def __post_init__(self) -> None:
         if self.model not in PP_MODELS:
@@ -167,6 +171,8 @@ class PPTrainConfig:
             raise TrellisUserError("dropout must be in [0, 1)")
         if self.lr <= 0:
             raise TrellisUserError(f"--lr {self.lr} must be > 0")
+        if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:
+            raise TrellisUserError(f"--target-acc must be in (0, 1] (got {self.target_acc})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,13 +246,14 @@ def train_pp(store: GraphStore | str | os.PathLike[str], pp_dir: PPCache | str |
     io0 = proc_io()
     runs: list[dict[str, Any]] = []
     epoch_times: list[float] = []
+    records: list[dict[str, Any]] = []  # every epoch's metrics line, for the time-to-accuracy fields
     with PeakMemory() as mem:
         t_load = time.perf_counter()
         data = PPData(cache, hops, placement, cfg.batch_size, seed=cfg.seed, eval_batch_size=cfg.eval_batch_size)
         load_s = time.perf_counter() - t_load
         try:
             for run in range(cfg.runs):
-                runs.append(_one_run(cfg, run, data, cache, num_classes, device, epoch_times, out, log))
+                runs.append(_one_run(cfg, run, data, cache, num_classes, device, epoch_times, out, log, records))
         finally:
             data.close()
     io1 = proc_io()
@@ -286,6 +293,7 @@ def train_pp(store: GraphStore | str | os.PathLike[str], pp_dir: PPCache | str |
         "run_dir": str(out) if out is not None else None,
         "read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
     }
+    summary.update(summarize_time_to_accuracy(records, "acc", cfg.target_acc))
     if log:
         log(f"test acc {summary['test_acc_mean'] * 100:.2f} ± {summary['test_acc_std'] * 100:.2f} over "
             f"{cfg.runs} run(s); median epoch {summary['epoch_time_median_s']:.3f} s (training only); peak "
@@ -320,7 +328,7 @@ def train_pp_from_config(cfg: Any, log: Callable[[str], None] | None = print) ->
                          dropout=cfg.dropout, lr=cfg.lr, weight_decay=cfg.weight_decay, epochs=cfg.epochs,
                          patience=cfg.patience, batch_size=cfg.batch_size, chunk_size=cfg.chunk_size,
                          memory_budget=cfg.memory_budget, loader=cfg.pp_loader, runs=cfg.runs, seed=cfg.seed,
-                         device=str(device), out=str(out), **cfg.model_args)
+                         device=str(device), out=str(out), target_acc=cfg.target_acc, **cfg.model_args)
     return train_pp(str(cfg.store), str(cfg.pp_dir), pcfg, log=log)
 
 
@@ -344,7 +352,8 @@ def explain_pp(cfg: Any) -> str:
 
 
 def _one_run(cfg: PPTrainConfig, run: int, data: PPData, cache: PPCache, num_classes: int, device: torch.device,
-             epoch_times: list[float], out: Path | None, log: Callable[[str], None] | None) -> dict[str, Any]:
+             epoch_times: list[float], out: Path | None, log: Callable[[str], None] | None,
+             records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     seed = cfg.seed + run
     torch.manual_seed(seed)
     model = build_pp_model(cfg.model, cache.num_features, cache.hops, num_classes, hidden=cfg.hidden,
@@ -354,6 +363,7 @@ def _one_run(cfg: PPTrainConfig, run: int, data: PPData, cache: PPCache, num_cla
     data.train.seed = seed
     best_val, best_epoch, best_state = -math.inf, -1, None
     times: list[float] = []
+    run_time = 0.0  # cumulative training + evaluation wall time of this run (the trainer's time_s)
     stale = 0
     epoch = 0
     for epoch in range(cfg.epochs):
@@ -377,8 +387,11 @@ def _one_run(cfg: PPTrainConfig, run: int, data: PPData, cache: PPCache, num_cla
         t1 = time.perf_counter()
         val, _ = _accuracy(model, data.iter_split("val"), device)
         eval_s = time.perf_counter() - t1
+        run_time += dt + eval_s
         line = {"run": run, "seed": seed, "epoch": epoch, "loss": float(loss_sum) / max(1, n_batches),
-                "val_acc": val, "epoch_time_s": dt, "eval_time_s": eval_s}
+                "val_acc": val, "epoch_time_s": dt, "eval_time_s": eval_s, "time_s": run_time}
+        if records is not None:
+            records.append(line)
         if out is not None:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
