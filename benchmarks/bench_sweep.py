@@ -95,7 +95,7 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
         train_s, losses = 0.0, {}
         for e in entries:
             values = {**e.cfg.to_dict(), "epochs": epochs, "patience": epochs, "out": str(work / "solo" / e.id),
-                      "overwrite": True, "progress": False, "device": "cpu"}
+                      "overwrite": True, "progress": False, "device": args.get("device", "cpu")}
             summary = Trainer(TrainConfig.from_dict(values)).fit()
             train_s += summary["train_time_s"]
             losses[e.id] = _losses(work / "solo" / e.id)
@@ -106,7 +106,8 @@ def _child(args: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         out = work / f"sweep-{args['k']}"
         board = run_sweep(SweepConfig(store=args["store"], model="gcn", grid=parse_grid(GRID), epochs=epochs,
-                                      patience=epochs, batch_models=k, device="cpu", out=str(out), overwrite=True,
+                                      patience=epochs, batch_models=k, device=args.get("device", "cpu"), out=str(out),
+                                      overwrite=True,
                                       progress=False))
         losses = {r["config"]: _losses(out / "configs" / r["config"]) for r in board["rows"]}
         return {"wall_s": time.perf_counter() - t0, "train_s": board["sweep_time_s"], "losses": losses,
@@ -292,6 +293,7 @@ def main() -> None:
     p.add_argument("--only-ab", action="store_true", help="run only the interleaved A/B")
     p.add_argument("--reps", type=int, default=3, help="repetitions of the interleaved A/B (default: 3)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (solo and batched runs; breakdown/A-B stay on CPU)")
     a = p.parse_args()
     if a.child:
         print(json.dumps(_child(json.loads(a.child))))
@@ -314,7 +316,7 @@ def main() -> None:
         try:
             load = os.getloadavg()[0]
             solo = run_isolated("benchmarks.bench_sweep", {"mode": "solo", "store": store, "epochs": a.epochs,
-                                                           "work": str(work)})
+                                                           "work": str(work), "device": a.device})
             if "error" in solo:
                 raise SystemExit(f"{name} solo: {solo['error']}")
             row = {"graph": name, "epochs": a.epochs, "solo_train_s": solo["train_s"], "solo_wall_s": solo["wall_s"],
@@ -324,7 +326,7 @@ def main() -> None:
                 row["cli_wall_s"] = cli["wall_s"]
             for k in a.ks.split(","):
                 res = run_isolated("benchmarks.bench_sweep", {"mode": "sweep", "store": store, "epochs": a.epochs,
-                                                              "work": str(work), "k": k})
+                                                              "work": str(work), "k": k, "device": a.device})
                 if "error" in res:
                     row[f"K={k}"] = res["error"]
                     continue

@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
 
 echo "== CUDA tests"
-$PY -m pytest -q -p no:cacheprovider tests/ops/test_spmm.py -k cuda 2>&1 | tail -3
+$PY -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_spmm.py -k cuda 2>&1 | tail -2
 
 echo "== one run per strategy on cuda"
 $T data generate sbm --nodes 50000 --avg-degree 20 --features 128 --classes 8 --out "$W/g" --json >/dev/null
@@ -35,6 +35,8 @@ echo "-- trellis sweep (6 GCN configurations, model-batched) --device cuda"
 $T sweep "$W/g" --model gcn --grid lr=0.01,0.005 hidden=64,128,256 --epochs 30 --device cuda --no-progress \
   --out "$W/sweep" 2>&1 | tail -4
 
-echo "== full-batch step vs PyG on the GPU"
-$PY -m benchmarks.bench_fullbatch --device cuda --sizes "${SIZES:-100k,1m}" --repeat 10 2>&1 | tee "$OUT/fullbatch_cuda.txt"
+if [ "${BENCH:-1}" = 1 ]; then
+  echo "== full-batch step vs PyG on the GPU"
+  $PY -m benchmarks.bench_fullbatch --device cuda --sizes "${SIZES:-100k,1m}" --repeat 10 2>&1 | tee "$OUT/fullbatch_cuda.txt"
+fi
 rm -rf "$W"

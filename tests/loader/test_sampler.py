@@ -209,3 +209,15 @@ def test_loader_epochs_cover_ids_and_are_reproducible(csr):
     assert all(torch.equal(a.node_ids, b.node_ids) for a, b in zip(batches, again))
     other = list(ld.epoch(1))
     assert not torch.equal(batches[0].targets, other[0].targets)
+
+
+def test_loader_delivers_batches_on_its_device(csr):
+    """Batches reach the loader's device whole (blocks, features, labels); ``meta`` stands in for a GPU."""
+    indptr, indices = csr
+    x = np.ones((300, 2), dtype=np.float32)
+    y = np.arange(300) % 3
+    ld = NeighborLoader(NeighborSampler(indptr, indices, [3, 2]), np.arange(64), 32, x=x, y=y, prefetch=0,
+                        device="meta")
+    for b in ld.epoch(0):
+        assert b.x.device.type == b.y.device.type == "meta"
+        assert all(blk.indptr.device.type == blk.indices.device.type == "meta" for blk in b.blocks)

@@ -95,7 +95,7 @@ def format_summary(s: dict[str, Any]) -> str:
     """Human-readable lines for a summary."""
     m = s["metric"]
     lines = [
-        f"test {m} {s[f'test_{m}_mean']:.4f} ± {s[f'test_{m}_std']:.4f} over {s['runs']} run(s) "
+        f"test {m} {s[f'test_{m}_mean']:.4f} ± {s[f'test_{m}_std']:.4f} over {len(s['seeds'])} run(s) "
         f"(seeds {s['seeds'][0]}..{s['seeds'][-1]}); val {m} {s[f'val_{m}_mean']:.4f}",
         f"training step {s['epoch_time_s_median'] * 1000:.1f} ms (median of {s['steps_timed']}); "
         f"peak RSS {s['peak_rss_mb']:.0f} MiB, anonymous {s['peak_rss_anon_mb']:.0f} MiB"
@@ -164,14 +164,17 @@ def register(subparsers: Any) -> None:
 
     q = subparsers.add_parser(
         "predict", help="write predictions and embeddings of a trained run for every node of a store",
-        description="Rebuild the model of RUN_DIR (its best-validation run unless --run) and write class ids "
-                    "(or --proba probabilities) to FILE and node embeddings to FILE_emb.npy.")
+        description="Rebuild the model of RUN_DIR (its best-validation run unless --run) and write predictions "
+                    "(class ids; 0/1 labels for binary; a 0/1 matrix for multilabel) or --proba probabilities to "
+                    "FILE and node embeddings to FILE_emb.npy.")
     q.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `trellis train`")
     q.add_argument("store", metavar="STORE", help="graph store to predict on (same feature width)")
     q.add_argument("--out", required=True, metavar="FILE.npy", help="predictions file; must end in .npy")
     q.add_argument("--run", type=_nonneg_int, default=None, metavar="R",
                    help="use run R's weights (default: the best validation run)")
-    q.add_argument("--proba", action="store_true", help="write probabilities [N, C] instead of class ids [N]")
+    q.add_argument("--proba", action="store_true",
+                   help="write probabilities instead: [N, C] softmax (multiclass), [N] of the positive class "
+                        "(binary), [N, C] per label (multilabel)")
     q.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}", help="(default: auto)")
     q.add_argument("--json", action="store_true", help="print what was written as one JSON line")
     q.set_defaults(func=run_predict)

@@ -593,7 +593,7 @@ class NeighborLoader:
         batch = self.sampler.sample(plan.seeds(index), bseed)
         batch.index = index
         if gather:
-            self.fill(batch, slot=index)
+            batch = self.fill(batch, slot=index)  # on an accelerator, fill returns the moved copy
         return batch
 
     def fill(self, batch: Batch, slot: int | None = None) -> Batch:

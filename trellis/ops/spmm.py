@@ -97,7 +97,8 @@ def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tens
     if x.dim() == 2 and x.is_cuda and x.dtype in (torch.float32, torch.float64):
         # cuSPARSE CSR x dense: no [E, F] message tensor on the GPU either.
         vals = coef.to(x.dtype) if coef is not None else _ones(graph, x)
-        out = torch.sparse.mm(torch.sparse_csr_tensor(graph.indptr, graph.indices, vals, (n, x.shape[0])), x)
+        crow, col = graph.indptr.to(x.device), graph.indices.to(x.device)  # no-ops when already there
+        out = torch.sparse.mm(torch.sparse_csr_tensor(crow, col, vals, (n, x.shape[0])), x)
     else:
         msg = x.index_select(0, graph.indices)
         if coef is not None:
