@@ -238,11 +238,16 @@ def write_store(
 
 
 def infer_task(y: np.ndarray) -> str:
-    """Infer the task from labels: a ``[N, C]`` matrix is multilabel; a vector with two values binary."""
+    """Infer the task from labels, the rule the manifest's ``task`` records.
+
+    An ``[N, C]`` matrix is ``multilabel``; an integer vector whose labelled values (``>= 0``) are
+    exactly 0 and 1 is ``binary``; any other vector is ``multiclass``. Two values other than 0/1 (say
+    1 and 2) stay multiclass: which one is "positive" is the user's call, made by relabelling.
+    """
     if y.ndim == 2:
         return "multilabel"
     values = np.unique(y[y >= 0])
-    return "binary" if values.size == 2 else "multiclass"
+    return "binary" if values.size == 2 and values[0] == 0 and values[1] == 1 else "multiclass"
 
 
 def validate_arrays(

@@ -29,7 +29,7 @@ from typing import Any
 
 from trellis.errors import TrellisUserError
 from trellis.train.optim import OPTIMIZERS
-from trellis.train.tasks import TASKS
+from trellis.train.tasks import TASKS, check_metric
 
 #: Model names known even before ``trellis.nn`` imports (used only if it cannot be imported).
 _FALLBACK_MODELS = ("gcn", "sage", "gin", "gat", "gate", "mlp")
@@ -136,8 +136,9 @@ class TrainConfig:
     model_args: dict[str, Any] = _f(help="extra model options as JSON, e.g. '{\"out_heads\": 8}' (default: {})",
                                     factory=dict, metavar="JSON")
     task: str = _f("auto", "prediction task; auto = the store's (default: auto)", choices=("auto", *TASKS))
-    metric: str | None = _f(None, "metric for early stopping and the summary (default: the task's, acc for "
-                                  "multiclass)", metavar="NAME")
+    metric: str | None = _f(None, "metric for early stopping and the summary: acc, f1_macro (multiclass); auc, "
+                                  "acc, f1 (binary); f1_micro, f1_macro, auc_macro, acc (multilabel) (default: "
+                                  "the task's: acc, auc, f1_micro)", metavar="NAME")
     target_acc: float | None = _f(None, "target of the selection metric on validation, in (0, 1]: the summary "
                                         "reports each run's time and epochs to reach it (default: none)",
                                   metavar="X")
@@ -259,6 +260,8 @@ class TrainConfig:
             allowed = (TASKS[self.task].metric_names if self.task != "auto"
                        else tuple(sorted({m for t in TASKS.values() for m in t.metric_names})))
             if self.metric not in allowed:
+                if self.task != "auto":
+                    check_metric(self.task, self.metric)  # names the task and the tasks the metric fits
                 raise TrellisUserError(_choice_msg("metric", self.metric, allowed))
         if self.store is None and self.resume is None:
             raise TrellisUserError("STORE is required (a graph store directory), or --resume RUN_DIR")

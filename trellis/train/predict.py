@@ -75,7 +75,9 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
         store: Graph store to predict on (features of the same width as in training).
         out: Output path ending in ``.npy``; embeddings go to ``<out stem>_emb.npy`` beside it.
         run: Which run's weights (default: the best-validation run).
-        proba: Write class probabilities ``[N, C]`` instead of class ids ``[N]`` (default: False).
+        proba: Write probabilities instead of predictions (default: False). Multiclass: class ids ``[N]``
+            or softmax probabilities ``[N, C]``; binary: 0/1 labels ``[N]`` or the positive class's
+            probability ``[N]``; multilabel: a 0/1 ``uint8 [N, C]`` matrix or per-label probabilities.
         device: ``auto|cpu|cuda[:N]`` (default: auto).
 
     Returns:
@@ -112,6 +114,7 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     _save_npy_atomic(out_path, (prob.float() if proba else pred).cpu().numpy())
     emb_path = embedding_path(out_path)
     _save_npy_atomic(emb_path, emb.float().cpu().numpy())
-    return {"predictions": str(out_path), "kind": "probabilities" if proba else "class_ids",
+    return {"predictions": str(out_path), "kind": "probabilities" if proba else task.prediction_kind,
+            "task": task.name,
             "embeddings": str(emb_path), "embedding_source": emb_source, "embedding_dim": int(emb.shape[1]),
             "num_nodes": int(logits.shape[0]), "run": r, "model": saved["model"], "run_dir": str(run_dir)}

@@ -560,9 +560,7 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None) -> dict[str, Any]:
     first = entries[0].cfg
     data = load_graph_data(sc.store, device=device, task=first.task, feature_norm=first.feature_norm)
     task = data.task
-    metric = first.metric or task.default_metric
-    if metric not in task.metric_names:
-        raise TrellisUserError(f"--metric {metric}: the {task.name} task reports {', '.join(task.metric_names)}")
+    metric = task.select_metric(first.metric)
     groups = plan_sweep(sc, entries, data, device)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

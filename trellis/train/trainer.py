@@ -171,7 +171,7 @@ def load_graph_data(store_path: str | Path, *, device: torch.device, task: str =
             if ids is None or ids.size == 0:
                 raise TrellisUserError(f"{where}: the store has no {s} split ({s}_idx.npy); re-import it with "
                                        "train/val/test node ids (the npz importer makes a random split)")
-            split_ids[s] = np.asarray(ids, dtype=np.int64)
+            split_ids[s] = np.array(ids, dtype=np.int64)  # a copy: torch warns on read-only store maps
         y_np = np.asarray(y)
         task_obj = resolve_task(task, store.task, y_np, store.num_classes)
         task_obj.check_labels(y_np, split_ids, where)
@@ -423,10 +423,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         data = load_graph_data(cfg.store, device=device, task=cfg.task, feature_norm=cfg.feature_norm)
         task = data.task
-        metric = cfg.metric or task.default_metric
-        if metric not in task.metric_names:
-            raise TrellisUserError(f"--metric {metric}: the {task.name} task reports "
-                                   f"{', '.join(task.metric_names)}")
+        metric = task.select_metric(cfg.metric)  # a metric that does not fit the store's task is refused here
         checksum = data.store.checksum
         strategy = make_strategy(cfg, data)
         make_model(cfg.model, data.in_dim, task.num_outputs, edge_dim=data.edge_dim, **cfg.model_kwargs())

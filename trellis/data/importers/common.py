@@ -78,8 +78,31 @@ def check_features(x: np.ndarray, num_nodes: int | None, where: str) -> np.ndarr
     return x
 
 
+def check_multilabel(y: np.ndarray, where: str) -> np.ndarray:
+    """Check an ``[N, C]`` label matrix: 0/1 entries; a row entirely -1 (or NaN) is an unlabelled node.
+
+    Returns float32 with unlabelled rows set to -1 (the store's marker; NaN is refused there). A row
+    that mixes -1/NaN with 0/1 is refused: a missing label for one class has no meaning in the loss.
+    """
+    if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+        raise TrellisUserError(f"{where}: multilabel labels have dtype {y.dtype}; give a numeric 0/1 matrix [N, C]")
+    yf = y.astype(np.float32)
+    unlabelled = (np.isnan(yf) | (yf == -1)).all(axis=1)
+    bad = ~(((yf == 0) | (yf == 1)).all(axis=1) | unlabelled)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        vals = yf[row][(yf[row] != 0) & (yf[row] != 1)]
+        raise TrellisUserError(f"{where}: multilabel row {row} has the value {vals[0].item():g}; labels must be a "
+                               "0/1 matrix [N, C] (a row of -1 marks an unlabelled node)")
+    yf[unlabelled] = -1
+    return yf
+
+
 def check_labels(y: np.ndarray, num_nodes: int | None, where: str) -> np.ndarray:
-    """Check labels: ``int [N]`` classes (-1 = unlabelled; integral floats accepted) or ``[N, C]`` 0/1."""
+    """Check labels: ``int [N]`` classes (-1 = unlabelled; integral floats accepted) or ``[N, C]`` 0/1.
+
+    An ``[N, C]`` matrix goes through :func:`check_multilabel`; ``[N, 1]`` is a vector.
+    """
     y = np.asarray(y)
     if num_nodes is not None and y.shape[0] != num_nodes:
         raise TrellisUserError(f"{where}: labels have {y.shape[0]} rows but the graph has {num_nodes} nodes; "
@@ -88,12 +111,7 @@ def check_labels(y: np.ndarray, num_nodes: int | None, where: str) -> np.ndarray
         if y.shape[1] == 1:
             y = y[:, 0]
         else:
-            yf = y.astype(np.float32)
-            if not np.isin(yf, (0.0, 1.0)).all():
-                row = int(np.argwhere(~np.isin(yf, (0.0, 1.0)))[0][0])
-                raise TrellisUserError(f"{where}: multilabel row {row} has values other than 0/1; "
-                                       "give a 0/1 matrix [N, C]")
-            return yf
+            return check_multilabel(y, where)
     if y.ndim != 1:
         raise TrellisUserError(f"{where}: labels must be [N] class ids or [N, C] 0/1 but have shape {y.shape}")
     if y.dtype == np.bool_:

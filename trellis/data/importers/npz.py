@@ -4,6 +4,8 @@ Protocol of "Pitfalls of GNN Evaluation": the adjacency is symmetrized, self loo
 values ignored (binary graph, no edge weights), the largest connected component is kept (default), and a
 random split is drawn with ``--split-seed``: 20 training and 30 validation nodes per class, every other
 node a test node. A class with fewer than 50 nodes gives what it has (training first) and no test nodes.
+Multilabel files (an ``[N, C]`` 0/1 label matrix) get a random 10% / 10% / 80% split of the labelled nodes
+instead, since per-class counts do not apply to label sets.
 
 Keys read: ``adj_data/adj_indices/adj_indptr/adj_shape`` (CSR adjacency, row = source), features from
 ``attr_data/attr_indices/attr_indptr/attr_shape`` or a dense ``attr_matrix`` (stored dense float32),
@@ -22,7 +24,7 @@ import numpy as np
 
 from trellis.data.csr import ArrayEdgeSource
 from trellis.data.importers.common import GraphInput, check_features, check_labels, write_graph
-from trellis.data.splits import per_class_split
+from trellis.data.splits import per_class_split, random_split
 from trellis.data.store import check_output
 from trellis.errors import TrellisUserError
 
@@ -122,14 +124,19 @@ def import_npz(
     path: Path = d["path"]
 
     def make_splits(y: np.ndarray | None, n: int) -> dict[str, np.ndarray] | None:
-        if y is None or y.ndim != 1:
+        if y is None:
             return None
+        if y.ndim == 2:  # per-class counts have no meaning for label sets: a random 10/10/80 split instead
+            labelled = np.flatnonzero((y >= 0).all(axis=1))
+            parts = random_split(labelled.size, 0.1, 0.1, split_seed)
+            return {k: labelled[ids] for k, ids in parts.items()}
         return per_class_split(y, train_per_class, val_per_class, split_seed)
 
     inp = GraphInput(
         edges=ArrayEdgeSource(d["src"], d["dst"], name=f"{path} (adj)"),
         num_nodes=d["num_nodes"], x=d["x"], y=d["y"], name=name or path.stem,
-        source={"importer": "npz", "path": str(path.resolve()), "split": "per-class",
+        source={"importer": "npz", "path": str(path.resolve()),
+                "split": "random-10/10/80" if d["y"] is not None and d["y"].ndim == 2 else "per-class",
                 "train_per_class": train_per_class, "val_per_class": val_per_class, "split_seed": split_seed},
     )
     return write_graph(inp, out, symmetrize=symmetrize, lcc=lcc, make_splits=make_splits, overwrite=overwrite,
