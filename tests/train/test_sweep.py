@@ -109,6 +109,21 @@ def test_sweep_equals_solo_runs_and_lists_every_configuration_once(store, tmp_pa
         assert (out / "configs" / cid / "models" / "run-0.pt").is_file()
 
 
+def test_init_and_momentum_in_the_grid_equal_solo_runs(store, tmp_path):
+    """``init`` and ``momentum`` are training options: the saved config.json replays them solo exactly."""
+    grid = parse_grid(["init=xavier,he", "optimizer=sgd", "momentum=0.5,0.9"])
+    out = tmp_path / "sweep"
+    board = run_sweep(SweepConfig(store=store, model="gcn", grid=grid, base={"hidden": "16"}, epochs=6,
+                                  patience=6, batch_models=4, out=str(out), progress=False))
+    assert len(board["rows"]) == 4 and len(board["batches"]) == 1
+    for cid in ("c00", "c03"):
+        saved = json.loads((out / "configs" / cid / "config.json").read_text())
+        assert saved["init"] in ("xavier", "he") and saved["momentum"] in (0.5, 0.9)
+        batched = read_jsonl(out / "configs" / cid / "metrics.jsonl")
+        solo = solo_metrics(out / "configs" / cid / "config.json", tmp_path / f"solo-{cid}")
+        assert [round(a["loss"], 4) for a in batched] == pytest.approx([round(b["loss"], 4) for b in solo], abs=1e-4)
+
+
 def test_existing_output_is_refused_and_left_alone(store, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()

@@ -80,7 +80,8 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
         if stack is None:
             return _rowwise(model, x, rows_np, dev, chunk_edges)
         convs, act = stack
-        h = x
+        embed = getattr(model, "embed_inputs", None)  # --features embedding:D: ids -> table rows, once
+        h = x if embed is None else embed(x.to(dev))
         for li, conv in enumerate(convs):
             last = li == len(convs) - 1
             if last and rows_np is not None:

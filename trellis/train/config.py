@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trellis.errors import TrellisUserError
+from trellis.nn.init import INITS
 from trellis.train.optim import OPTIMIZERS
 from trellis.train.tasks import TASKS, check_metric
 
@@ -131,6 +132,13 @@ class TrainConfig:
     checkpoint_every: int = _f(50, "write a checkpoint every N epochs, 0 = only on SIGINT/SIGTERM and between "
                                    "runs (default: 50)")
     optimizer: str = _f("adam", "optimizer by name (default: adam)", choices=tuple(OPTIMIZERS))
+    momentum: float | None = _f(None, "momentum of sgd (default: 0.9) and the first-moment decay beta1 of "
+                                      "adam/adamw (default: 0.9); adagrad has none")
+    init: str = _f("default", "weight initialization: default (each layer's own), xavier (Glorot) or he "
+                              "(Kaiming) (default: default)", choices=INITS)
+    features: str = _f("store", "node inputs: store = the store's features; none = one constant input; degree = "
+                                "a degree encoding; embedding:D = a learnable D-wide table with sparse gradients "
+                                "(default: store)", metavar="{store,none,degree,embedding:D}")
     optimizer_args: dict[str, Any] = _f(help="extra optimizer options as JSON, e.g. '{\"momentum\": 0.8}' "
                                              "(default: {})", factory=dict, metavar="JSON")
     model_args: dict[str, Any] = _f(help="extra model options as JSON, e.g. '{\"out_heads\": 8}' (default: {})",
@@ -214,6 +222,15 @@ class TrainConfig:
             raise TrellisUserError(f"--lr must be a positive finite number (got {self.lr})")
         if not 0.0 <= self.weight_decay < float("inf"):
             raise TrellisUserError(f"--weight-decay must be a finite number >= 0 (got {self.weight_decay})")
+        if self.momentum is not None:
+            if not 0.0 <= self.momentum < 1.0:
+                raise TrellisUserError(f"--momentum must be in [0, 1) (got {self.momentum})")
+            if self.optimizer == "adagrad":
+                raise TrellisUserError("--momentum does not apply to --optimizer adagrad (it has no momentum); "
+                                       "drop --momentum or choose sgd, adam or adamw")
+        from trellis.train.features import parse_features
+
+        parse_features(self.features)
         if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:  # also refuses NaN
             raise TrellisUserError(f"--target-acc must be in (0, 1] (got {self.target_acc})")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -252,7 +269,7 @@ class TrainConfig:
             from trellis.loader.blocks import parse_fanouts
 
             parse_fanouts(self.fanouts or "", self.layers)
-        for name in ("optimizer", "task", "feature_norm", "strategy", "cluster_method", "pp_loader"):
+        for name in ("optimizer", "task", "feature_norm", "strategy", "cluster_method", "pp_loader", "init"):
             choices = _field_meta(name)["choices"]
             if getattr(self, name) not in choices:
                 raise TrellisUserError(_choice_msg(name, getattr(self, name), choices))

@@ -94,19 +94,28 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     if saved.get("format") != MODEL_FORMAT:
         raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
     dev = resolve_device(device)
-    data = load_graph_data(store, device=dev, feature_norm=saved["feature_norm"], need_labels=False)
+    features = saved.get("features", "store")
+    data = load_graph_data(store, device=dev, feature_norm=saved["feature_norm"], need_labels=False,
+                           features=features)
+    if data.embedding_dim and data.store.num_nodes != saved["num_nodes"]:
+        raise TrellisUserError(f"{store}: has {data.store.num_nodes} nodes but the run learned an embedding table "
+                               f"of {saved['num_nodes']} (--features {features}); predict on the training graph")
     if data.in_dim != saved["in_dim"]:
         raise TrellisUserError(f"{store}: features have width {data.in_dim} but the model was trained on width "
                                f"{saved['in_dim']}; predict on a store with the same features")
     model = make_model(saved["model"], saved["in_dim"], saved["out_dim"], edge_dim=saved["edge_dim"],
                        **saved["kwargs"])
+    if data.embedding_dim:
+        from trellis.train.features import NodeEmbedding
+
+        model = NodeEmbedding(model, data.store.num_nodes, data.embedding_dim)
     model.load_state_dict(saved["state_dict"])
     model.to(dev).eval()
     task = TASKS[saved["task"]](saved["out_dim"])
     logits: Tensor = model(data.graph, data.x)
     emb: Tensor = logits
     emb_source = "logits"
-    if _accepts_return_embedding(model):
+    if _accepts_return_embedding(getattr(model, "model", model)):  # a NodeEmbedding passes it to its model
         res = model(data.graph, data.x, return_embedding=True)
         emb = res[1] if isinstance(res, tuple) else res
         emb_source = "penultimate"

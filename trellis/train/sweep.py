@@ -50,7 +50,7 @@ from trellis.errors import TrellisUserError
 from trellis.nn.init import INITS
 from trellis.plan.rewrites import DEFAULT_REWRITES
 from trellis.train.config import TrainConfig, check_keys
-from trellis.train.optim import OPTIMIZERS, build_optimizer
+from trellis.train.optim import OPTIMIZERS
 from trellis.train.runs import MetricsLog, torch_save_atomic, write_json_atomic
 from trellis.train.tasks import Task
 
@@ -62,7 +62,7 @@ class GridKey:
     """A hyperparameter the grid may vary.
 
     Attributes:
-        name: Field of :class:`TrainConfig` (or ``init``).
+        name: Field of :class:`TrainConfig`.
         kind: ``float``, ``int`` or ``choice``.
         choices: Allowed values of a ``choice`` key.
         help: What it is.
@@ -84,6 +84,7 @@ GRID_KEYS: dict[str, GridKey] = {k.name: k for k in (
     GridKey("layers", "int", help="number of layers (configurations batch only with the same depth)"),
     GridKey("optimizer", "choice", tuple(OPTIMIZERS), help="optimizer (each configuration has its own)"),
     GridKey("init", "choice", INITS, help="weight initialization"),
+    GridKey("momentum", "float", help="sgd momentum / adam beta1"),
 )}
 
 
@@ -221,13 +222,11 @@ class SweepEntry:
         id: Short stable name (``c00``, ``c01``, ...), in grid order.
         params: The grid's values for this configuration.
         cfg: The complete, validated training configuration (what ``trellis train`` would run).
-        init: Initialization scheme.
     """
 
     id: str
     params: dict[str, Any]
     cfg: TrainConfig
-    init: str = "default"
 
 
 def make_entries(sc: SweepConfig) -> list[SweepEntry]:
@@ -247,18 +246,13 @@ def make_entries(sc: SweepConfig) -> list[SweepEntry]:
             values["epochs"] = sc.epochs
         if sc.patience is not None:
             values["patience"] = sc.patience
-        init = "default"
-        for k, v in params.items():
-            if k == "init":
-                init = v
-            else:
-                values[k] = v
+        values.update(params)
         try:
             cfg = TrainConfig.from_dict(values, source="trellis sweep")
         except TrellisUserError as exc:
             shown = " ".join(f"{k}={v}" for k, v in params.items())
             raise TrellisUserError(f"--grid configuration {shown}: {exc}") from None
-        entries.append(SweepEntry(f"c{i:0{width}d}", params, cfg, init))
+        entries.append(SweepEntry(f"c{i:0{width}d}", params, cfg))
     return entries
 
 
@@ -271,14 +265,10 @@ def build_config_model(entry: SweepEntry, data: Any, device: torch.device) -> tu
     generator right after building is where the solo run's dropout starts drawing.
     """
     from trellis.nn.batched import capture_generator
-    from trellis.nn.init import init_parameters
-    from trellis.train.trainer import make_model, seed_everything
+    from trellis.train.trainer import build_run_model, seed_everything
 
-    cfg = entry.cfg
-    seed_everything(cfg.seed)
-    model = make_model(cfg.model, data.in_dim, data.task.num_outputs, edge_dim=data.edge_dim, **cfg.model_kwargs())
-    init_parameters(model, entry.init)
-    model = model.to(device)
+    seed_everything(entry.cfg.seed)
+    model = build_run_model(entry.cfg, data).to(device)
     return model, capture_generator(device)
 
 
@@ -342,7 +332,7 @@ def explain_sweep(sc: SweepConfig) -> str:
     entries = make_entries(sc)
     device = resolve_device(sc.device)
     data = load_graph_data(sc.store, device=torch.device("cpu"), task=entries[0].cfg.task,
-                           feature_norm=entries[0].cfg.feature_norm)
+                           feature_norm=entries[0].cfg.feature_norm, features=entries[0].cfg.features)
     groups = plan_sweep(sc, entries, data, device, explain=True)
     lines = [f"sweep: {len(entries)} configurations of {sc.model} on {data.store.name} "
              f"({data.graph.num_dst} nodes, {data.graph.num_edges} edges)"]
@@ -402,13 +392,13 @@ def _train_batch(batch: list[SweepEntry], b: int, data: Any, task: Task, metric:
                  root: Path, sc: SweepConfig, batchable: bool, err: IO[str]) -> list[dict[str, Any]]:
     """Train one batch of configurations to their early stops; returns one result per configuration."""
     from trellis.nn.batched import BatchedGNN
+    from trellis.train.trainer import build_run_optimizer
 
     built = [build_config_model(e, data, device) for e in batch]
     states = []
     for e, (model, _) in zip(batch, built):
         cfg = e.cfg
-        opt = build_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                              **cfg.optimizer_args)
+        opt = build_run_optimizer(cfg, model)
         d = root / "configs" / e.id
         (d / "models").mkdir(parents=True, exist_ok=True)
         write_json_atomic(d / "config.json", cfg.to_dict())
@@ -518,13 +508,13 @@ def _finish(s: _State, b: int, data: Any, task: Task, metric: str, root: Path) -
     torch_save_atomic({
         "format": MODEL_FORMAT, "version": FORMAT_VERSION, "model": cfg.model, "in_dim": data.in_dim,
         "out_dim": task.num_outputs, "edge_dim": data.edge_dim, "kwargs": cfg.model_kwargs(), "task": task.name,
-        "feature_norm": data.feature_norm, "metric": metric, "result": result, "init": e.init,
+        "feature_norm": data.feature_norm, "metric": metric, "result": result, "init": e.cfg.init,
         "state_dict": {k: v.detach().cpu() for k, v in s.model.state_dict().items()},
     }, d / "models" / "run-0.pt")
     summary: dict[str, Any] = {"status": "complete", "metric": metric, "runs": 1, "seeds": [cfg.seed],
                                "best_epoch": [s.best.epoch], "epochs_run": [s.epochs], "best_run": 0,
                                "train_time_s": s.time_s, "model": cfg.model, "task": task.name,
-                               "sweep_config": e.id, "params": e.params, "init": e.init, "batch": b,
+                               "sweep_config": e.id, "params": e.params, "init": e.cfg.init, "batch": b,
                                "stopped": s.stopped, "config": cfg.to_dict(), "per_run": [result]}
     if s.step_times:
         summary["epoch_time_s_median"] = sorted(s.step_times)[len(s.step_times) // 2]
@@ -558,7 +548,8 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None) -> dict[str, Any]:
         raise TrellisUserError(f"--out {out}: already exists; choose another --out or pass --overwrite")
     device = resolve_device(sc.device)
     first = entries[0].cfg
-    data = load_graph_data(sc.store, device=device, task=first.task, feature_norm=first.feature_norm)
+    data = load_graph_data(sc.store, device=device, task=first.task, feature_norm=first.feature_norm,
+                           features=first.features)
     task = data.task
     metric = task.select_metric(first.metric)
     groups = plan_sweep(sc, entries, data, device)

@@ -82,6 +82,43 @@ def make_model(name: str, in_dim: int, out_dim: int, *, edge_dim: int = 0, **kwa
         raise TrellisUserError(f"--model {name}: {msg}") from exc
 
 
+def build_run_model(cfg: TrainConfig, data: GraphData) -> nn.Module:
+    """A run's model as the trainer and the sweep build it: the family, ``--init``, then ``--features``' table.
+
+    The order of random draws is fixed (the layers, their re-initialization, the embedding table), so a
+    configuration built by the sweep starts from the same weights as its solo run.
+    """
+    from trellis.nn.init import init_parameters
+
+    model = make_model(cfg.model, data.in_dim, data.task.num_outputs if data.task else 1, edge_dim=data.edge_dim,
+                       **cfg.model_kwargs())
+    init_parameters(model, cfg.init)
+    if data.embedding_dim:
+        from trellis.train.features import NodeEmbedding
+
+        model = NodeEmbedding(model, data.store.num_nodes, data.embedding_dim)
+    return model
+
+
+def build_run_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
+    """``--optimizer`` (with ``--momentum``) over the model; embedding tables get a sparse-aware one."""
+    from trellis.train.features import SplitOptimizer, sparse_optimizer
+
+    extra = dict(cfg.optimizer_args)
+    if cfg.momentum is not None:
+        if cfg.optimizer == "sgd":
+            extra["momentum"] = cfg.momentum
+        else:  # adam / adamw: the first-moment decay
+            extra["betas"] = (cfg.momentum, extra.get("betas", (0.9, 0.999))[1])
+    tables = [m.table.weight for m in model.modules() if hasattr(m, "table") and hasattr(m, "embed_inputs")]
+    table_ids = {id(p) for p in tables}
+    dense = [p for p in model.parameters() if id(p) not in table_ids]
+    opt = build_optimizer(cfg.optimizer, dense, lr=cfg.lr, weight_decay=cfg.weight_decay, **extra)
+    if not tables:
+        return opt
+    return SplitOptimizer(opt, sparse_optimizer(cfg.optimizer, tables, cfg.lr))
+
+
 # ---- data -------------------------------------------------------------------------------------------
 @dataclass
 class GraphData:
@@ -94,10 +131,13 @@ class GraphData:
     splits: dict[str, Tensor]
     task: Task | None
     feature_norm: str
+    features: str = "store"
+    embedding_dim: int = 0
 
     @property
     def in_dim(self) -> int:
-        return int(self.x.shape[1])
+        """Width of the model's input: the feature width, or the embedding table's for ``embedding:D``."""
+        return self.embedding_dim or int(self.x.shape[1])
 
     @property
     def edge_dim(self) -> int:
@@ -134,7 +174,7 @@ def normalize_features(x: Tensor, mode: str) -> tuple[Tensor, str]:
 
 
 def load_graph_data(store_path: str | Path, *, device: torch.device, task: str = "auto",
-                    feature_norm: str = "auto", need_labels: bool = True) -> GraphData:
+                    feature_norm: str = "auto", need_labels: bool = True, features: str = "store") -> GraphData:
     """Open a store and move its graph, features, labels and splits to ``device``.
 
     Args:
@@ -144,18 +184,26 @@ def load_graph_data(store_path: str | Path, *, device: torch.device, task: str =
         feature_norm: ``--feature-norm`` (``auto|none|row``).
         need_labels: Refuse a store without labels and train/val/test splits (training); prediction
             needs only the graph and features.
+        features: ``--features`` (``store``, or computed inputs: :mod:`trellis.train.features`).
     """
+    from trellis.train.features import node_inputs, parse_features
+
     store = GraphStore(store_path)
     where = str(store.path)
-    if store.x is None:
-        raise TrellisUserError(f"{where}: the store has no node features (x.npy); re-import it with features "
-                               "(e.g. `trellis data import ... ` with features.npy)")
-    x = torch.from_numpy(np.array(store.x, dtype=np.float32, copy=True))
-    if x.ndim == 1:
-        x = x.unsqueeze(1)
-    if feature_norm == "auto":
-        feature_norm = store.preferred_feature_norm
-    x, resolved_norm = normalize_features(x, feature_norm)
+    kind, emb_dim = parse_features(features)
+    if kind == "store":
+        if store.x is None:
+            raise TrellisUserError(f"{where}: the store has no node features (x.npy); train with --features none, "
+                                   "degree or embedding:D, or re-import it with features")
+        x = torch.from_numpy(np.array(store.x, dtype=np.float32, copy=True))
+        if x.ndim == 1:
+            x = x.unsqueeze(1)
+        if feature_norm == "auto":
+            feature_norm = store.preferred_feature_norm
+        x, resolved_norm = normalize_features(x, feature_norm)
+    else:
+        x = node_inputs(kind, store.num_nodes, np.asarray(store.indptr), np.asarray(store.indices))
+        resolved_norm = "none"
     graph = CSRGraph.from_store(store).to(device)
     y_t: Tensor | None = None
     splits: dict[str, Tensor] = {}
@@ -178,7 +226,7 @@ def load_graph_data(store_path: str | Path, *, device: torch.device, task: str =
         y_t = task_obj.labels_tensor(y_np).to(device)
         splits = {s: torch.from_numpy(ids).to(device) for s, ids in split_ids.items()}
     return GraphData(store=store, graph=graph, x=x.to(device), y=y_t, splits=splits, task=task_obj,
-                     feature_norm=resolved_norm)
+                     feature_norm=resolved_norm, features=features, embedding_dim=emb_dim)
 
 
 # ---- strategies -------------------------------------------------------------------------------------
@@ -386,10 +434,9 @@ class Trainer:
 
             return explain_pp(cfg)
         data = load_graph_data(cfg.store, device=resolve_device(cfg.device), task=cfg.task,
-                               feature_norm=cfg.feature_norm)
+                               feature_norm=cfg.feature_norm, features=cfg.features)
         seed_everything(cfg.seed)
-        model = make_model(cfg.model, data.in_dim, data.task.num_outputs, edge_dim=data.edge_dim,
-                           **cfg.model_kwargs())
+        model = build_run_model(cfg, data)
         explain = getattr(model, "explain", None)
         if explain is None:
             return f"{cfg.model}: this model does not describe its plan"
@@ -421,7 +468,8 @@ class Trainer:
         device = resolve_device(cfg.device)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        data = load_graph_data(cfg.store, device=device, task=cfg.task, feature_norm=cfg.feature_norm)
+        data = load_graph_data(cfg.store, device=device, task=cfg.task, feature_norm=cfg.feature_norm,
+                               features=cfg.features)
         task = data.task
         metric = task.select_metric(cfg.metric)  # a metric that does not fit the store's task is refused here
         checksum = data.store.checksum
@@ -503,11 +551,9 @@ class Trainer:
             self._interrupt(ctx, r, prog.epoch)
         if run_state is None:
             seed_everything(seed)
-        model = make_model(cfg.model, data.in_dim, task.num_outputs, edge_dim=data.edge_dim,
-                           **cfg.model_kwargs()).to(ctx.device)
+        model = build_run_model(cfg, data).to(ctx.device)
         ctx.num_parameters = sum(p.numel() for p in model.parameters())
-        optimizer = build_optimizer(cfg.optimizer, model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                    **cfg.optimizer_args)
+        optimizer = build_run_optimizer(cfg, model)
         best = _Best()
         bad_epochs = 0
         run_time = 0.0
@@ -584,7 +630,8 @@ class Trainer:
         torch_save_atomic({
             "format": MODEL_FORMAT, "version": FORMAT_VERSION, "model": cfg.model, "in_dim": data.in_dim,
             "out_dim": task.num_outputs, "edge_dim": data.edge_dim, "kwargs": cfg.model_kwargs(),
-            "task": task.name, "feature_norm": data.feature_norm, "metric": ctx.metric, "result": result,
+            "task": task.name, "feature_norm": data.feature_norm, "features": data.features,
+            "num_nodes": data.store.num_nodes, "metric": ctx.metric, "result": result,
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         }, ctx.paths.model(r))
         prog.results.append(result)
@@ -624,6 +671,7 @@ class Trainer:
             "task": task.name,
             "num_classes": task.num_outputs,
             "feature_norm": data.feature_norm,
+            "features": data.features,
             "device": str(ctx.device),
             "threads": torch.get_num_threads(),
             "store": str(data.store.path),
