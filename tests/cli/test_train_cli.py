@@ -161,3 +161,8 @@ def test_explain_with_real_gcn(capsys, store, monkeypatch):
     monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
     rc, out, err = run(capsys, "train", store, "--model", "gcn", "--explain")
     assert rc == 0 and "spmm" in out
+    # planner v2: training step and evaluation pass, with the rewrites and the cost estimates
+    assert "training step, 1 configuration(s)" in out and "evaluation pass" in out
+    assert "share_constant_aggregation" in out and "est. peak" in out
+    rc, out, err = run(capsys, "train", store, "--model", "gat", "--explain")
+    assert rc == 0 and ("sddmm" in out.lower() or "softmax" in out.lower())

@@ -119,6 +119,24 @@ def build_run_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
     return SplitOptimizer(opt, sparse_optimizer(cfg.optimizer, tables, cfg.lr))
 
 
+def _plan_v2(model: nn.Module, graph: CSRGraph) -> str | None:
+    """The planner v2 plan (training step and evaluation pass, with estimates) of a GCN/SAGE/GIN stack.
+
+    Other models (GAT, GAT-E, MLP, embedding-fed models) describe themselves with their per-layer plans.
+    """
+    from trellis.nn.batched import family_of, model_decl
+    from trellis.plan.cost import GraphStats
+    from trellis.plan.planner import plan_model
+
+    try:
+        decl = model_decl(model, family_of(model))  # type: ignore[arg-type]
+    except TrellisUserError:
+        return None
+    stats = GraphStats.of(graph)
+    return (plan_model([decl], stats, training=True).format() + "\n\n"
+            + plan_model([decl], stats, training=False).format())
+
+
 # ---- data -------------------------------------------------------------------------------------------
 @dataclass
 class GraphData:
@@ -437,6 +455,10 @@ class Trainer:
                                feature_norm=cfg.feature_norm, features=cfg.features)
         seed_everything(cfg.seed)
         model = build_run_model(cfg, data)
+        if cfg.strategy == "full":
+            v2 = _plan_v2(model, data.graph)
+            if v2 is not None:
+                return v2
         explain = getattr(model, "explain", None)
         if explain is None:
             return f"{cfg.model}: this model does not describe its plan"
