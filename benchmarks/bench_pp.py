@@ -291,7 +291,7 @@ def run_accuracy(a: argparse.Namespace) -> dict[str, Any]:
             import_graph(data_dir / DATASETS[name], store, progress=False)
         pp = work / f"pp-{name}-sym-R{a.hops}"
         pre = _child(["_preprocess", "--store", str(store), "--pp", str(pp), "--hops", str(a.hops)])
-        for label, mode, chunk in (("exact", "prefetch", None), ("chunk=batch", "chunk", a.batch_size)):
+        for label, mode, chunk in (("exact", "auto", None), ("chunk=batch", "chunk", a.batch_size)):
             argv = ["_train", "--store", str(store), "--pp", str(pp), "--model", "sign", "--hidden", str(a.hidden),
                     "--epochs", str(a.epochs), "--patience", str(a.patience), "--batch-size", str(a.batch_size),
                     "--runs", str(a.runs), "--lr", str(a.lr), "--dropout", str(a.dropout), "--mode", mode,

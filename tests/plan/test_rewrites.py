@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from trellis.errors import TrellisUserError
 from trellis.nn.decl import LayerDecl
+from trellis.ops.dropout import dropout as model_dropout
 from trellis.ops.graph import CSRGraph
 from trellis.plan import GraphStats
 from trellis.plan.batching import balanced_batches, choose_k
@@ -197,8 +198,8 @@ def test_fused_epilogue_equals_the_unfused_chain(p):
     x2, b2 = x1.detach().clone().requires_grad_(), b1.detach().clone().requires_grad_()
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     y1 = bias_act_dropout(x1, b1, act=True, p=p, training=True, generator=g1)
-    with generator_scope(g2):
-        y2 = F.dropout(F.relu(x2 + b2), p, True)
+    with generator_scope(g2):  # the solo model's chain: relu, then its dropout drawing from the default generator
+        y2 = model_dropout(F.relu(x2 + b2), p, True)
     assert torch.equal(y1, y2)
     w = torch.randn(50, 7)
     (y1 * w).sum().backward()
@@ -208,15 +209,22 @@ def test_fused_epilogue_equals_the_unfused_chain(p):
     assert torch.equal(g1.get_state(), g2.get_state())  # both drew the same random numbers
 
 
-def test_generator_scope_draws_what_the_default_generator_would():
+@pytest.mark.parametrize("op", ["model", "torch"])
+def test_a_generator_draws_what_the_default_generator_would(op):
+    """A configuration's generator reproduces the solo run's masks: the models' (counter-based) dropout on
+    CPU through :func:`dropout`, and ``F.dropout`` (what other devices run) through :func:`generator_scope`."""
     torch.manual_seed(7)
     state = torch.get_rng_state()
-    expected = F.dropout(torch.ones(1000), 0.5, True)
+    expected = model_dropout(torch.ones(1000), 0.5, True) if op == "model" else F.dropout(torch.ones(1000), 0.5, True)
     g = torch.Generator()
     g.set_state(state)
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    got = dropout(torch.ones(1000), 0.5, True, g)
+    if op == "model":
+        got = dropout(torch.ones(1000), 0.5, True, g)
+    else:
+        with generator_scope(g):
+            got = F.dropout(torch.ones(1000), 0.5, True)
     assert torch.equal(got, expected)
     assert torch.equal(torch.get_rng_state(), before)  # the default generator is left as it was
     assert dropout(torch.ones(3), 0.5, False, g).eq(1).all()

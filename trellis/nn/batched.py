@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from trellis.errors import TrellisUserError
 from trellis.nn.layers import GCNConv, GINConv, MessagePassing, SAGEConv
 from trellis.nn.models import GNN
+from trellis.ops import dropout as hash_dropout
 from trellis.ops import gcn_norm, spmm
 from trellis.ops.graph import CSRGraph
 from trellis.plan import GraphStats
@@ -250,24 +251,21 @@ class BatchedGNN(nn.Module):
 
         Fusion of dropout and concatenation: when the features need no gradient and every configuration
         aggregates its own dropped-out copy first, each copy is written straight into its columns of the
-        wide SpMM input (``torch.mul(..., out=)``), saving one pass over ``K x [N, F]``. The masks are drawn
-        by the same ops as ``F.dropout`` on CPU, so they are the solo run's.
+        wide SpMM input, saving one pass over ``K x [N, F]``. The masks are the counter-based ones the solo
+        run's dropout draws (same seed draw from the configuration's generator, same shape).
         """
         ps = [m.dropout if self.training else 0.0 for m in models]
         dropped = [j for j, p in enumerate(ps) if p > 0.0]
-        direct = (fuse and self.training and x.device.type == "cpu" and not x.requires_grad and len(dropped) > 1
+        direct = (fuse and self.training and hash_dropout.applies(x) and not x.requires_grad and len(dropped) > 1
                   and all(ps[j] < 1.0 and lp.order(j) and not lp.is_cached(j) for j in dropped)
                   and all(lp.is_cached(j) for j, p in enumerate(ps) if p == 0.0))
         if not direct:
             return [dropout(x, p, self.training, g) for p, g in zip(ps, gens)], None
         f = x.shape[1]
         wide = x.new_empty((x.shape[0], f * len(dropped)))
-        noise = torch.empty_like(x)
         hs = [x] * len(models)
         for q, j in enumerate(dropped):
-            noise.bernoulli_(1.0 - ps[j], generator=gens[j])
-            noise.div_(1.0 - ps[j])
-            hs[j] = torch.mul(x, noise, out=wide[:, q * f:(q + 1) * f])
+            hs[j] = hash_dropout.apply_into(x, ps[j], wide[:, q * f:(q + 1) * f], gens[j])
         return hs, wide
 
     def _layer(self, graph: CSRGraph, x: Tensor, fam: _Family, convs: list[nn.Module], hs: list[Tensor],

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trellis.nn.decl import LayerDecl
-from trellis.nn.dropout import dropout
 from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
+from trellis.ops.dropout import dropout
 from trellis.ops.graph import CSRGraph
 from trellis.plan import GraphStats, LayerPlan, plan_layer
+from trellis.plan.planner import choose_order
 
 
 class MessagePassing(nn.Module):
@@ -26,6 +27,7 @@ class MessagePassing(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._plans: dict[GraphStats, LayerPlan] = {}
+        self._orders: dict[tuple[GraphStats, bool, bool], bool] = {}
 
     def declare(self) -> LayerDecl:
         """The layer in message / aggregate / update form (see :class:`LayerDecl`)."""
@@ -37,6 +39,25 @@ class MessagePassing(nn.Module):
         if stats not in self._plans:
             self._plans[stats] = plan_layer(self.declare(), stats)
         return self._plans[stats]
+
+    def aggregate_first(self, graph: CSRGraph, x: Tensor) -> bool:
+        """Whether this call aggregates before transforming: planner v2's choice for this input.
+
+        The order is chosen on the training-step cost given whether ``x`` needs a gradient (the features do
+        not, so aggregating them first costs no backward SpMM) — the same choice
+        :func:`trellis.plan.planner.plan_model` makes for this layer in a model-batched sweep, so a solo run
+        performs the same floating-point operations as its configuration in the sweep (Adam's and Adagrad's
+        first steps turn even last-bit differences of tiny gradients into ``±lr`` updates).
+        """
+        stats = GraphStats.of(graph)
+        key = (stats, bool(x.requires_grad), self.training)
+        order = self._orders.get(key)
+        if order is None:
+            d = self.declare()
+            order = (choose_order(d, stats, input_grad=key[1], training=key[2])[0] if d.unparameterized_message
+                     else self.plan(graph).aggregate_first)
+            self._orders[key] = order
+        return order
 
 
 def _glorot(t: Tensor) -> None:
@@ -58,7 +79,7 @@ class GCNConv(MessagePassing):
 
     def forward(self, graph: CSRGraph, x: Tensor) -> Tensor:
         ew, sw = gcn_norm(graph, add_self_loops=True)
-        if self.plan(graph).aggregate_first:
+        if self.aggregate_first(graph, x):
             out = self.lin(spmm(graph, x, ew, self_weight=sw))
         else:
             out = spmm(graph, self.lin(x), ew, self_weight=sw)
@@ -78,7 +99,7 @@ class SAGEConv(MessagePassing):
         return LayerDecl("sage", self.in_dim, self.out_dim, message="copy", aggregate=self.aggregate, root="linear")
 
     def forward(self, graph: CSRGraph, x: Tensor) -> Tensor:
-        if self.plan(graph).aggregate_first:
+        if self.aggregate_first(graph, x):
             neigh = self.lin_l(spmm(graph, x, reduce=self.aggregate))
         else:
             neigh = spmm(graph, F.linear(x, self.lin_l.weight), reduce=self.aggregate) + self.lin_l.bias
@@ -100,7 +121,7 @@ class GINConv(MessagePassing):
 
     def forward(self, graph: CSRGraph, x: Tensor) -> Tensor:
         n = graph.num_dst
-        if self.plan(graph).aggregate_first:
+        if self.aggregate_first(graph, x):
             h = self.lin1(spmm(graph, x) + (1 + self.eps) * x[:n])
         else:
             z = F.linear(x, self.lin1.weight)

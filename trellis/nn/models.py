@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trellis.nn.layers import GATConv, GCNConv, GINConv, MessagePassing, SAGEConv
+from trellis.ops.dropout import dropout as hash_dropout
 from trellis.ops.graph import CSRGraph
 from trellis.plan.ir import format_plans
 
@@ -41,7 +42,7 @@ class GNN(nn.Module):
         for i, (conv, g) in enumerate(zip(self.convs, blocks)):
             if return_embedding and i == len(self.convs) - 1:
                 return x
-            x = F.dropout(x, self.dropout, self.training)
+            x = hash_dropout(x, self.dropout, self.training)
             x = conv(g, x)
             if i < len(self.convs) - 1:
                 x = self.activation(x)
@@ -80,7 +81,7 @@ class MLP(nn.Module):
         for i, lin in enumerate(self.lins):
             if return_embedding and i == len(self.lins) - 1:
                 return x
-            x = lin(F.dropout(x, self.dropout, self.training))
+            x = lin(hash_dropout(x, self.dropout, self.training))
             if i < len(self.lins) - 1:
                 x = F.relu(x)
         return x

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trellis.ops import dropout as hash_dropout
 from trellis.plan import cost as C
 from trellis.plan.ir import ConfigLayer, LayerPlan, Op
 
@@ -202,9 +203,15 @@ def generator_scope(generator: torch.Generator | None) -> Iterator[None]:
 
 
 def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | None = None) -> Tensor:
-    """``F.dropout`` drawing its mask from ``generator`` (bit-identical to a solo run in the same state)."""
+    """The models' dropout drawing from ``generator`` (bit-identical to a solo run in the same state).
+
+    On CPU that is the counter-based dropout (:mod:`trellis.ops.dropout`) with its seed drawn from
+    ``generator``; elsewhere ``F.dropout`` under :func:`generator_scope`.
+    """
     if not training or p == 0.0:
         return x
+    if hash_dropout.applies(x):
+        return hash_dropout.dropout(x, p, True, generator)
     with generator_scope(generator):
         return F.dropout(x, p, True)
 
@@ -220,11 +227,9 @@ class _BiasActDropout(torch.autograd.Function):
         y.relu_()
         scale = None
         if p > 0.0:
-            # The same ops as F.dropout on CPU (empty_like, bernoulli_(1 - p), div_(1 - p), multiply), so the
-            # mask and the values equal the unfused chain's bit for bit.
-            noise = torch.empty_like(y).bernoulli_(1.0 - p, generator=generator)
-            noise.div_(1.0 - p)
-            y.mul_(noise)
+            # The counter-based mask the unfused chain's dropout draws (same seed draw, same shape), applied
+            # in place: values equal the unfused chain's bit for bit.
+            hash_dropout.apply_(y, p, generator)
             scale = torch.ones((), dtype=y.dtype, device=y.device).div_(1.0 - p)
         ctx.save_for_backward(y)
         ctx.scale, ctx.has_bias = scale, bias is not None
@@ -258,7 +263,7 @@ def bias_act_dropout(x: Tensor, bias: Tensor | None, *, act: bool, p: float, tra
         generator: The configuration's generator (None: the default one).
     """
     p = p if training else 0.0
-    if not act or p >= 1.0 or (x.device.type != "cpu" and p > 0.0):
+    if not act or p >= 1.0 or (p > 0.0 and not hash_dropout.applies(x)):
         y = x + bias if bias is not None else x
         return dropout(F.relu(y) if act else y, p, True, generator)
     return _BiasActDropout.apply(x, bias, p, generator)

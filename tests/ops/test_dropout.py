@@ -1,6 +1,6 @@
 import torch
 
-from trellis.nn.dropout import dropout
+from trellis.ops.dropout import dropout
 
 
 def test_dropout_rate_scale_and_gradient():
