@@ -89,6 +89,10 @@ def test_generate_and_info(capsys, tmp_path):
         (["data", "generate", "rmat", "--nodes", "100", "--homophily", "0.5", "--out", "{out}"],
          ["--homophily applies to sbm only"]),
         (["data", "generate", "sbm", "--nodes", "-5", "--out", "{out}"], ["-5 must be > 0"]),
+        (["data", "generate", "sbm", "--nodes", "50", "--avg-degree", "2", "--edge-features", "-2", "--out", "{out}"],
+         ["--edge-features must be >= 0"]),
+        (["data", "generate", "sbm", "--nodes", "50", "--node-features", "none", "--out", "{out}"],
+         ["--node-features", "invalid choice: 'none'"]),
         (["data", "info", "{tmp}"], ["not a Trellis store"]),
         (["data"], ["required"]),
     ],
@@ -117,6 +121,31 @@ def test_bad_arrays_exit_2(capsys, tmp_path):
     rc, _, err = run(capsys, "data", "import", str(src), "--out", str(out))
     assert_user_error(rc, err, "train.npy", "row 1 has node id 3 but the graph has 3 nodes")
     assert_nothing_written(out)
+
+
+def test_generate_edge_features_and_bad_edge_feature_files(capsys, tmp_path):
+    out = tmp_path / "e"
+    rc, stdout, err = run(capsys, "data", "generate", "sbm", "--nodes", "300", "--avg-degree", "4", "--features",
+                          "4", "--edge-features", "5", "--edge-feature-noise", "0.5", "--node-features", "noise",
+                          "--out", str(out))
+    assert rc == 0, err
+    s = open_store(out)
+    assert s.edge_feat.shape == (s.num_edges, 5)
+    assert s.manifest["source"]["edge_feature_noise"] == 0.5 and s.manifest["source"]["node_features"] == "noise"
+    rc, stdout, _ = run(capsys, "data", "info", str(out))
+    assert "features (5)" in stdout
+    src = tmp_path / "g"
+    src.mkdir()
+    (src / "edges.txt").write_text("0 1\n1 2\n2 0\n")
+    bad = tmp_path / "bad"
+    np.save(src / "edge_features.npy", np.ones((2, 3)))
+    rc, _, err = run(capsys, "data", "import", str(src), "--out", str(bad))
+    assert_user_error(rc, err, "edge_features.npy", "has 2 rows", "has 3 edges")
+    assert_nothing_written(bad)
+    np.save(src / "edge_features.npy", np.array([[0.0], [1.0], [np.nan]]))
+    rc, _, err = run(capsys, "data", "import", str(src), "--out", str(bad))
+    assert_user_error(rc, err, "edge_features.npy", "row 2 contains NaN or Inf")
+    assert_nothing_written(bad)
 
 
 def test_existing_output_needs_overwrite(capsys, tmp_path):

@@ -89,6 +89,10 @@ def test_homophily_zero_and_one(tmp_path):
         (dict(nodes=10, avg_degree=2, homophily=1.5), "--homophily must be in"),
         (dict(nodes=10, avg_degree=2, feature_noise=-1), "--feature-noise must be >= 0"),
         (dict(nodes=10, avg_degree=2, train_frac=0.9, val_frac=0.2), "split fractions"),
+        (dict(nodes=10, avg_degree=2, edge_features=-1), "--edge-features must be >= 0"),
+        (dict(nodes=10, avg_degree=2, edge_features=2, edge_feature_noise=-0.5), "--edge-feature-noise must be"),
+        (dict(nodes=10, avg_degree=2, node_features="zeros"), "--node-features must be one of signal, noise"),
+        (dict(nodes=10, avg_degree=2, features=0, node_features="noise"), "--node-features noise needs --features"),
     ],
 )
 def test_bad_arguments(tmp_path, opts, match):
@@ -102,3 +106,44 @@ def test_dispatch(tmp_path):
         generate("er", tmp_path / "g", nodes=10)
     with pytest.raises(TrellisUserError, match="must be >= 0 and sum to at most 1"):
         generate("rmat", tmp_path / "g", nodes=10, avg_degree=1, a=0.9, b=0.2)
+
+
+def _mean_in_edge_features(s):
+    """Per node, the mean feature row of its in-edges (what one aggregation over edge features sees)."""
+    indptr = np.asarray(s.indptr)
+    deg = np.maximum(np.diff(indptr), 1)[:, None]
+    return np.add.reduceat(np.asarray(s.edge_feat), indptr[:-1], axis=0) / deg
+
+
+def test_edge_features_carry_the_class_signal_alone(tmp_path):
+    opts = dict(nodes=3000, avg_degree=10, features=8, classes=4, seed=5, progress=False)
+    s = open_store(generate_sbm(tmp_path / "e", edge_features=6, node_features="noise", **opts))
+    plain = open_store(generate_sbm(tmp_path / "p", **opts))
+    # the graph, labels and splits do not depend on the feature options (independent random streams)
+    for name in ("indptr", "indices", "y", "train_idx", "test_idx"):
+        np.testing.assert_array_equal(s.array(name), plain.array(name))
+    ef = np.asarray(s.edge_feat)
+    assert ef.shape == (s.num_edges, 6) and ef.dtype == np.float32
+    # both directions of an undirected edge carry the same row (as an import of a symmetrized edge list)
+    rev_indptr, rev_indices, rev_perm = s.reverse_csr()
+    np.testing.assert_array_equal(ef, ef[rev_perm])
+    assert len({tuple(r) for r in ef.round(5).tolist()}) == s.num_edges // 2
+    y, train, test = np.asarray(s.y), np.asarray(s.split("train")), np.asarray(s.split("test"))
+    assert _centroid_accuracy(np.asarray(s.x), y, train, test) < 0.33  # node features: chance (0.25)
+    assert _centroid_accuracy(_mean_in_edge_features(s), y, train, test) > 0.85  # in-edges: the class
+    assert s.manifest["source"]["edge_features"] == 6 and s.manifest["source"]["node_features"] == "noise"
+    again = open_store(generate_sbm(tmp_path / "e2", edge_features=6, node_features="noise", **opts))
+    assert again.checksum == s.checksum
+
+
+def test_rmat_edge_features_follow_both_directions(tmp_path):
+    s = open_store(generate_rmat(tmp_path / "g", nodes=1024, avg_degree=6, features=0, edge_features=3, seed=2,
+                                 edge_feature_noise=0.0, progress=False))
+    ef, y = np.asarray(s.edge_feat), np.asarray(s.y)
+    np.testing.assert_array_equal(ef, ef[s.reverse_csr()[2]])
+    # without noise, a row is a function of the endpoints' classes only
+    dst = np.repeat(np.arange(s.num_nodes), np.diff(np.asarray(s.indptr)))
+    pair = np.minimum(y[dst], y[np.asarray(s.indices)]) * 4 + np.maximum(y[dst], y[np.asarray(s.indices)])
+    for key in np.unique(pair):
+        rows = ef[pair == key]
+        np.testing.assert_allclose(rows, np.broadcast_to(rows[0], rows.shape), rtol=1e-6)

@@ -223,6 +223,29 @@ def test_ogb_errors(tmp_path):
     assert_nothing_written(out)
 
 
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("1,1\n2,2\n3,3\n4,4\n", r"edge-feat.csv.gz: has 4 rows but the edge list .*edge.csv.gz has 5 edges"),
+        ("1,1\n2,2\n3,nan\n4,4\n5,5\n", r"edge-feat.csv.gz: row 2 contains NaN or Inf"),
+        ("1,1\n2,2\n3,inf\n4,4\n5,5\n", r"edge-feat.csv.gz: row 2 contains NaN or Inf"),
+    ],
+)
+def test_ogb_bad_edge_features(tmp_path, text, match):
+    root = make_ogb(tmp_path / "o")
+    _write_gz(root / "raw" / "edge-feat.csv.gz", text)
+    out = tmp_path / "out"
+    for streaming in (False, True):
+        with pytest.raises(TrellisUserError, match=match):
+            import_graph(root, out, streaming=streaming, progress=False)
+        assert_nothing_written(out)
+
+
+def test_ogb_without_edge_features(tmp_path):
+    store = open_store(import_graph(make_ogb(tmp_path / "o", edge_feat=False), tmp_path / "s", progress=False))
+    assert store.edge_feat is None and not store.has("edge_feat")
+
+
 # ---- edge list ----------------------------------------------------------------------------------
 def make_edgelist(folder: Path, *, text: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -257,6 +280,38 @@ def test_edgelist_import(tmp_path, text):
             assert w[k] == first_row[(min(u, v), max(u, v))] + 1
     directed = open_store(import_graph(src, tmp_path / "d", symmetrize=False, progress=False))
     assert directed.num_edges == 5  # duplicate 0->1 and self loop 3->3 dropped; 1->0 kept
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_edgelist_edge_features_follow_symmetrization_and_dedup(tmp_path, streaming):
+    # rows: 0:0-1 1:1-2 2:2-0 3:2-3 4:1-0 (same pair as row 0) 5:3-3 (self loop) 6:0-1 (duplicate of row 0)
+    src = make_edgelist(tmp_path / "g")
+    feat = np.arange(14, dtype=np.float32).reshape(7, 2)
+    store = open_store(import_graph(src, tmp_path / "s", streaming=streaming, chunk_edges=2, progress=False))
+    indptr, indices, ef = np.asarray(store.indptr), np.asarray(store.indices), np.asarray(store.edge_feat)
+    dst = np.repeat(np.arange(store.num_nodes), np.diff(indptr))
+    first_row = {(0, 1): 0, (1, 2): 1, (0, 2): 2, (2, 3): 3}  # the first row naming the pair, either direction
+    want = feat[[first_row[(min(u, v), max(u, v))] for u, v in zip(indices, dst)]]
+    np.testing.assert_array_equal(ef, want)
+    # the reverse CSR's permutation gives each reversed edge its forward edge's row
+    rev_indptr, rev_indices, rev_perm = store.reverse_csr()
+    rsrc = np.repeat(np.arange(store.num_nodes), np.diff(rev_indptr))
+    np.testing.assert_array_equal(indices[rev_perm], rsrc)
+    np.testing.assert_array_equal(dst[rev_perm], rev_indices)
+    np.testing.assert_array_equal(ef[rev_perm], feat[[first_row[(min(u, v), max(u, v))]
+                                                      for u, v in zip(rsrc, rev_indices)]])
+    directed = open_store(import_graph(src, tmp_path / "d", symmetrize=False, streaming=streaming, progress=False))
+    d_dst = np.repeat(np.arange(directed.num_nodes), np.diff(np.asarray(directed.indptr)))
+    rows = {(0, 1): 0, (1, 2): 1, (2, 0): 2, (2, 3): 3, (1, 0): 4}  # direction kept; row 6 loses to row 0
+    want = feat[[rows[(u, v)] for u, v in zip(np.asarray(directed.indices), d_dst)]]
+    np.testing.assert_array_equal(np.asarray(directed.edge_feat), want)
+
+
+def test_edgelist_one_dimensional_edge_features(tmp_path):
+    src = make_edgelist(tmp_path / "g")
+    np.save(src / "edge_features.npy", np.arange(7, dtype=np.float64))
+    store = open_store(import_graph(src, tmp_path / "s", progress=False))
+    assert store.edge_feat.shape == (store.num_edges, 1) and store.edge_feat.dtype == np.float32
 
 
 def test_edgelist_streaming_equals_in_memory(tmp_path):
@@ -315,6 +370,12 @@ def test_edgelist_bad_text(tmp_path, case):
         ("edge_weights.npy", np.ones(3), r"edge_weights.npy: has 3 rows but the edge list .* has 7 edges"),
         ("edge_features.npy", np.full((7, 2), np.inf), r"edge_features.npy: row 0 contains NaN or Inf"),
         ("edge_features.npy", np.array(["a"] * 7), r"edge_features.npy: dtype <U1 is not numeric"),
+        ("edge_features.npy", np.ones((5, 2)), r"edge_features.npy: has 5 rows but the edge list .*edges.txt has 7 "
+                                               r"edges"),
+        ("edge_features.npy", np.ones((7, 2, 2)), r"edge_features.npy: expected a 2-D array \(\[E, D\]\) but got "
+                                                  r"shape \(7, 2, 2\)"),
+        ("edge_features.npy", np.array([[0.0, 1]] * 3 + [[1, np.nan]] + [[0, 1]] * 3),
+         r"edge_features.npy: row 3 contains NaN or Inf"),
     ],
 )
 def test_edgelist_bad_arrays(tmp_path, file, value, match):

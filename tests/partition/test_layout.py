@@ -103,6 +103,27 @@ def test_buckets_cover_every_edge_once(layouts):
     assert offsets[0] == 0 and offsets[-1] == store.num_edges and np.all(np.diff(offsets) >= 0)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_edge_features_travel_with_their_edges(layouts, method):
+    """GAT-E on a part reads the store's feature row of every local edge, reversed copy and bucket row."""
+    store, out = layouts
+    _, pg = out[method]
+    ef = np.asarray(store.edge_feat)
+    assert pg.manifest["has_edge_feat"]
+    for p in range(pg.num_parts):
+        lg = pg.part(p)
+        assert lg.edge_feat.shape == (lg.edge_ids.shape[0], ef.shape[1])
+        np.testing.assert_array_equal(lg.edge_feat, ef[np.asarray(lg.edge_ids)].astype(np.float32))
+        if lg.rev is not None:  # reverse ownership: the reversed in-edge copies carry their edge's row
+            np.testing.assert_array_equal(lg.rev_edge_feat, ef[np.asarray(lg.rev[2])].astype(np.float32))
+        else:
+            assert lg.rev_edge_feat is None
+    for b in pg.iter_buckets():
+        np.testing.assert_array_equal(b.edge_feat, ef[np.asarray(b.edge_ids)].astype(np.float32))
+    among = pg.edges_among([1, 3])
+    np.testing.assert_array_equal(among.edge_feat, ef[among.edge_ids].astype(np.float32))
+
+
 def test_manifest_and_book(layouts):
     store, out = layouts
     book, pg = out["grem"]

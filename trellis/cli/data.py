@@ -5,7 +5,8 @@ Usage::
     trellis data import SRC --out STORE [--format planetoid|npz|ogb|edgelist] [--name NAME]
                         [--split-seed 0] [--lcc|--no-lcc] [--symmetrize|--no-symmetrize] [--overwrite] [--json]
     trellis data generate sbm|rmat --nodes N --avg-degree D --features F --classes C --seed S --out STORE
-                        [--homophily 0.8] [--feature-noise 1.5] [--train-frac 0.1] [--val-frac 0.1] [--json]
+                        [--homophily 0.8] [--feature-noise 1.5] [--train-frac 0.1] [--val-frac 0.1]
+                        [--edge-features D] [--edge-feature-noise S] [--node-features signal|noise] [--json]
     trellis data info STORE [--json] [--verify]
 """
 
@@ -15,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, generate
+from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, NODE_FEATURE_MODES, generate
 from trellis.data.importers import FORMATS, import_graph
 from trellis.data.info import format_info, human_bytes, store_info
 from trellis.data.store import open_store
@@ -57,6 +58,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "nodes": args.nodes, "avg_degree": args.avg_degree, "features": args.features, "classes": args.classes,
         "seed": args.seed, "feature_noise": args.feature_noise, "train_frac": args.train_frac,
         "val_frac": args.val_frac, "name": args.name, "overwrite": args.overwrite,
+        "node_features": args.node_features, "edge_features": args.edge_features,
+        "edge_feature_noise": args.edge_feature_noise,
     }
     if args.kind == "sbm":
         for flag in ("a", "b", "c"):
@@ -130,6 +133,12 @@ def register(subparsers: Any) -> None:
     g.add_argument("--homophily", type=float, default=None, help="sbm: fraction of edges inside a class (0.8)")
     g.add_argument("--feature-noise", type=float, default=DEFAULT_FEATURE_NOISE,
                    help=f"per-dimension feature noise (default {DEFAULT_FEATURE_NOISE})")
+    g.add_argument("--node-features", choices=NODE_FEATURE_MODES, default="signal",
+                   help="signal: class means plus noise; noise: no class signal in node features (default signal)")
+    g.add_argument("--edge-features", type=int, default=0,
+                   help="edge feature width carrying the endpoints' classes plus noise; 0 for none (default 0)")
+    g.add_argument("--edge-feature-noise", type=float, default=None,
+                   help="per-dimension edge feature noise (default: --feature-noise)")
     g.add_argument("--train-frac", type=float, default=0.1, help="training fraction (default 0.1)")
     g.add_argument("--val-frac", type=float, default=0.1, help="validation fraction (default 0.1; rest test)")
     g.add_argument("--a", type=float, default=None, help="rmat: quadrant probability a (0.57)")

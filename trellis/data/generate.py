@@ -14,6 +14,15 @@ and the default noise 1.5, a linear model on raw features reaches about 20% test
 
 ``avg_degree`` is the number of directed edges per node after symmetrization (``E ≈ N * avg_degree``);
 self loops and duplicates are removed.
+
+Edge features (``edge_features=D``, for GAT-E) plant the class signal in the edges: the undirected edge
+``{u, v}`` carries ``nu[y_u] + nu[y_v] + edge_feature_noise * N(0, I)`` with class vectors
+``nu ~ N(0, I / D)``, and both directions carry the same row -- exactly what the importers make of an edge
+list with ``edge_features.npy`` (a symmetrized edge keeps its input row's features). Every in-edge of
+``v`` therefore holds ``nu[y_v]`` plus its neighbor's class vector (mostly the same class on a
+homophilous graph), so a node's class is recoverable from its incoming edges' features alone. With
+``node_features="noise"`` the node features are ``feature_noise * N(0, I)`` and carry no class signal:
+a model that ignores edge features (GAT) is at chance while one that reads them (GAT-E) is not.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from tqdm import tqdm
 
 from trellis.data.csr import EdgeCSR, edges_to_csr, reverse_csr
 from trellis.data.splits import random_split
-from trellis.data.store import check_output, store_writer
+from trellis.data.store import StoreWriter, check_output, store_writer
 from trellis.errors import TrellisUserError
 
 #: Edge pairs generated per vectorized step (fixed so results do not depend on memory settings).
@@ -36,9 +45,13 @@ _EDGE_BLOCK = 4_000_000
 _FEATURE_BLOCK = 65_536
 DEFAULT_FEATURE_NOISE = 1.5
 GENERATORS = ("sbm", "rmat")
+#: ``node_features`` modes: ``signal`` (class means plus noise) or ``noise`` (no class signal).
+NODE_FEATURE_MODES = ("signal", "noise")
 
 
-def _check_common(nodes: int, avg_degree: float, features: int, classes: int, feature_noise: float) -> None:
+def _check_common(nodes: int, avg_degree: float, features: int, classes: int, feature_noise: float,
+                  edge_features: int = 0, edge_feature_noise: float | None = None,
+                  node_features: str = "signal") -> None:
     if nodes < 1:
         raise TrellisUserError(f"--nodes must be >= 1 (got {nodes})")
     if avg_degree < 0:
@@ -52,10 +65,21 @@ def _check_common(nodes: int, avg_degree: float, features: int, classes: int, fe
         raise TrellisUserError(f"--classes must be between 1 and the node count (got {classes})")
     if feature_noise < 0:
         raise TrellisUserError(f"--feature-noise must be >= 0 (got {feature_noise})")
+    if edge_features < 0:
+        raise TrellisUserError(f"--edge-features must be >= 0 (got {edge_features})")
+    if edge_feature_noise is not None and edge_feature_noise < 0:
+        raise TrellisUserError(f"--edge-feature-noise must be >= 0 (got {edge_feature_noise})")
+    if node_features not in NODE_FEATURE_MODES:
+        raise TrellisUserError(f"--node-features must be one of {', '.join(NODE_FEATURE_MODES)} "
+                               f"(got {node_features!r})")
+    if node_features == "noise" and features == 0:
+        raise TrellisUserError("--node-features noise needs --features > 0 (noise of which width?)")
 
 
 def _streams(seed: int) -> dict[str, np.random.Generator]:
-    names = ("labels", "edges", "features", "splits", "permute")
+    # New streams go at the end: SeedSequence children are keyed by position, so earlier streams (and
+    # every store generated before a stream was added) stay the same.
+    names = ("labels", "edges", "features", "splits", "permute", "edge_features")
     return {k: np.random.default_rng(s) for k, s in zip(names, np.random.SeedSequence(seed).spawn(len(names)))}
 
 
@@ -63,27 +87,86 @@ def _bar(total: int, desc: str, progress: bool, unit: str = "edge") -> tqdm:
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=None if progress else True, leave=False)
 
 
+def _edge_source(node_features: str, edge_features: int, edge_feature_noise: float | None) -> dict[str, Any]:
+    """Manifest entries for the feature options, only when they differ from the defaults.
+
+    Why: stores generated before these options existed keep byte-identical manifests' ``source``.
+    """
+    out: dict[str, Any] = {}
+    if node_features != "signal":
+        out["node_features"] = node_features
+    if edge_features:
+        out["edge_features"] = edge_features
+        if edge_feature_noise is not None:
+            out["edge_feature_noise"] = edge_feature_noise
+    return out
+
+
+def _write_edge_features(w: StoreWriter, csr: EdgeCSR, rev_perm: np.ndarray, y: np.ndarray, num_classes: int,
+                         dim: int, noise: float, rng: np.random.Generator, progress: bool) -> None:
+    """Write ``edge_feat [E, dim]``: ``nu[y_u] + nu[y_v] + noise`` per undirected edge, same row both ways.
+
+    Why two passes: the generated graph is symmetric with sorted rows, so its reverse CSR has the forward
+    CSR's structure and ``rev_perm[p]`` is the twin ``u -> v`` of forward edge ``p`` (``v <- u``). Pass 1
+    draws the features of the edges with ``u < v`` block by block (fixed blocks: deterministic, bounded
+    memory); pass 2 copies each ``u > v`` edge's row from its twin.
+    """
+    e = csr.num_edges
+    nu = (rng.standard_normal((num_classes, dim)) / math.sqrt(dim)).astype(np.float32)
+    ef = w.create("edge_feat", (e, dim), np.float32)
+    indptr, indices = csr.indptr, csr.indices
+    with _bar(2 * e, "edge features", progress) as bar:
+        for second in (False, True):
+            for p0 in range(0, e, _FEATURE_BLOCK):
+                p1 = min(e, p0 + _FEATURE_BLOCK)
+                pos = np.arange(p0, p1, dtype=np.int64)
+                dst = np.searchsorted(indptr, pos, side="right") - 1
+                src = indices[p0:p1]
+                if second:
+                    upper = np.flatnonzero(src > dst)
+                    ef[p0 + upper] = ef[rev_perm[p0 + upper]]
+                else:
+                    lower = np.flatnonzero(src < dst)
+                    u, v = src[lower], dst[lower]
+                    eps = rng.standard_normal((lower.size, dim), dtype=np.float32)
+                    ef[p0 + lower] = nu[y[u]] + nu[y[v]] + np.float32(noise) * eps
+                bar.update(p1 - p0)
+    ef.flush()
+    del ef
+
+
 def _write(out: str | os.PathLike[str], csr: EdgeCSR, y: np.ndarray, num_classes: int, features: int,
-           feature_noise: float, rng: np.random.Generator, splits: dict[str, np.ndarray], name: str,
-           source: dict[str, Any], overwrite: bool, progress: bool) -> Path:
+           feature_noise: float, rng: dict[str, np.random.Generator], splits: dict[str, np.ndarray], name: str,
+           source: dict[str, Any], overwrite: bool, progress: bool, *, node_features: str = "signal",
+           edge_features: int = 0, edge_feature_noise: float | None = None) -> Path:
     """Write the graph, generating features block by block straight into the store (bounded memory)."""
     n = csr.num_nodes
     with store_writer(out, overwrite=overwrite) as w:
         w.add("indptr", csr.indptr)
         w.add("indices", csr.indices)
-        for k, arr in zip(("rev_indptr", "rev_indices", "rev_perm"), reverse_csr(csr.indptr, csr.indices, n)):
+        rev = reverse_csr(csr.indptr, csr.indices, n)
+        for k, arr in zip(("rev_indptr", "rev_indices", "rev_perm"), rev):
             w.add(k, arr)
         if features > 0:
-            mu = (rng.standard_normal((num_classes, features)) / math.sqrt(features)).astype(np.float32)
+            frng = rng["features"]
+            mu = (frng.standard_normal((num_classes, features)) / math.sqrt(features)).astype(np.float32)
+            if node_features == "noise":
+                mu[:] = 0.0  # drawn anyway so the noise that follows is the same as in "signal" mode
             x = w.create("x", (n, features), np.float32)
             with _bar(n, "features", progress, unit="node") as bar:
                 for r0 in range(0, n, _FEATURE_BLOCK):
                     r1 = min(n, r0 + _FEATURE_BLOCK)
-                    noise = rng.standard_normal((r1 - r0, features), dtype=np.float32)
+                    noise = frng.standard_normal((r1 - r0, features), dtype=np.float32)
                     x[r0:r1] = mu[y[r0:r1]] + np.float32(feature_noise) * noise
                     bar.update(r1 - r0)
             x.flush()
             del x
+        if edge_features > 0:
+            if not (np.array_equal(rev[0], csr.indptr) and np.array_equal(rev[1], csr.indices)):
+                raise ValueError("generated graphs are symmetric; the reverse CSR must mirror the forward one")
+            _write_edge_features(w, csr, rev[2], y, num_classes, edge_features,
+                                 feature_noise if edge_feature_noise is None else edge_feature_noise,
+                                 rng["edge_features"], progress)
         w.add("y", y.astype(np.int64))
         for k, ids in splits.items():
             w.add(f"{k}_idx", ids)
@@ -151,6 +234,9 @@ def generate_sbm(
     name: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    node_features: str = "signal",
+    edge_features: int = 0,
+    edge_feature_noise: float | None = None,
 ) -> Path:
     """Generate a planted-partition (stochastic block model) graph and write it as a store.
 
@@ -168,11 +254,16 @@ def generate_sbm(
         name: Dataset name (default: ``sbm-<nodes>``).
         overwrite: Replace an existing store (default: False).
         progress: Show progress bars on a terminal (default: True).
+        node_features: ``signal`` (class means plus noise) or ``noise`` (pure noise, so the class signal
+            lives only in the edge features) (default: ``signal``).
+        edge_features: Edge feature width; 0 writes none (default: 0). See the module doc.
+        edge_feature_noise: Per-dimension edge feature noise (default: ``feature_noise``).
 
     Returns:
         The store path.
     """
-    _check_common(nodes, avg_degree, features, classes, feature_noise)
+    _check_common(nodes, avg_degree, features, classes, feature_noise, edge_features, edge_feature_noise,
+                  node_features)
     check_output(out, overwrite=overwrite)
     if not 0 <= homophily <= 1:
         raise TrellisUserError(f"--homophily must be in [0, 1] (got {homophily})")
@@ -185,9 +276,11 @@ def generate_sbm(
     del src, dst
     source = {"generator": "sbm", "nodes": nodes, "avg_degree": avg_degree, "features": features,
               "classes": classes, "seed": seed, "homophily": homophily, "feature_noise": feature_noise,
-              "train_frac": train_frac, "val_frac": val_frac}
-    return _write(out, csr, y, classes, features, feature_noise, rng["features"], splits,
-                  name or f"sbm-{nodes}", source, overwrite, progress)
+              "train_frac": train_frac, "val_frac": val_frac, **_edge_source(node_features, edge_features,
+                                                                               edge_feature_noise)}
+    return _write(out, csr, y, classes, features, feature_noise, rng, splits, name or f"sbm-{nodes}", source,
+                  overwrite, progress, node_features=node_features, edge_features=edge_features,
+                  edge_feature_noise=edge_feature_noise)
 
 
 def rmat_pairs(scale: int, m: int, a: float, b: float, c: float, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
@@ -222,6 +315,9 @@ def generate_rmat(
     name: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    node_features: str = "signal",
+    edge_features: int = 0,
+    edge_feature_noise: float | None = None,
 ) -> Path:
     """Generate an R-MAT (Chakrabarti et al. 2004) power-law graph and write it as a store.
 
@@ -248,11 +344,16 @@ def generate_rmat(
         name: Dataset name (default: ``rmat-<nodes>``).
         overwrite: Replace an existing store (default: False).
         progress: Show progress bars on a terminal (default: True).
+        node_features: ``signal`` (class means plus noise) or ``noise`` (pure noise, so the class signal
+            lives only in the edge features) (default: ``signal``).
+        edge_features: Edge feature width; 0 writes none (default: 0). See the module doc.
+        edge_feature_noise: Per-dimension edge feature noise (default: ``feature_noise``).
 
     Returns:
         The store path.
     """
-    _check_common(nodes, avg_degree, features, classes, feature_noise)
+    _check_common(nodes, avg_degree, features, classes, feature_noise, edge_features, edge_feature_noise,
+                  node_features)
     check_output(out, overwrite=overwrite)
     d = 1.0 - a - b - c
     if min(a, b, c, d) < 0:
@@ -290,9 +391,11 @@ def generate_rmat(
     del lo, hi
     source = {"generator": "rmat", "nodes": nodes, "avg_degree": avg_degree, "features": features,
               "classes": classes, "seed": seed, "a": a, "b": b, "c": c, "feature_noise": feature_noise,
-              "train_frac": train_frac, "val_frac": val_frac}
-    return _write(out, csr, y, classes, features, feature_noise, rng["features"], splits,
-                  name or f"rmat-{nodes}", source, overwrite, progress)
+              "train_frac": train_frac, "val_frac": val_frac, **_edge_source(node_features, edge_features,
+                                                                               edge_feature_noise)}
+    return _write(out, csr, y, classes, features, feature_noise, rng, splits, name or f"rmat-{nodes}", source,
+                  overwrite, progress, node_features=node_features, edge_features=edge_features,
+                  edge_feature_noise=edge_feature_noise)
 
 
 def generate(kind: str, out: str | os.PathLike[str], **options: Any) -> Path:

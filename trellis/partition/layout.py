@@ -10,6 +10,7 @@ Layout (every array a plain ``.npy``, described with dtype/shape/sha256 in ``man
       buckets/edges.npy       int64 [E, 2]   (src, dst) global ids, grouped by (part(src), part(dst))
       buckets/edge_ids.npy    int64 [E]      forward-CSR edge id of each bucket row (edge data follows it)
       buckets/edge_weight.npy float32 [E]    when the store has edge weights
+      buckets/edge_feat.npy   float32 [E,D]  when the store has edge features
       part-00000/
         local_to_global.npy   int64 [L+H]    local ids: the part's L nodes (ascending), then H halo nodes
         halo_owner.npy        int32 [H]      owner (master) part of each halo node
@@ -307,6 +308,11 @@ class _LayoutBuilder:
             out = self.w.create("buckets/edge_weight.npy", (e,), np.float32)
             _gather_rows_to(out, self.store.edge_weight, np.asarray(eids), self.chunk)
             self._flush(out)
+        ef = self.store.edge_feat
+        if ef is not None:  # edge features travel with their edges here too (GAT-E reads them per edge)
+            out = self.w.create("buckets/edge_feat.npy", (e, ef.shape[1]), np.float32)
+            _gather_rows_to(out, ef, np.asarray(eids), max(1, self.chunk // max(1, ef.shape[1])))
+            self._flush(out)
 
     @staticmethod
     def _flush(*arrays: np.ndarray) -> None:
@@ -447,6 +453,7 @@ class EdgeBucket:
     dst: np.ndarray
     edge_ids: np.ndarray
     edge_weight: np.ndarray | None = None
+    edge_feat: np.ndarray | None = None
 
     @property
     def num_edges(self) -> int:
@@ -564,8 +571,9 @@ class PartitionedGraph:
         a, b = (int(x) for x in self.bucket_offsets[i * num_parts + j:i * num_parts + j + 2])
         edges = self._need("buckets/edges.npy")[a:b]
         ew = self._arr("buckets/edge_weight.npy")
+        ef = self._arr("buckets/edge_feat.npy")
         return EdgeBucket(i, j, edges[:, 0], edges[:, 1], self._need("buckets/edge_ids.npy")[a:b],
-                          None if ew is None else ew[a:b])
+                          None if ew is None else ew[a:b], None if ef is None else ef[a:b])
 
     def iter_buckets(self, parts: Sequence[int] | None = None) -> Iterator[EdgeBucket]:
         """Buckets ``(i, j)`` with ``i`` and ``j`` in ``parts`` (default: all), in file order."""
@@ -578,10 +586,12 @@ class PartitionedGraph:
         """All edges whose endpoints both lie in ``parts``, concatenated (``src_part = dst_part = -1``)."""
         bs = list(self.iter_buckets(parts))
         ew = [b.edge_weight for b in bs]
+        ef = [b.edge_feat for b in bs]
         return EdgeBucket(-1, -1, np.concatenate([b.src for b in bs]) if bs else np.empty(0, np.int64),
                           np.concatenate([b.dst for b in bs]) if bs else np.empty(0, np.int64),
                           np.concatenate([b.edge_ids for b in bs]) if bs else np.empty(0, np.int64),
-                          None if not bs or ew[0] is None else np.concatenate(ew))
+                          None if not bs or ew[0] is None else np.concatenate(ew),
+                          None if not bs or ef[0] is None else np.concatenate(ef))
 
 
 def open_partitioned(path: str | os.PathLike[str], verify: bool | str = "auto") -> PartitionedGraph:

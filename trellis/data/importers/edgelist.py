@@ -13,6 +13,21 @@ Files (only the edges are required)::
 The node count is ``--num-nodes``, else the rows of ``features.npy``/``labels.npy``, else the largest id
 + 1. ``.npy`` files are memory-mapped and edge files larger than 512 MiB are streamed in chunks, so the
 import runs in O(N + chunk) memory for graphs larger than RAM.
+
+Edge data (``edge_weights.npy``, ``edge_features.npy``; a 1-D feature file is one feature per edge) has
+one row per line of the edge list, comments and blank lines not counted, and follows its edge through
+cleaning (:mod:`trellis.data.csr`):
+
+* a dropped self loop drops its row;
+* symmetrizing adds ``v -> u`` for each row ``u -> v``, carrying *the same* row (an undirected edge has
+  one set of attributes, whichever direction a message crosses it);
+* deduplication keeps the *first* occurrence in file order -- with symmetrization ``u v`` and ``v u`` are
+  the same edge, so the first row naming the pair in either direction gives both directions their data.
+  First, not the mean: averaging would invent values no input row holds (and a categorical code
+  averaged is meaningless); deduplicate upstream if another rule is wanted.
+
+A feature file whose row count is not the edge count, that is not ``[E]``/``[E, D]``, or that holds
+NaN/Inf is refused with the file, the counts or the row (exit 2, nothing written).
 """
 
 from __future__ import annotations
