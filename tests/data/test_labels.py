@@ -10,6 +10,7 @@ import pytest
 import scipy.sparse as sp
 
 from trellis.cli.main import main
+from trellis.data.generate import generate_sbm
 from trellis.data.importers import import_graph
 from trellis.data.store import open_store
 from trellis.errors import TrellisUserError
@@ -114,3 +115,38 @@ def test_ogb_multilabel_csv(tmp_path):
     assert store.task == "multilabel" and store.num_classes == 3
     assert np.asarray(store.y)[2].tolist() == [-1, -1, -1]
 
+
+@pytest.mark.parametrize("kind", ["sbm", "rmat"])
+def test_generate_binary_and_multilabel(tmp_path, kind):
+    b = open_store(main_generate(tmp_path / "b", kind, "--task", "binary"))
+    y = np.asarray(b.y)
+    assert b.task == "binary" and b.num_classes == 2 and set(np.unique(y)) == {0, 1}
+    m = open_store(main_generate(tmp_path / "m", kind, "--task", "multilabel", "--labels", "5"))
+    ym = np.asarray(m.y)
+    assert m.task == "multilabel" and m.num_classes == 5 and ym.shape == (300, 5) and ym.dtype == np.float32
+    assert set(np.unique(ym)) == {0.0, 1.0} and m.manifest["source"]["labels"] == 5
+    plain = open_store(main_generate(tmp_path / "p", kind))
+    assert plain.task == "multiclass" and "task" not in plain.manifest["source"]
+    # the graph and features do not depend on the task: only the labels differ
+    np.testing.assert_array_equal(plain.indices, m.indices)
+    np.testing.assert_array_equal(plain.x, b.x)
+    np.testing.assert_array_equal(np.asarray(plain.y) % 2, y)
+
+
+def main_generate(out: Path, kind: str, *extra: str) -> Path:
+    assert main(["data", "generate", kind, "--nodes", "300", "--features", "8", "--out", str(out), *extra]) == 0
+    return out
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    (["--task", "binary", "--labels", "3"], "--labels sets the label count of --task multilabel"),
+    (["--task", "binary", "--classes", "1"], "--task binary needs --classes >= 2"),
+])
+def test_generate_bad_task_options(tmp_path, capsys, extra, match):
+    out = tmp_path / "g"
+    assert main(["data", "generate", "sbm", "--nodes", "50", "--out", str(out), *extra]) == 2
+    assert match in capsys.readouterr().err
+    assert_nothing_written(out)
+    with pytest.raises(TrellisUserError, match="--task must be one of"):
+        generate_sbm(out, nodes=50, task="regression")
+    assert_nothing_written(out)

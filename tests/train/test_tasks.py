@@ -167,3 +167,83 @@ def test_metric_must_fit_task():
     with pytest.raises(TrellisUserError, match="--metric auc does not fit --task multiclass"):
         MulticlassTask(3).select_metric("auc")
 
+
+# ---- end to end through the CLI: generated binary and multilabel graphs -------------------------------
+def _cli(capsys, *argv):
+    from trellis.cli.main import main
+
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def task_stores(tmp_path_factory):
+    """Small SBM graphs whose labels are planted functions of the classes (strong feature signal)."""
+    from trellis.data.generate import generate_sbm
+
+    root = tmp_path_factory.mktemp("task-stores")
+    common = {"nodes": 400, "features": 16, "feature_noise": 0.7, "progress": False}
+    return {"binary": generate_sbm(root / "bin", task="binary", **common),
+            "multilabel": generate_sbm(root / "ml", task="multilabel", labels=5, **common),
+            "multiclass": generate_sbm(root / "mc", **common)}
+
+
+@pytest.mark.parametrize(("task", "metric", "auc"), [("binary", "auc", "auc"), ("multilabel", "f1_micro", "auc_macro")])
+@pytest.mark.parametrize("strategy", ["full", "mini", "cluster"])
+def test_train_and_predict_binary_multilabel(capsys, tmp_path, task_stores, task, metric, auc, strategy):
+    import json
+
+    torch.set_num_threads(1)
+    store, out = task_stores[task], tmp_path / "run"
+    extra = ["--clusters", 8, "--clusters-per-batch", 2] if strategy == "cluster" else []
+    rc, stdout, err = _cli(capsys, "train", store, "--epochs", 30 if strategy == "full" else 8, "--lr", 0.05,
+                           "--strategy", strategy, "--out", out, "--no-progress", "--json", *extra)
+    assert rc == 0, err
+    s = json.loads(stdout.strip().splitlines()[-1])
+    assert s["task"] == task and s["metric"] == metric
+    for name in TASKS[task].metric_names:
+        for split in ("train", "val", "test"):
+            assert f"{split}_{name}_mean" in s
+    assert s[f"test_{auc}_mean"] > 0.75, s  # planted signal: clearly above chance (0.5)
+    rc, stdout, err = _cli(capsys, "predict", out, store, "--out", tmp_path / "p.npy", "--json")
+    assert rc == 0, err
+    pred = np.load(tmp_path / "p.npy")
+    rc, _, err = _cli(capsys, "predict", out, store, "--out", tmp_path / "q.npy", "--proba")
+    prob = np.load(tmp_path / "q.npy")
+    assert rc == 0 and set(np.unique(pred)) <= {0, 1} and ((prob >= 0) & (prob <= 1)).all()
+    assert pred.shape == prob.shape == ((400,) if task == "binary" else (400, 5))
+    np.testing.assert_array_equal(pred, (prob > 0.5).astype(pred.dtype))
+
+
+def test_sweep_binary_ranks_by_auc(capsys, tmp_path, task_stores):
+    import json
+
+    torch.set_num_threads(1)
+    rc, stdout, err = _cli(capsys, "sweep", task_stores["binary"], "--model", "gcn", "--grid", "lr=0.05,0.01",
+                           "--epochs", 5, "--out", tmp_path / "sw", "--json", "--no-progress")
+    assert rc == 0, err
+    board = json.loads(stdout.strip().splitlines()[-1])
+    assert board["metric"] == "auc" and board["task"] == "binary" and len(board["rows"]) == 2
+    assert {"val_auc", "val_f1", "test_acc"} <= set(board["rows"][0]["metrics"])
+
+
+@pytest.mark.parametrize(("store", "argv", "needle"), [
+    ("multiclass", ["--metric", "auc"], "--metric auc does not fit --task multiclass"),
+    ("multiclass", ["--task", "multiclass", "--metric", "auc"], "--metric auc does not fit --task multiclass"),
+    ("binary", ["--metric", "f1_micro"], "--metric f1_micro does not fit --task binary"),
+    ("multiclass", ["--task", "binary"], "binary task needs 0/1"),
+    ("binary", ["--task", "multilabel"], "--task multilabel: labels have shape [400]"),
+    ("multilabel", ["--task", "binary"], "use --task multilabel"),
+    ("multilabel", ["--metric", "aucc"], "--metric 'aucc'"),
+    ("binary", ["--task", "regression"], "--task 'regression' is not one of"),
+])
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_bad_task_or_metric_exits_2_writing_nothing(capsys, tmp_path, task_stores, store, argv, needle, command):
+    out = tmp_path / "run"
+    if command == "sweep":
+        argv = ["--grid", "lr=0.05,0.01", *(f"--set={a.lstrip('-')}={b}" for a, b in zip(argv[::2], argv[1::2]))]
+    rc, _, err = _cli(capsys, command, task_stores[store], "--epochs", 2, "--out", out, "--no-progress", *argv)
+    assert rc == 2, err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".run")]

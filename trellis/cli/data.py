@@ -6,7 +6,8 @@ Usage::
                         [--split-seed 0] [--lcc|--no-lcc] [--symmetrize|--no-symmetrize] [--overwrite] [--json]
     trellis data generate sbm|rmat --nodes N --avg-degree D --features F --classes C --seed S --out STORE
                         [--homophily 0.8] [--feature-noise 1.5] [--train-frac 0.1] [--val-frac 0.1]
-                        [--edge-features D] [--edge-feature-noise S] [--node-features signal|noise] [--json]
+                        [--edge-features D] [--edge-feature-noise S] [--node-features signal|noise]
+                        [--task multiclass|binary|multilabel] [--labels C] [--json]
     trellis data info STORE [--json] [--verify]
 """
 
@@ -16,7 +17,7 @@ import argparse
 import json
 from typing import Any
 
-from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, NODE_FEATURE_MODES, generate
+from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, NODE_FEATURE_MODES, TASK_KINDS, generate
 from trellis.data.importers import FORMATS, import_graph
 from trellis.data.info import format_info, human_bytes, store_info
 from trellis.data.store import open_store
@@ -36,7 +37,8 @@ def _print_summary(s: dict[str, Any], as_json: bool, verb: str) -> None:
         print(json.dumps(s))
         return
     splits = " / ".join(f"{k} {v}" for k, v in s["splits"].items() if v is not None) or "no splits"
-    classes = f"{s['num_classes']} classes" if s["num_classes"] is not None else "no labels"
+    unit = {"multilabel": "labels", "binary": "classes (binary)"}.get(s["task"], "classes")
+    classes = f"{s['num_classes']} {unit}" if s["num_classes"] is not None else "no labels"
     print(f"{verb} {s['store']}: {s['num_nodes']:,} nodes, {s['num_edges']:,} edges, {s['num_features']} features, "
           f"{classes}; {splits}; {human_bytes(s['disk_bytes'])}")
 
@@ -60,6 +62,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "val_frac": args.val_frac, "name": args.name, "overwrite": args.overwrite,
         "node_features": args.node_features, "edge_features": args.edge_features,
         "edge_feature_noise": args.edge_feature_noise,
+        "task": args.task, "labels": args.labels,
     }
     if args.kind == "sbm":
         for flag in ("a", "b", "c"):
@@ -139,6 +142,11 @@ def register(subparsers: Any) -> None:
                    help="edge feature width carrying the endpoints' classes plus noise; 0 for none (default 0)")
     g.add_argument("--edge-feature-noise", type=float, default=None,
                    help="per-dimension edge feature noise (default: --feature-noise)")
+    g.add_argument("--task", choices=TASK_KINDS, default="multiclass",
+                   help="labels to write: the planted classes (multiclass), their parity (binary), or a 0/1 "
+                        "matrix of --labels labels derived from them (multilabel) (default multiclass)")
+    g.add_argument("--labels", type=_positive_int, default=None,
+                   help="multilabel: number of labels (default: --classes)")
     g.add_argument("--train-frac", type=float, default=0.1, help="training fraction (default 0.1)")
     g.add_argument("--val-frac", type=float, default=0.1, help="validation fraction (default 0.1; rest test)")
     g.add_argument("--a", type=float, default=None, help="rmat: quadrant probability a (0.57)")

@@ -45,6 +45,8 @@ _EDGE_BLOCK = 4_000_000
 _FEATURE_BLOCK = 65_536
 DEFAULT_FEATURE_NOISE = 1.5
 GENERATORS = ("sbm", "rmat")
+#: ``task`` choices: the labels written (see :func:`_task_labels`); edges and features follow the classes.
+TASK_KINDS = ("multiclass", "binary", "multilabel")
 #: ``node_features`` modes: ``signal`` (class means plus noise) or ``noise`` (no class signal).
 NODE_FEATURE_MODES = ("signal", "noise")
 
@@ -135,12 +137,50 @@ def _write_edge_features(w: StoreWriter, csr: EdgeCSR, rev_perm: np.ndarray, y: 
     del ef
 
 
+def _check_task(task: str, labels: int | None, classes: int) -> None:
+    if task not in TASK_KINDS:
+        raise TrellisUserError(f"--task must be one of {', '.join(TASK_KINDS)} (got {task!r})")
+    if task == "binary" and classes < 2:
+        raise TrellisUserError("--task binary needs --classes >= 2 (the label is the planted class's parity)")
+    if labels is not None and task != "multilabel":
+        raise TrellisUserError(f"--labels sets the label count of --task multilabel (got --task {task})")
+    if labels is not None and labels < 1:
+        raise TrellisUserError(f"--labels must be >= 1 (got {labels})")
+
+
+def _task_labels(y: np.ndarray, num_classes: int, task: str, labels: int | None,
+                 rng: np.random.Generator) -> tuple[np.ndarray, int, dict[str, Any]]:
+    """The stored labels of ``task`` derived from the planted classes ``y`` (which shape edges and features).
+
+    Why derived: the graph and the features carry the planted classes, so any label that is a function of
+    the class is learnable from them. ``binary``: 1 for odd classes, 0 for even (balanced for an even
+    class count). ``multilabel``: each class switches each of the ``labels`` labels (default: one per class)
+    on with probability 0.3 (every label on for at least one class), and each node's label bit flips with
+    probability 0.1, so labels are correlated, noisy and recoverable only through the class.
+
+    Returns:
+        ``(y, num_classes, source entries)``; source entries are empty for ``multiclass`` so the manifests
+        of stores generated before this option stay the same.
+    """
+    if task == "binary":
+        return (y % 2).astype(np.int64), 2, {"task": task}
+    if task == "multilabel":
+        c = int(labels or num_classes)
+        profile = rng.random((num_classes, c)) < 0.3
+        profile[rng.integers(0, num_classes, c), np.arange(c)] = True
+        flip = rng.random((y.shape[0], c)) < 0.1
+        return (profile[y] ^ flip).astype(np.float32), c, {"task": task, "labels": c}
+    return y.astype(np.int64), num_classes, {}
+
+
 def _write(out: str | os.PathLike[str], csr: EdgeCSR, y: np.ndarray, num_classes: int, features: int,
            feature_noise: float, rng: dict[str, np.random.Generator], splits: dict[str, np.ndarray], name: str,
            source: dict[str, Any], overwrite: bool, progress: bool, *, node_features: str = "signal",
-           edge_features: int = 0, edge_feature_noise: float | None = None) -> Path:
+           edge_features: int = 0, edge_feature_noise: float | None = None, task: str = "multiclass",
+           labels: int | None = None) -> Path:
     """Write the graph, generating features block by block straight into the store (bounded memory)."""
     n = csr.num_nodes
+    y_out, num_labels, task_source = _task_labels(y, num_classes, task, labels, rng["labels"])
     with store_writer(out, overwrite=overwrite) as w:
         w.add("indptr", csr.indptr)
         w.add("indices", csr.indices)
@@ -167,11 +207,11 @@ def _write(out: str | os.PathLike[str], csr: EdgeCSR, y: np.ndarray, num_classes
             _write_edge_features(w, csr, rev[2], y, num_classes, edge_features,
                                  feature_noise if edge_feature_noise is None else edge_feature_noise,
                                  rng["edge_features"], progress)
-        w.add("y", y.astype(np.int64))
+        w.add("y", y_out)
         for k, ids in splits.items():
             w.add(f"{k}_idx", ids)
-        return w.commit(num_nodes=n, num_edges=csr.num_edges, name=name, task="multiclass",
-                        num_classes=num_classes, source=source)
+        return w.commit(num_nodes=n, num_edges=csr.num_edges, name=name, task=task,
+                        num_classes=num_labels, source={**source, **task_source})
 
 
 def sbm_edges(y: np.ndarray, num_pairs: int, homophily: float, rng: np.random.Generator,
@@ -237,6 +277,8 @@ def generate_sbm(
     node_features: str = "signal",
     edge_features: int = 0,
     edge_feature_noise: float | None = None,
+    task: str = "multiclass",
+    labels: int | None = None,
 ) -> Path:
     """Generate a planted-partition (stochastic block model) graph and write it as a store.
 
@@ -258,12 +300,16 @@ def generate_sbm(
             lives only in the edge features) (default: ``signal``).
         edge_features: Edge feature width; 0 writes none (default: 0). See the module doc.
         edge_feature_noise: Per-dimension edge feature noise (default: ``feature_noise``).
+        task: Labels to write: ``multiclass`` (the planted classes), ``binary`` or ``multilabel``
+            (derived from the classes; see :func:`_task_labels`) (default: ``multiclass``).
+        labels: ``multilabel``: number of labels (default: ``classes``).
 
     Returns:
         The store path.
     """
     _check_common(nodes, avg_degree, features, classes, feature_noise, edge_features, edge_feature_noise,
                   node_features)
+    _check_task(task, labels, classes)
     check_output(out, overwrite=overwrite)
     if not 0 <= homophily <= 1:
         raise TrellisUserError(f"--homophily must be in [0, 1] (got {homophily})")
@@ -280,7 +326,7 @@ def generate_sbm(
                                                                                edge_feature_noise)}
     return _write(out, csr, y, classes, features, feature_noise, rng, splits, name or f"sbm-{nodes}", source,
                   overwrite, progress, node_features=node_features, edge_features=edge_features,
-                  edge_feature_noise=edge_feature_noise)
+                  edge_feature_noise=edge_feature_noise, task=task, labels=labels)
 
 
 def rmat_pairs(scale: int, m: int, a: float, b: float, c: float, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
@@ -318,6 +364,8 @@ def generate_rmat(
     node_features: str = "signal",
     edge_features: int = 0,
     edge_feature_noise: float | None = None,
+    task: str = "multiclass",
+    labels: int | None = None,
 ) -> Path:
     """Generate an R-MAT (Chakrabarti et al. 2004) power-law graph and write it as a store.
 
@@ -348,12 +396,16 @@ def generate_rmat(
             lives only in the edge features) (default: ``signal``).
         edge_features: Edge feature width; 0 writes none (default: 0). See the module doc.
         edge_feature_noise: Per-dimension edge feature noise (default: ``feature_noise``).
+        task: Labels to write: ``multiclass`` (the planted classes), ``binary`` or ``multilabel``
+            (derived from the classes; see :func:`_task_labels`) (default: ``multiclass``).
+        labels: ``multilabel``: number of labels (default: ``classes``).
 
     Returns:
         The store path.
     """
     _check_common(nodes, avg_degree, features, classes, feature_noise, edge_features, edge_feature_noise,
                   node_features)
+    _check_task(task, labels, classes)
     check_output(out, overwrite=overwrite)
     d = 1.0 - a - b - c
     if min(a, b, c, d) < 0:
@@ -395,7 +447,7 @@ def generate_rmat(
                                                                                edge_feature_noise)}
     return _write(out, csr, y, classes, features, feature_noise, rng, splits, name or f"rmat-{nodes}", source,
                   overwrite, progress, node_features=node_features, edge_features=edge_features,
-                  edge_feature_noise=edge_feature_noise)
+                  edge_feature_noise=edge_feature_noise, task=task, labels=labels)
 
 
 def generate(kind: str, out: str | os.PathLike[str], **options: Any) -> Path:
