@@ -3,6 +3,7 @@
 ``data_dir``: the real datasets (``TRELLIS_DATA_DIR``, default ``<repo>/../shared/data``). Tests that use
 it fail, never skip, when the data is missing: a silently skipped real-data test hides a broken setup.
 ``sbm_store``: a small generated store (session-scoped) for tests that just need a graph.
+``stub_model``: train the small stub model instead of ``trellis.nn``'s, on one thread (opt in).
 """
 
 from __future__ import annotations
@@ -44,3 +45,22 @@ def sbm_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("stores") / "sbm"
     return generate_sbm(out, nodes=500, avg_degree=8, features=16, classes=4, seed=0, progress=False)
+
+
+@pytest.fixture
+def stub_model(monkeypatch):
+    """Train the small stub model instead of ``trellis.nn``'s (opt in with ``usefixtures("stub_model")``).
+
+    Also runs torch on one intra-op thread: on these tiny graphs that is faster and immune to a busy machine,
+    and subprocess tests match it with ``OMP_NUM_THREADS=1`` so their results compare exactly.
+    """
+    import torch
+
+    import trellis.train.trainer as trainer
+    from tests.train.stubmodel import stub_build
+
+    monkeypatch.setattr(trainer, "build_model_fn", stub_build)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,22 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from tests.train.stubmodel import make_sbm_store, stub_build
+from tests.train.stubmodel import make_sbm_store
 from trellis.cli.main import main
 
-
-@pytest.fixture(autouse=True)
-def stub_model(monkeypatch):
-    """The stub model (tests/train/stubmodel.py) on one thread; tests that need trellis.nn patch it back."""
-    import torch
-
-    import trellis.train.trainer as trainer
-
-    monkeypatch.setattr(trainer, "build_model_fn", stub_build)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("stub_model")  # tests that need trellis.nn patch it back
 
 
 @pytest.fixture(scope="module")
