@@ -148,6 +148,8 @@ def test_pp_model_needs_pp_strategy_and_dir(store, pp_dir, tmp_path, capsys) -> 
     assert "--strategy pp trains sgc, sign, hoga" in err_of(capsys)
     assert main(["train", str(store), "--strategy", "pp", "--model", "sgc"]) == 2
     assert "needs --pp-dir" in err_of(capsys)
+    assert main(["train", str(store), "--strategy", "pp", "--pp-dir", str(pp_dir), "--features", "degree"]) == 2
+    assert "does not apply to --strategy pp" in err_of(capsys)
     assert not (tmp_path / "r").exists()
 
 

@@ -253,6 +253,9 @@ class TrainConfig:
                 "PP_DIR" if self.model in PP_MODELS else
                 f"--strategy pp trains {', '.join(PP_MODELS)} (got --model {self.model})")
         if self.strategy == "pp":
+            if self.features != "store":
+                raise TrellisUserError(f"--features {self.features} does not apply to --strategy pp: it trains on the "
+                                       "pre-propagated features of PP_DIR")
             if self.pp_dir is None:
                 raise TrellisUserError("--strategy pp needs --pp-dir PP_DIR (build it with `trellis preprocess "
                                        "STORE --out PP_DIR`)")
