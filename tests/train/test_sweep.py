@@ -104,8 +104,10 @@ def test_sweep_equals_solo_runs_and_lists_every_configuration_once(store, tmp_pa
             assert abs(a["loss"] - b["loss"]) <= 1e-4 and abs(a["val_loss"] - b["val_loss"]) <= 1e-4
             assert a["val_acc"] == pytest.approx(b["val_acc"], abs=1e-9) and a["best_epoch"] == b["best_epoch"]
         summary = json.loads((out / "configs" / cid / "summary.json").read_text())
-        assert summary["test_acc_mean"] == pytest.approx(
-            json.loads((tmp_path / f"solo-{cid}" / "summary.json").read_text())["test_acc_mean"], abs=1e-9)
+        solo_summary = json.loads((tmp_path / f"solo-{cid}" / "summary.json").read_text())
+        assert summary["test_acc_mean"] == pytest.approx(solo_summary["test_acc_mean"], abs=1e-9)
+        for key in ("epoch_at_99pct_peak_val", "converged_epoch"):  # time-to-accuracy fields, as a solo run's
+            assert summary[key] == solo_summary[key]
         assert (out / "configs" / cid / "models" / "run-0.pt").is_file()
 
 

@@ -522,6 +522,11 @@ def _finish(s: _State, b: int, data: Any, task: Task, metric: str, root: Path) -
         for split in ("train", "val", "test"):
             v = s.best.metrics.get(f"{split}_{name}", float("nan"))
             summary.update({f"{split}_{name}": [v], f"{split}_{name}_mean": v, f"{split}_{name}_std": 0.0})
+    from trellis.train.convergence import summarize_time_to_accuracy
+    from trellis.train.runs import iter_jsonl
+
+    summary.update(summarize_time_to_accuracy(iter_jsonl(d / "metrics.jsonl"), metric, cfg.target_acc,
+                                              higher_is_better=task.higher_is_better.get(metric, True)))
     write_json_atomic(d / "summary.json", summary)
     row: dict[str, Any] = {"config": e.id, **e.params, f"val_{metric}": s.best.metrics.get(f"val_{metric}"),
                            f"test_{metric}": s.best.metrics.get(f"test_{metric}"),
