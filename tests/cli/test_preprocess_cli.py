@@ -10,7 +10,7 @@ import pytest
 import scipy.sparse as sp
 
 from trellis.cli.main import main
-from trellis.data.store import write_store
+from trellis.data.store import open_store, write_store
 
 
 def make_store(path: Path, seed: int = 0, n: int = 240) -> Path:
@@ -83,6 +83,26 @@ def test_train_pp_end_to_end(store, pp_dir, tmp_path, capsys) -> None:
     assert {p.name for p in run.iterdir()} >= {"config.json", "metrics.jsonl", "summary.json"}
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == sum(r["epochs_run"] for r in summary["runs"])
+    # predict: every node, from the best-validation run's weights, scoring the test nodes as training did
+    pred = tmp_path / "pred.npy"
+    assert main(["predict", str(run), str(store), "--out", str(pred)]) == 0
+    p = np.load(pred)
+    st = open_store(store)
+    test = np.asarray(st.split("test"))
+    assert p.shape == (st.num_nodes,)
+    best = summary["runs"][summary["best_run"]]
+    assert np.mean(p[test] == np.asarray(st.y)[test]) == pytest.approx(best["test_acc"], abs=1e-9)
+
+
+def test_predict_refuses_a_split_rows_only_cache(store, tmp_path, capsys) -> None:
+    pp = tmp_path / "pp-split"
+    assert main(["preprocess", str(store), "--hops", "1", "--out", str(pp), "--split-rows-only", "--no-progress"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", str(store), "--strategy", "pp", "--pp-dir", str(pp), "--model", "sgc", "--epochs", "2",
+                 "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["predict", str(run), str(store), "--out", str(tmp_path / "p.npy")]) == 2
+    assert "--all-rows" in capsys.readouterr().err and not (tmp_path / "p.npy").exists()
 
 
 @pytest.mark.parametrize("model,loader", [("sgc", "storage"), ("hoga", "chunk")])

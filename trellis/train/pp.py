@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from trellis.data.store import GraphStore, open_store
 from trellis.errors import TrellisUserError
@@ -35,6 +36,39 @@ from trellis.loader.pp import LOADERS, PPData, fmt_bytes, plan_placement
 from trellis.loader.ppcache import PPCache, open_pp
 from trellis.nn.pp_models import PP_MODELS, PPModel, build_pp_model, hops_used
 from trellis.train.convergence import summarize_time_to_accuracy
+
+#: ``format`` of a pre-propagation model file (``RUN_DIR/models/run-N.pt``; read by ``trellis predict``).
+PP_MODEL_FORMAT = "trellis-pp-model"
+
+
+@torch.no_grad()
+def predict_pp(saved: dict[str, Any], store: GraphStore, device: torch.device,
+               batch_rows: int = 65536) -> Tensor:
+    """Logits ``[N, C]`` of every node of ``store`` from a saved pre-propagation model and its cache.
+
+    Raises:
+        TrellisUserError: The cache is gone, was built from another store, or keeps only split rows.
+    """
+    cache = open_pp(saved["pp_dir"])
+    cache.check_store(store)
+    if cache.split_rows_only:
+        raise TrellisUserError(
+            f"{cache.path}: built with --split-rows-only, so it holds only train/val/test rows; predicting every "
+            "node needs all rows: `trellis preprocess STORE --all-rows --out PP_DIR --overwrite`")
+    model = build_pp_model(saved["model"], saved["num_features"], saved["hops"], saved["num_classes"],
+                           **saved["kwargs"])
+    model.load_state_dict(saved["state_dict"])
+    model.to(device).eval()
+    hops = hops_used(saved["model"], cache.hops)
+    arrays = [cache.hop(r) for r in hops]
+    rows = cache.rows
+    out = torch.empty((store.num_nodes, saved["num_classes"]), dtype=torch.float32, device=device)
+    for a in range(0, cache.num_rows, batch_rows):
+        b = min(a + batch_rows, cache.num_rows)
+        x = torch.from_numpy(np.stack([arr[a:b] for arr in arrays], axis=1)).to(device)
+        out[torch.from_numpy(np.array(rows[a:b], dtype=np.int64)).to(device)] = model(x).float()
+    return out
+
 
 # ---------------------------------------------------------------------------------------------------
 # process memory and I/O
@@ -261,6 +295,7 @@ def train_pp(store: GraphStore | str | os.PathLike[str], pp_dir: PPCache | str |
     vals = [r["best_val_acc"] for r in runs]
     summary: dict[str, Any] = {
         "status": "complete",
+        "best_run": max(range(len(runs)), key=lambda i: runs[i]["best_val_acc"]),
         "strategy": "pp",
         "metric": "acc",
         "seeds": [r["seed"] for r in runs],
@@ -356,9 +391,9 @@ def _one_run(cfg: PPTrainConfig, run: int, data: PPData, cache: PPCache, num_cla
              records: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     seed = cfg.seed + run
     torch.manual_seed(seed)
-    model = build_pp_model(cfg.model, cache.num_features, cache.hops, num_classes, hidden=cfg.hidden,
-                           layers=cfg.layers, heads=cfg.heads, dropout=cfg.dropout,
-                           input_dropout=cfg.input_dropout).to(device)
+    kwargs = {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "dropout": cfg.dropout,
+              "input_dropout": cfg.input_dropout}
+    model = build_pp_model(cfg.model, cache.num_features, cache.hops, num_classes, **kwargs).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     data.train.seed = seed
     best_val, best_epoch, best_state = -math.inf, -1, None
@@ -404,6 +439,15 @@ def _one_run(cfg: PPTrainConfig, run: int, data: PPData, cache: PPCache, num_cla
                 break
     if best_state is not None:
         model.load_state_dict(best_state)
+    if out is not None:  # best-validation weights, for `trellis predict`
+        from trellis.train.runs import torch_save_atomic
+
+        (out / "models").mkdir(exist_ok=True)
+        torch_save_atomic({"format": PP_MODEL_FORMAT, "model": cfg.model, "num_features": cache.num_features,
+                           "hops": cache.hops, "num_classes": num_classes, "kwargs": kwargs,
+                           "pp_dir": str(cache.path), "state_dict": {k: v.detach().cpu()
+                                                                     for k, v in model.state_dict().items()}},
+                          out / "models" / f"run-{run}.pt")
     test, _ = _accuracy(model, data.iter_split("test"), device)
     res = {"run": run, "seed": seed, "best_epoch": best_epoch, "best_val_acc": best_val, "test_acc": test,
            "epochs_run": epoch + 1, "epoch_time_median_s": statistics.median(times)}

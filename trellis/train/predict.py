@@ -91,6 +91,14 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     run_dir = Path(run_dir)
     r = choose_run(run_dir, run)
     saved = torch.load(open_run_dir(run_dir).model(r), map_location="cpu", weights_only=True)
+    if saved.get("format") == "trellis-pp-model":
+        from trellis.data.store import open_store
+        from trellis.train.pp import predict_pp
+
+        dev = resolve_device(device)
+        logits = predict_pp(saved, open_store(store), dev)
+        return _write(out_path, logits, logits, "logits", TASKS["multiclass"](saved["num_classes"]), proba, r,
+                      saved["model"], run_dir)
     if saved.get("format") != MODEL_FORMAT:
         raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
     dev = resolve_device(device)
@@ -119,6 +127,12 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
         res = model(data.graph, data.x, return_embedding=True)
         emb = res[1] if isinstance(res, tuple) else res
         emb_source = "penultimate"
+    return _write(out_path, logits, emb, emb_source, task, proba, r, saved["model"], run_dir)
+
+
+def _write(out_path: Path, logits: Tensor, emb: Tensor, emb_source: str, task: Any, proba: bool, r: int,
+           model: str, run_dir: Path) -> dict[str, Any]:
+    """Write the predictions (or probabilities) and the embeddings; return what was written."""
     pred, prob = task.predict(logits)
     _save_npy_atomic(out_path, (prob.float() if proba else pred).cpu().numpy())
     emb_path = embedding_path(out_path)
@@ -126,4 +140,4 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     return {"predictions": str(out_path), "kind": "probabilities" if proba else task.prediction_kind,
             "task": task.name,
             "embeddings": str(emb_path), "embedding_source": emb_source, "embedding_dim": int(emb.shape[1]),
-            "num_nodes": int(logits.shape[0]), "run": r, "model": saved["model"], "run_dir": str(run_dir)}
+            "num_nodes": int(logits.shape[0]), "run": r, "model": model, "run_dir": str(run_dir)}
