@@ -132,6 +132,24 @@ def _categorize(prof: Any) -> dict[str, float]:
     return out
 
 
+def _epoch(model: Any, opts: list[Any], data: Any) -> None:
+    """One training step and one evaluation pass of a solo or batched model (the sum of its losses)."""
+    import torch
+
+    g, x, y, idx = data.graph, data.x, data.y, data.splits["train"]
+    model.train()
+    for o in opts:
+        o.zero_grad(set_to_none=True)
+    out = model(g, x)
+    outs = out if isinstance(out, list) else [out]
+    torch.stack([data.task.loss(o[idx], y[idx]) for o in outs]).sum().backward()
+    for o in opts:
+        o.step()
+    model.eval()
+    with torch.no_grad():
+        model(g, x)
+
+
 def _breakdown(store: str, k: Any) -> dict[str, Any]:
     """Seconds per category of one epoch (after one warm-up epoch): all solo configurations vs batched."""
     import torch
@@ -144,20 +162,9 @@ def _breakdown(store: str, k: Any) -> dict[str, Any]:
 
     entries = _configs(store)
     data = load_graph_data(store, device=torch.device("cpu"))
-    task, g, x, y, idx = data.task, data.graph, data.x, data.y, data.splits["train"]
 
     def epoch(model: Any, opts: list[Any]) -> None:
-        model.train()
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        out = model(g, x)
-        outs = out if isinstance(out, list) else [out]
-        torch.stack([task.loss(o[idx], y[idx]) for o in outs]).sum().backward()
-        for o in opts:
-            o.step()
-        model.eval()
-        with torch.no_grad():
-            model(g, x)
+        _epoch(model, opts, data)
 
     def measure(model: Any, opts: list[Any]) -> tuple[dict[str, float], float]:
         epoch(model, opts)  # warm-up: caches, kernels
@@ -213,23 +220,12 @@ def _ab(store: str, k: Any, reps: int, rewrites: tuple[str, ...]) -> dict[str, A
 
     entries = _configs(store)
     data = load_graph_data(store, device=torch.device("cpu"))
-    task, g, x, y, idx = data.task, data.graph, data.x, data.y, data.splits["train"]
 
     def opt(e: Any, m: Any) -> Any:
         return build_optimizer(e.cfg.optimizer, m.parameters(), lr=e.cfg.lr, weight_decay=e.cfg.weight_decay)
 
     def epoch(model: Any, opts: list[Any]) -> None:
-        model.train()
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        out = model(g, x)
-        outs = out if isinstance(out, list) else [out]
-        torch.stack([task.loss(o[idx], y[idx]) for o in outs]).sum().backward()
-        for o in opts:
-            o.step()
-        model.eval()
-        with torch.no_grad():
-            model(g, x)
+        _epoch(model, opts, data)
 
     solos = []
     for e in entries:

@@ -102,7 +102,7 @@ def build_run_model(cfg: TrainConfig, data: GraphData) -> nn.Module:
 
 def build_run_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
     """``--optimizer`` (with ``--momentum``) over the model; embedding tables get a sparse-aware one."""
-    from trellis.train.features import SplitOptimizer, sparse_optimizer
+    from trellis.train.features import NodeEmbedding, SplitOptimizer, sparse_optimizer
 
     extra = dict(cfg.optimizer_args)
     if cfg.momentum is not None:
@@ -110,7 +110,7 @@ def build_run_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
             extra["momentum"] = cfg.momentum
         else:  # adam / adamw: the first-moment decay
             extra["betas"] = (cfg.momentum, extra.get("betas", (0.9, 0.999))[1])
-    tables = [m.table.weight for m in model.modules() if hasattr(m, "table") and hasattr(m, "embed_inputs")]
+    tables = [m.table.weight for m in model.modules() if isinstance(m, NodeEmbedding)]
     table_ids = {id(p) for p in tables}
     dense = [p for p in model.parameters() if id(p) not in table_ids]
     opt = build_optimizer(cfg.optimizer, dense, lr=cfg.lr, weight_decay=cfg.weight_decay, **extra)
