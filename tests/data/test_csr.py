@@ -13,10 +13,9 @@ from trellis.data.csr import (
     _sorted_order,
     build_csr_chunked,
     edges_to_csr,
-    reverse_csr,
-    stable_argsort,
 )
-from trellis.data.store import build_reverse_csr, open_store, store_writer
+from trellis.data.store import open_store, store_writer
+from trellis.utils.csr import build_reverse_csr, stable_argsort
 from trellis.errors import TrellisUserError
 
 
@@ -155,26 +154,20 @@ def test_chunked_large_random_graph(tmp_path):
     np.testing.assert_array_equal(store.indices, mem.indices)
 
 
-def test_reverse_csr_matches_store():
-    rng = np.random.default_rng(2)
-    for n, e in ((50, 200), (400, 6000), (5000, 3000)):
-        csr = edges_to_csr(rng.integers(0, n, e), rng.integers(0, n, e), n, dedup=False, remove_self_loops=False)
-        for got, want in zip(reverse_csr(csr.indptr, csr.indices, n), build_reverse_csr(csr.indptr, csr.indices, n)):
-            np.testing.assert_array_equal(got, want)
-
-
 def test_numpy_fallback_gives_the_same_csr(monkeypatch):
     from trellis.data import csr as csr_mod
+    from trellis.utils import csr as ucsr
 
     rng = np.random.default_rng(4)
     src, dst = rng.integers(0, 200, 3000), rng.integers(0, 200, 3000)
     fast = edges_to_csr(src, dst, symmetrize=True, dedup=False)
-    monkeypatch.setattr(csr_mod, "HAVE_NUMBA", False)
+    want = build_reverse_csr(fast.indptr, fast.indices, 200)
+    monkeypatch.setattr(csr_mod, "WITH_NUMBA", False)
+    monkeypatch.setattr(ucsr, "WITH_NUMBA", False)
     slow = edges_to_csr(src, dst, symmetrize=True, dedup=False)
     for a, b in ((fast.indptr, slow.indptr), (fast.indices, slow.indices), (fast.edge_ids, slow.edge_ids)):
         np.testing.assert_array_equal(a, b)
-    want = build_reverse_csr(fast.indptr, fast.indices, 200)
-    for got, ref in zip(reverse_csr(fast.indptr, fast.indices, 200), want):
+    for got, ref in zip(build_reverse_csr(fast.indptr, fast.indices, 200), want):
         np.testing.assert_array_equal(got, ref)
 
 

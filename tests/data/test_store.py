@@ -8,7 +8,6 @@ import pytest
 
 from trellis.data import store as store_mod
 from trellis.data.csr import edges_to_csr
-from trellis.data.importers.common import save_store
 from trellis.data.store import (
     StoreWriter,
     build_reverse_csr,
@@ -63,13 +62,6 @@ def test_store_directory_honours_umask(tmp_path):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o755  # readable by others, like any output directory
-
-
-def test_save_store_matches_write_store(tmp_path):
-    g = small_graph()
-    a = open_store(write_store(tmp_path / "a", **g))
-    b = open_store(save_store(tmp_path / "b", **g))
-    assert a.checksum == b.checksum
 
 
 def test_tampered_array_is_refused(tmp_path):

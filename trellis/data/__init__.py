@@ -12,7 +12,7 @@ Public API::
 """
 
 from trellis.data.convert import from_arrays, from_networkx, from_pyg, from_scipy
-from trellis.data.csr import EdgeCSR, build_csr_chunked, edges_to_csr, reverse_csr
+from trellis.data.csr import EdgeCSR, build_csr_chunked, edges_to_csr
 from trellis.data.generate import generate_rmat, generate_sbm
 from trellis.data.importers import (
     FORMATS,
@@ -26,6 +26,7 @@ from trellis.data.importers import (
 from trellis.data.info import format_info, store_info
 from trellis.data.splits import per_class_split, random_split
 from trellis.data.store import GraphStore, StoreWriter, open_store, store_writer, write_store
+from trellis.utils.csr import build_reverse_csr
 
 __all__ = [
     "FORMATS",
@@ -33,6 +34,7 @@ __all__ = [
     "GraphStore",
     "StoreWriter",
     "build_csr_chunked",
+    "build_reverse_csr",
     "detect_format",
     "edges_to_csr",
     "format_info",
@@ -50,7 +52,6 @@ __all__ = [
     "open_store",
     "per_class_split",
     "random_split",
-    "reverse_csr",
     "store_info",
     "store_writer",
     "write_store",

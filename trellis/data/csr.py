@@ -21,18 +21,19 @@ Semantics shared by both (tests check that they produce identical arrays):
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 from tqdm import tqdm
 
 from trellis.data.store import StoreWriter
 from trellis.errors import TrellisUserError
+from trellis.utils.csr import add_counts, group_ranks, reverse_csr_into, row_blocks, stable_argsort
+from trellis.utils.numba import WITH_NUMBA
 
 #: Edges per chunk of the chunked builder (about 16 MiB of int64 pairs per array).
 DEFAULT_CHUNK_EDGES = 2_000_000
@@ -181,50 +182,7 @@ def check_finite(arr: np.ndarray, label: str, *, chunk_rows: int = 1_000_000) ->
             raise TrellisUserError(f"{label}: row {row} contains NaN or Inf; clean or impute it")
 
 
-# ---- sorting kernels ----------------------------------------------------------------------------
-#: numba gives O(E + N) counting sorts; numpy's stable argsort is the fallback (same results).
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-_KERNELS: dict[str, Any] = {}
-
-
-def _counting_argsort_py(keys: np.ndarray, num_keys: int) -> np.ndarray:  # pragma: no cover - compiled
-    """Stable argsort of ``keys`` in ``[0, num_keys)`` by counting (O(n + num_keys))."""
-    n = keys.shape[0]
-    starts = np.zeros(num_keys + 1, dtype=np.int64)
-    for i in range(n):
-        starts[keys[i] + 1] += 1
-    for k in range(num_keys):
-        starts[k + 1] += starts[k]
-    perm = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        k = keys[i]
-        perm[starts[k]] = i
-        starts[k] += 1
-    return perm
-
-
-def _counting_argsort(keys: np.ndarray, num_keys: int) -> np.ndarray:
-    """The numba-compiled counting sort (numba is imported and the kernel compiled on first use)."""
-    kernel = _KERNELS.get("counting_argsort")
-    if kernel is None:
-        from numba import njit
-
-        kernel = _KERNELS["counting_argsort"] = njit(cache=True, nogil=True)(_counting_argsort_py)
-    return kernel(keys, num_keys)
-
-
-def stable_argsort(keys: np.ndarray, num_keys: int) -> np.ndarray:
-    """``np.argsort(keys, kind="stable")`` for int keys in ``[0, num_keys)``.
-
-    A counting sort, O(n + num_keys), when numba is available and the key range is not much larger
-    than the array; numpy's stable argsort otherwise (same result).
-    """
-    keys = np.ascontiguousarray(keys, dtype=np.int64)
-    if HAVE_NUMBA and keys.size > 1024 and num_keys <= 4 * keys.size + 1024:
-        return _counting_argsort(keys, int(num_keys))
-    return np.argsort(keys, kind="stable").astype(np.int64, copy=False)
-
-
+# ---- sorting ------------------------------------------------------------------------------------
 def _sorted_order(rows: np.ndarray, cols: np.ndarray, num_rows: int, num_cols: int, dedup: bool) -> np.ndarray:
     """Positions sorting ``(rows, cols)`` lexicographically, ties in position order.
 
@@ -234,9 +192,9 @@ def _sorted_order(rows: np.ndarray, cols: np.ndarray, num_rows: int, num_cols: i
     if m == 0:
         return np.zeros(0, dtype=np.int64)
     small = num_rows <= 4 * m + 1024 and num_cols <= 4 * m + 1024
-    if HAVE_NUMBA and m > 1024 and small:  # LSD radix: by column, then stably by row
-        by_col = _counting_argsort(np.ascontiguousarray(cols, dtype=np.int64), int(num_cols))
-        order = by_col[_counting_argsort(np.ascontiguousarray(rows[by_col], dtype=np.int64), int(num_rows))]
+    if WITH_NUMBA and m > 1024 and small:  # LSD radix (counting sorts): by column, then stably by row
+        by_col = stable_argsort(cols, int(num_cols))
+        order = by_col[stable_argsort(rows[by_col], int(num_rows))]
     elif int(num_rows) * int(max(num_cols, 1)) < _KEY_LIMIT:
         order = np.argsort(rows * np.int64(num_cols) + cols, kind="stable").astype(np.int64, copy=False)
     else:
@@ -247,18 +205,6 @@ def _sorted_order(rows: np.ndarray, cols: np.ndarray, num_rows: int, num_cols: i
         keep[1:] = (r[1:] != r[:-1]) | (c[1:] != c[:-1])
         order = order[keep]
     return order
-
-
-def reverse_csr(indptr: np.ndarray, indices: np.ndarray, num_src: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Same result as :func:`trellis.data.store.build_reverse_csr`, O(E + N) with numba."""
-    indptr = np.asarray(indptr, dtype=np.int64)
-    indices = np.asarray(indices, dtype=np.int64)
-    num_dst = indptr.shape[0] - 1
-    rev_perm = stable_argsort(indices, num_src)
-    rev_indptr = np.zeros(num_src + 1, dtype=np.int64)
-    np.cumsum(np.bincount(indices, minlength=num_src), out=rev_indptr[1:])
-    rev_indices = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(indptr))[rev_perm]
-    return rev_indptr, rev_indices, rev_perm
 
 
 # ---- in-memory builder --------------------------------------------------------------------------
@@ -381,46 +327,9 @@ class ChunkedCSRInfo:
     num_input_edges: int
 
 
-def _add_counts(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """``counts[ids] += 1`` for every id, growing ``counts`` as needed; O(chunk) time when ids are sparse."""
-    if ids.size == 0:
-        return counts
-    top = int(ids.max()) + 1
-    if top > counts.shape[0]:
-        grown = np.zeros(max(top, 2 * counts.shape[0]), dtype=np.int64)
-        grown[: counts.shape[0]] = counts
-        counts = grown
-    if top <= 4 * ids.size:
-        counts[:top] += np.bincount(ids, minlength=top)
-    else:
-        uniq, cnt = np.unique(ids, return_counts=True)
-        counts[uniq] += cnt
-    return counts
-
-
-def _group_ranks(sorted_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For sorted keys: rank of each element within its run, plus the run keys and run lengths."""
-    m = sorted_keys.size
-    starts = np.flatnonzero(np.concatenate(([True], sorted_keys[1:] != sorted_keys[:-1])))
-    lengths = np.diff(np.append(starts, m))
-    ranks = np.arange(m, dtype=np.int64) - np.repeat(starts, lengths)
-    return ranks, sorted_keys[starts], lengths
-
-
 def _scratch(writer: StoreWriter, name: str, shape: tuple[int, ...], dtype: type) -> tuple[np.memmap, Path]:
     path = writer.tmp / f"_scratch_{name}.npy"
     return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape), path
-
-
-def _row_blocks(indptr: np.ndarray, chunk: int) -> Iterator[tuple[int, int]]:
-    """Consecutive row ranges each holding at most ``chunk`` edges (or one row, if that row is bigger)."""
-    n = indptr.shape[0] - 1
-    r0 = 0
-    while r0 < n:
-        r1 = int(np.searchsorted(indptr, indptr[r0] + chunk, side="right")) - 1
-        r1 = min(max(r1, r0 + 1), n)
-        yield r0, r1
-        r0 = r1
 
 
 def _bar(total: int, desc: str, progress: bool) -> tqdm:
@@ -478,9 +387,9 @@ def build_csr_chunked(
             if remove_self_loops:
                 keep = src != dst
                 src, dst = src[keep], dst[keep]
-            counts = _add_counts(counts, dst)
+            counts = add_counts(counts, dst)
             if symmetrize:
-                counts = _add_counts(counts, src[src != dst])
+                counts = add_counts(counts, src[src != dst])
             bar.update(ch.src.size)
     if num_nodes is None:
         if e_in == 0:
@@ -513,7 +422,7 @@ def build_csr_chunked(
             order = np.argsort(dst, kind="stable")
             d = dst[order]
             if d.size:
-                ranks, run_keys, run_lengths = _group_ranks(d)
+                ranks, run_keys, run_lengths = group_ranks(d)
                 pos = cursor[d] + ranks
                 nbr[pos] = src[order]
                 if eid is not None:
@@ -526,7 +435,7 @@ def build_csr_chunked(
     new_counts = np.zeros(n, dtype=np.int64)
     out = 0
     with _bar(e_raw, "sort rows", progress) as bar:
-        for r0, r1 in _row_blocks(indptr, chunk_edges):
+        for r0, r1 in row_blocks(indptr, chunk_edges):
             p0, p1 = int(indptr[r0]), int(indptr[r1])
             if p1 == p0:
                 continue
@@ -582,34 +491,15 @@ def write_reverse_csr_chunked(
 ) -> None:
     """Write ``rev_indptr``/``rev_indices``/``rev_perm`` in O(N + chunk) memory.
 
-    Identical to :func:`trellis.data.store.build_reverse_csr`: forward edges are visited in id order,
+    Identical to :func:`trellis.utils.csr.build_reverse_csr`: forward edges are visited in id order,
     so each reverse row lists its destinations in ascending edge-id (hence destination) order.
     """
     e = int(indices.shape[0])
-    counts = np.zeros(num_nodes, dtype=np.int64)
-    for p0 in range(0, e, chunk_edges):
-        counts = _add_counts(counts, np.asarray(indices[p0:p0 + chunk_edges]))
-    rev_indptr = np.zeros(num_nodes + 1, dtype=np.int64)
-    np.cumsum(counts[:num_nodes], out=rev_indptr[1:])
-    del counts
-    writer.add("rev_indptr", rev_indptr)
     rev_indices = writer.create("rev_indices", (e,), np.int64)
     rev_perm = writer.create("rev_perm", (e,), np.int64)
-    cursor = rev_indptr[:-1].copy()
     with _bar(e, "reverse CSR", progress) as bar:
-        for r0, r1 in _row_blocks(indptr, chunk_edges):
-            p0, p1 = int(indptr[r0]), int(indptr[r1])
-            if p1 == p0:
-                continue
-            s = np.asarray(indices[p0:p1])
-            d = np.repeat(np.arange(r0, r1, dtype=np.int64), np.diff(indptr[r0:r1 + 1]))
-            order = np.argsort(s, kind="stable")
-            ss = s[order]
-            ranks, run_keys, run_lengths = _group_ranks(ss)
-            pos = cursor[ss] + ranks
-            rev_indices[pos] = d[order]
-            rev_perm[pos] = p0 + order
-            cursor[run_keys] += run_lengths
-            bar.update(p1 - p0)
+        rev_indptr = reverse_csr_into(indptr, indices, num_nodes, rev_indices, rev_perm, chunk_edges=chunk_edges,
+                                      progress=bar.update)
+    writer.add("rev_indptr", rev_indptr)
     rev_indices.flush()
     rev_perm.flush()

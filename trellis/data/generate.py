@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from trellis.data.csr import EdgeCSR, edges_to_csr, reverse_csr
+from trellis.data.csr import EdgeCSR, edges_to_csr
 from trellis.data.splits import random_split
 from trellis.data.store import StoreWriter, check_output, store_writer
 from trellis.errors import TrellisUserError
+from trellis.utils.csr import build_reverse_csr
 
 #: Edge pairs generated per vectorized step (fixed so results do not depend on memory settings).
 _EDGE_BLOCK = 4_000_000
@@ -184,7 +185,7 @@ def _write(out: str | os.PathLike[str], csr: EdgeCSR, y: np.ndarray, num_classes
     with store_writer(out, overwrite=overwrite) as w:
         w.add("indptr", csr.indptr)
         w.add("indices", csr.indices)
-        rev = reverse_csr(csr.indptr, csr.indices, n)
+        rev = build_reverse_csr(csr.indptr, csr.indices, n)
         for k, arr in zip(("rev_indptr", "rev_indices", "rev_perm"), rev):
             w.add(k, arr)
         if features > 0:

@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from trellis.data.csr import DEFAULT_CHUNK_EDGES, _row_blocks, _sorted_order
+from trellis.data.csr import DEFAULT_CHUNK_EDGES, _sorted_order
 from trellis.data.store import AUTO_VERIFY_BYTES, SPLITS, GraphStore, open_store
+from trellis.utils.csr import row_blocks
+from trellis.utils.sizes import format_size
 
 
 def _degree_stats(deg: np.ndarray) -> dict[str, float]:
@@ -30,7 +32,7 @@ def _edge_scan(store: GraphStore, chunk_edges: int) -> dict[str, Any]:
     self_loops = duplicates = 0
     sorted_rows = True
     symmetric = bool(np.array_equal(indptr, np.asarray(rev_indptr)))
-    for r0, r1 in _row_blocks(indptr, chunk_edges):
+    for r0, r1 in row_blocks(indptr, chunk_edges):
         p0, p1 = int(indptr[r0]), int(indptr[r1])
         if p1 == p0:
             continue
@@ -111,13 +113,8 @@ def store_info(store: GraphStore | str | os.PathLike[str], *, verify: bool = Fal
 
 
 def human_bytes(n: int) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
+    """``1536`` -> ``"1.5 KiB"`` (one decimal: the store summary's style)."""
+    return format_size(n, digits=1)
 
 
 def format_info(info: dict[str, Any]) -> str:

@@ -24,9 +24,7 @@ array and the manifest are complete, so an interrupted import never leaves a sto
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Iterator
@@ -37,10 +35,17 @@ from typing import Any
 import numpy as np
 
 from trellis.errors import TrellisUserError
+from trellis.utils.atomic import check_output as check_output  # re-exported: importers guard --out with it
+from trellis.utils.atomic import replace_dir, temp_sibling
+from trellis.utils.csr import build_reverse_csr as build_reverse_csr  # re-exported
+from trellis.utils.manifest import ManifestFormat
 
 FORMAT = "trellis-store"
 VERSION = 1
-MANIFEST = "manifest.json"
+#: The store's manifest: format, version and the messages of a missing or foreign one.
+STORE_MANIFEST = ManifestFormat(
+    FORMAT, VERSION, what="a Trellis store",
+    create="create one with `trellis data import` or `trellis data generate`", fix="re-import the store")
 SPLITS = ("train", "val", "test")
 TASKS = ("multiclass", "binary", "multilabel")
 #: Stores whose arrays sum to less than this are hashed in full on open (``verify="auto"``).
@@ -65,43 +70,6 @@ def _array_meta(path: Path) -> dict[str, Any]:
     return {"file": path.name, "dtype": str(arr.dtype), "shape": list(arr.shape), "sha256": sha256_file(path)}
 
 
-def build_reverse_csr(indptr: np.ndarray, indices: np.ndarray, num_src: int) -> tuple[np.ndarray, ...]:
-    """Reverse a CSR: returns ``(rev_indptr, rev_indices, rev_perm)``.
-
-    ``rev_perm[k]`` is the forward edge id of reverse edge ``k``, so edge weights and edge features
-    are permuted into reverse order with one gather. A stable sort keeps the reverse CSR's
-    neighbor lists ordered by destination, which makes it deterministic.
-    """
-    indptr = np.asarray(indptr, dtype=np.int64)
-    indices = np.asarray(indices, dtype=np.int64)
-    num_dst = indptr.shape[0] - 1
-    from trellis.data.csr import stable_argsort  # numba counting sort; lazy: csr imports this module
-
-    rev_perm = stable_argsort(indices, num_src)
-    counts = np.bincount(indices, minlength=num_src).astype(np.int64)
-    rev_indptr = np.zeros(num_src + 1, dtype=np.int64)
-    np.cumsum(counts, out=rev_indptr[1:])
-    dst_of_edge = np.repeat(np.arange(num_dst, dtype=np.int64), np.diff(indptr))
-    rev_indices = dst_of_edge[rev_perm]
-    return rev_indptr, rev_indices, rev_perm
-
-
-def check_output(out: str | os.PathLike[str], *, overwrite: bool = False) -> None:
-    """Refuse an existing ``out`` unless ``overwrite``; never overwrite something that is not a store.
-
-    ``--overwrite`` replaces (deletes) the old directory, so it is only allowed on a Trellis store or an
-    empty directory: a mistyped ``--out ~/data`` must not delete the user's files.
-    """
-    out = Path(out)
-    if not out.exists() and not out.is_symlink():
-        return
-    if not overwrite:
-        raise TrellisUserError(f"{out}: output already exists; choose another --out, remove it, or pass --overwrite")
-    if out.is_dir() and not out.is_symlink() and ((out / MANIFEST).is_file() or not any(out.iterdir())):
-        return
-    raise TrellisUserError(f"{out}: exists and is not a Trellis store; refusing to overwrite it (choose another --out)")
-
-
 class StoreWriter:
     """Builds a store in a temporary directory and renames it into place on :meth:`commit`.
 
@@ -115,10 +83,7 @@ class StoreWriter:
         check_output(self.out, overwrite=overwrite)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.overwrite = overwrite
-        # mkdtemp would create the directory 0700 and the renamed store would keep that mode; a plain
-        # mkdir with a unique name honours the umask like any other output directory.
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        self.tmp.mkdir()
+        self.tmp = temp_sibling(self.out)
         self.meta: dict[str, Any] = {}
         self._arrays: list[str] = []
 
@@ -144,24 +109,14 @@ class StoreWriter:
             for name, arr in zip(("rev_indptr", "rev_indices", "rev_perm"),
                                  build_reverse_csr(indptr, indices, num_nodes)):
                 self.add(name, arr)
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
+        STORE_MANIFEST.write(self.tmp, {
             "num_nodes": int(num_nodes),
             "num_edges": int(num_edges),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **meta,
             "arrays": {name: _array_meta(self.tmp / f"{name}.npy") for name in sorted(set(self._arrays))},
-        }
-        with open(self.tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=2)
-        if self.out.exists():
-            trash = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-            os.rename(self.out, trash)
-            os.rename(self.tmp, self.out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(self.tmp, self.out)
+        })
+        replace_dir(self.tmp, self.out)
         return self.out
 
 
@@ -215,13 +170,14 @@ def write_store(
     e = int(indices.shape[0])
     validate_arrays(n, indptr, indices, x=x, y=y, splits=splits, edge_weight=edge_weight,
                     edge_feat=edge_feat)
-    if y is not None:
-        task = task or infer_task(y)
-        if num_classes is None:
-            num_classes = int(y.shape[1]) if y.ndim == 2 else int(np.max(y)) + 1 if (y >= 0).any() else 0
+    inferred_task, inferred_classes = label_meta(y)
+    task = task or inferred_task
+    num_classes = inferred_classes if num_classes is None else num_classes
     with store_writer(out, overwrite=overwrite) as w:
         w.add("indptr", indptr)
         w.add("indices", indices)
+        for key, arr in zip(("rev_indptr", "rev_indices", "rev_perm"), build_reverse_csr(indptr, indices, n)):
+            w.add(key, arr)
         if edge_weight is not None:
             w.add("edge_weight", np.asarray(edge_weight, dtype=np.float32))
         if edge_feat is not None:
@@ -235,6 +191,16 @@ def write_store(
             w.add(f"{split}_idx", np.asarray(ids, dtype=np.int64))
         return w.commit(num_nodes=n, num_edges=e, name=name, task=task, num_classes=num_classes,
                         source=source or {})
+
+
+def label_meta(y: np.ndarray | None) -> tuple[str | None, int | None]:
+    """``(task, num_classes)`` of labels as the manifest records them (``(None, None)`` without labels)."""
+    if y is None:
+        return None, None
+    task = infer_task(y)
+    if y.ndim == 2:
+        return task, int(y.shape[1])
+    return task, int(np.max(y)) + 1 if (y >= 0).any() else 0
 
 
 def infer_task(y: np.ndarray) -> str:
@@ -314,21 +280,7 @@ class GraphStore:
 
     def __init__(self, path: str | os.PathLike[str], verify: bool | str = "auto") -> None:
         self.path = Path(path)
-        mpath = self.path / MANIFEST
-        if not mpath.is_file():
-            raise TrellisUserError(
-                f"{self.path}: not a Trellis store (no {MANIFEST}); create one with `trellis data import` "
-                "or `trellis data generate`"
-            )
-        try:
-            self.manifest: dict[str, Any] = json.loads(mpath.read_text())
-        except json.JSONDecodeError as exc:
-            raise TrellisUserError(f"{mpath}: manifest is not valid JSON ({exc}); re-import the store") from exc
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
-            raise TrellisUserError(
-                f"{mpath}: format {self.manifest.get('format')!r} v{self.manifest.get('version')} is not "
-                f"{FORMAT} v{VERSION}; re-import the graph with this version of trellis"
-            )
+        self.manifest: dict[str, Any] = STORE_MANIFEST.read(self.path)
         self._cache: dict[str, np.ndarray] = {}
         self._check(verify)
 

@@ -20,16 +20,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
-
-import torch
+from typing import Any
 
 from trellis.errors import TrellisUserError
+from trellis.utils.atomic import atomic_write, json_default
+from trellis.utils.atomic import torch_save_atomic as torch_save_atomic  # re-exported: callers import it from here
+from trellis.utils.atomic import write_json_atomic as write_json_atomic  # re-exported
 
 
 @dataclass(frozen=True)
@@ -113,31 +113,6 @@ def open_run_dir(path: str | os.PathLike[str]) -> RunPaths:
     return paths
 
 
-def _atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a temporary file and rename."""
-    data = (json.dumps(obj, indent=2, default=_json_default) + "\n").encode()
-    _atomic(Path(path), lambda f: f.write(data))
-
-
-def torch_save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to ``path`` via a temporary file and rename."""
-    _atomic(Path(path), lambda f: torch.save(obj, f))
-
-
 def read_json(path: str | os.PathLike[str]) -> Any:
     p = Path(path)
     try:
@@ -146,18 +121,10 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise TrellisUserError(f"{p}: unreadable ({exc})") from exc
 
 
-def _json_default(obj: Any) -> Any:
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
-
-
 def json_line(obj: dict[str, Any]) -> str:
     """One compact JSON line; NaN and Inf become ``null`` so every line is strict JSON."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in obj.items()}
-    return json.dumps(clean, default=_json_default, separators=(",", ":"))
+    return json.dumps(clean, default=json_default, separators=(",", ":"))
 
 
 class MetricsLog:
@@ -226,5 +193,5 @@ def plot_curves(metrics_path: Path, out: Path, metric: str) -> None:
         ax_loss.legend(fontsize=7)
         ax_metric.legend(fontsize=7)
     fig.tight_layout()
-    _atomic(out, lambda f: fig.savefig(f, format="png", dpi=100))
+    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)

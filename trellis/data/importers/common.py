@@ -23,9 +23,8 @@ from trellis.data.csr import (
     check_finite,
     edges_to_csr,
     read_all_edges,
-    reverse_csr,
 )
-from trellis.data.store import SPLITS, infer_task, store_writer, validate_arrays
+from trellis.data.store import SPLITS, label_meta, store_writer, write_store
 from trellis.errors import TrellisUserError
 
 #: Edge files larger than this are imported with the bounded-memory chunked builder (``streaming=None``).
@@ -146,16 +145,6 @@ def check_split(ids: np.ndarray, num_nodes: int | None, where: str) -> np.ndarra
     if ids.ndim != 1:
         ids = ids.reshape(-1)
     return as_node_ids(ids, where, num_nodes)
-
-
-def label_meta(y: np.ndarray | None) -> tuple[str | None, int | None]:
-    """``(task, num_classes)`` as :func:`trellis.data.store.write_store` infers them."""
-    if y is None:
-        return None, None
-    task = infer_task(y)
-    if y.ndim == 2:
-        return task, int(y.shape[1])
-    return task, int(np.max(y)) + 1 if (y >= 0).any() else 0
 
 
 # ---- largest connected component -----------------------------------------------------------------
@@ -279,53 +268,9 @@ def write_graph(
             n = csr.num_nodes
     if inp.splits is None and make_splits is not None:
         splits = make_splits(y, n) or {}
-    return save_store(out, indptr=csr.indptr, indices=csr.indices, x=x, y=y, splits=splits or None,
+    return write_store(out, indptr=csr.indptr, indices=csr.indices, x=x, y=y, splits=splits or None,
                       edge_weight=csr.edge_weight, edge_feat=csr.edge_feat, name=inp.name, source=source,
                       overwrite=overwrite)
-
-
-def save_store(
-    out: str | os.PathLike[str],
-    *,
-    indptr: np.ndarray,
-    indices: np.ndarray,
-    x: np.ndarray | None = None,
-    y: np.ndarray | None = None,
-    splits: dict[str, np.ndarray] | None = None,
-    edge_weight: np.ndarray | None = None,
-    edge_feat: np.ndarray | None = None,
-    name: str = "graph",
-    source: dict[str, Any] | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """:func:`trellis.data.store.write_store` with the reverse CSR built by an O(E + N) counting sort.
-
-    Same validation, arrays and manifest; only faster on large graphs (write_store's commit builds the
-    reverse CSR with a stable argsort).
-    """
-    indptr = np.ascontiguousarray(indptr, dtype=np.int64)
-    indices = np.ascontiguousarray(indices, dtype=np.int64)
-    n, e = int(indptr.shape[0] - 1), int(indices.shape[0])
-    validate_arrays(n, indptr, indices, x=x, y=y, splits=splits, edge_weight=edge_weight, edge_feat=edge_feat)
-    task, num_classes = label_meta(y)
-    with store_writer(out, overwrite=overwrite) as w:
-        w.add("indptr", indptr)
-        w.add("indices", indices)
-        for k, arr in zip(("rev_indptr", "rev_indices", "rev_perm"), reverse_csr(indptr, indices, n)):
-            w.add(k, arr)
-        if edge_weight is not None:
-            w.add("edge_weight", np.asarray(edge_weight, dtype=np.float32))
-        if edge_feat is not None:
-            w.add("edge_feat", np.asarray(edge_feat, dtype=np.float32).reshape(e, -1))
-        if x is not None:
-            w.add("x", np.asarray(x, dtype=np.float32))
-        if y is not None:
-            w.add("y", np.asarray(y, dtype=np.int64 if y.ndim == 1 else np.float32))
-        for k in SPLITS:
-            if splits and k in splits:
-                w.add(f"{k}_idx", np.asarray(splits[k], dtype=np.int64))
-        return w.commit(num_nodes=n, num_edges=e, name=name, task=task, num_classes=num_classes,
-                        source=source or {})
 
 
 def _write_streaming(inp: GraphInput, out: str | os.PathLike[str], *, symmetrize: bool, dedup: bool,

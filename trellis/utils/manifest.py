@@ -1,0 +1,86 @@
+"""``manifest.json``: the metadata file that describes every on-disk artefact (store, layout, pp cache).
+
+Why one base: each artefact names its format and version in the manifest, and each opened it with its
+own copy of the same checks. :class:`ManifestFormat` writes the manifest (``format`` and ``version``
+first, then the artefact's fields, JSON indented by two) and reads it back with one set of clear errors:
+no manifest, invalid JSON, another format or version, each naming the path and the command that fixes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trellis.errors import TrellisUserError
+from trellis.utils.atomic import MANIFEST
+
+__all__ = ["MANIFEST", "ManifestFormat", "format_of"]
+
+
+def format_of(path: str | os.PathLike[str]) -> str | None:
+    """The ``format`` field of the JSON file ``path``, or None when it is missing, unreadable or has none."""
+    try:
+        value = json.loads(Path(path).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class ManifestFormat:
+    """A kind of artefact directory: its format name, version and how to talk about it in errors.
+
+    Attributes:
+        name: Format name recorded in the manifest (``trellis-store``).
+        version: Format version this code reads and writes.
+        what: The artefact for messages, with its article (``a Trellis store``).
+        create: How to create one (``create one with `trellis data import```).
+        fix: What to do when it is damaged or of another version (``re-import the store``).
+    """
+
+    name: str
+    version: int
+    what: str
+    create: str
+    fix: str
+
+    def manifest(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """The manifest dict: ``format`` and ``version`` first, then ``fields``."""
+        return {"format": self.name, "version": self.version, **fields}
+
+    def write(self, directory: str | os.PathLike[str], fields: dict[str, Any]) -> bytes:
+        """Write ``directory/manifest.json`` and return its bytes (callers may hash them).
+
+        The directory is a temporary one that is renamed into place afterwards, so a plain write suffices.
+        """
+        raw = json.dumps(self.manifest(fields), indent=2).encode()
+        (Path(directory) / MANIFEST).write_bytes(raw)
+        return raw
+
+    def is_one(self, directory: str | os.PathLike[str]) -> bool:
+        """Whether ``directory`` holds a manifest of this format (any version): an artefact of this kind."""
+        return format_of(Path(directory) / MANIFEST) == self.name
+
+    def read(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Parse and check ``directory/manifest.json``.
+
+        Raises:
+            TrellisUserError: No manifest, invalid JSON, or another format or version.
+        """
+        path = Path(directory)
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            raise TrellisUserError(f"{path}: not {self.what} (no {MANIFEST}); {self.create}")
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as exc:
+            raise TrellisUserError(f"{mpath}: manifest is not valid JSON ({exc}); {self.fix}") from exc
+        if not isinstance(manifest, dict) or manifest.get("format") != self.name \
+                or manifest.get("version") != self.version:
+            got = manifest if not isinstance(manifest, dict) else manifest.get("format")
+            ver = None if not isinstance(manifest, dict) else manifest.get("version")
+            raise TrellisUserError(f"{mpath}: format {got!r} v{ver} is not {self.name} v{self.version}; {self.fix}")
+        return manifest

@@ -1,0 +1,50 @@
+"""The one numba capability flag of the package, and the decorators every kernel module uses.
+
+Why one flag: numba is a declared dependency, but a kernel module must stay importable (and correct)
+without it, and ``TRELLIS_DISABLE_NUMBA=1`` must switch every kernel to its pure path at once (tests
+compare the two; a user with a broken numba install needs a way out). Before this module, three flags
+answered the question three ways. Every module now imports :data:`WITH_NUMBA`, :func:`njit` and
+:data:`prange` from here: modules with a vectorized fallback branch on the flag, modules without one
+(partitioners, samplers) run their kernels as plain Python when it is off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["WITH_NUMBA", "njit", "prange"]
+
+
+def _disabled() -> bool:
+    return os.environ.get("TRELLIS_DISABLE_NUMBA", "0") not in ("", "0")
+
+
+def _identity_njit(*args: Any, **kwargs: Any) -> Any:
+    """Stand-in for ``numba.njit``: returns the function unchanged (both ``@njit`` and ``@njit(...)``)."""
+    if args and callable(args[0]):
+        return args[0]
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn
+
+    return wrap
+
+
+njit: Callable[..., Any]
+prange: Callable[..., Any]
+try:  # pragma: no cover - which branch runs depends on the environment, not on a test
+    if _disabled():
+        raise ImportError("disabled by TRELLIS_DISABLE_NUMBA")
+    from numba import njit as _numba_njit
+    from numba import prange as _numba_prange
+
+    #: Whether numba kernels are compiled and used (numba importable and ``TRELLIS_DISABLE_NUMBA`` unset).
+    WITH_NUMBA = True
+    njit = _numba_njit
+    prange = _numba_prange
+except ImportError:  # pragma: no cover
+    WITH_NUMBA = False
+    njit = _identity_njit
+    prange = range

@@ -1,0 +1,66 @@
+"""One parser and one formatter of byte sizes (``--memory-budget 4G``, ``512MiB``, messages).
+
+Why one: ``trellis train --memory-budget`` read a SIZE string while ``trellis sweep --memory-budget``
+read a float of MiB, and four formatters printed sizes with different units and digits. ``K``/``M``/``G``/
+``T`` (and ``KB``...) are decimal, ``KiB``/``MiB``/``GiB``/``TiB`` binary, as in ``df -H`` / ``df -h``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from trellis.errors import TrellisUserError
+
+__all__ = ["UNITS", "format_size", "parse_size"]
+
+#: Multiplier of every accepted unit (lower-case; matching is case-insensitive).
+UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+         "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def parse_size(text: str | int | float, *, bare_unit: str = "B", flag: str | None = None) -> int:
+    """Bytes of a size: ``"2G"`` (decimal), ``"512MiB"`` (binary), ``"1.5gb"``, ``1000``.
+
+    Args:
+        text: The size; an int or float is already a count of ``bare_unit``.
+        bare_unit: Unit of a number without one (default: ``B``; ``sweep --memory-budget`` keeps ``MiB``
+            for compatibility with its old float-of-MiB flag).
+        flag: Flag named in the error message (default: none).
+
+    Returns:
+        The size in bytes (rounded down).
+
+    Raises:
+        TrellisUserError: ``text`` is not a non-negative number with a known unit.
+    """
+    scale = UNITS[bare_unit.lower()]
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        return int(text * scale)
+    m = _SIZE.fullmatch(str(text))
+    if not m or m.group(2).lower() not in UNITS:
+        where = f"{flag}: " if flag else ""
+        raise TrellisUserError(f"{where}cannot read the size {text!r}; write e.g. 2G, 512MiB or 1000000")
+    unit = m.group(2).lower()
+    return int(float(m.group(1)) * (UNITS[unit] if unit else scale))
+
+
+def format_size(n: float, *, digits: int = 2, unit: str | None = None) -> str:
+    """A byte count for people: ``1536`` -> ``"1.50 KiB"`` (binary units; bytes without decimals).
+
+    Args:
+        n: Bytes.
+        digits: Decimals above bytes (default: 2).
+        unit: Force one of ``B``, ``KiB``, ``MiB``, ``GiB``, ``TiB`` (default: the largest that keeps the
+            value below 1024).
+    """
+    if unit is not None:
+        value = n / 1024 ** _BINARY.index(unit)
+        return f"{value:.0f} {unit}" if unit == "B" else f"{value:.{digits}f} {unit}"
+    value = float(n)
+    for name in _BINARY:
+        if abs(value) < 1024 or name == "TiB":
+            return f"{value:.0f} {name}" if name == "B" else f"{value:.{digits}f} {name}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
