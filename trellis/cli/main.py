@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from trellis.errors import TrellisUserError
 
@@ -49,11 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit code (also used by tests)."""
+def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any] | None = None) -> int:
+    """Entry point; returns the exit code (also used by tests).
+
+    Args:
+        argv: Arguments (default: ``sys.argv[1:]``).
+        model_factory: Builds models by name for ``train``, ``sweep`` and ``predict`` (default:
+            :func:`trellis.nn.build_model`; tests pass a small stub model).
+    """
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        args.model_factory = model_factory
         rc = args.func(args)
         return int(rc or 0)
     except TrellisUserError as exc:

@@ -110,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
 
     sc = config_from_args(args)
     if args.explain:
-        text = explain_sweep(sc)
+        text = explain_sweep(sc, model_factory=getattr(args, "model_factory", None))
         print(text)
         if args.json:
             print(json.dumps({"explain": text}))
         return 0
-    board = run_sweep(sc)
+    board = run_sweep(sc, model_factory=getattr(args, "model_factory", None))
     print(format_leaderboard(board), file=sys.stderr if args.json else sys.stdout)
     if args.json:
         sys.stdout.flush()

@@ -17,6 +17,7 @@ from typing import Any
 
 from trellis.errors import TrellisUserError
 from trellis.train.config import SESSION_FIELDS, TrainConfig, base_type, check_keys, flag, load_config_file
+from trellis.train.strategies import STRATEGIES
 
 #: Fields that may be given again with ``--resume``: per-invocation ones, the store path (its content is
 #: checked against the run's) and the device.
@@ -46,7 +47,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_text)
             continue
-        choices = meta.get("choices")
+        choices = tuple(STRATEGIES) if f.name == "strategy" else meta.get("choices")
         metavar = meta.get("metavar") or ("{" + ",".join(choices) + "}" if choices else
                                           {int: "N", float: "X", dict: "JSON"}.get(typ, "VALUE"))
         # Values stay strings here: TrainConfig parses them, so the error names the flag the same way for
@@ -109,7 +110,7 @@ def run_train(args: argparse.Namespace) -> int:
     from trellis.train.trainer import Trainer, TrainingInterrupted
 
     cfg = config_from_args(args)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, model_factory=getattr(args, "model_factory", None))
     if cfg.explain:
         text = trainer.explain()
         print(text)
@@ -132,7 +133,8 @@ def run_train(args: argparse.Namespace) -> int:
 def run_predict(args: argparse.Namespace) -> int:
     from trellis.train.predict import predict
 
-    info = predict(args.run_dir, args.store, args.out, run=args.run, proba=args.proba, device=args.device)
+    info = predict(args.run_dir, args.store, args.out, run=args.run, proba=args.proba, device=args.device,
+                   model_factory=getattr(args, "model_factory", None))
     if args.json:
         print(json.dumps(info))
     else:

@@ -35,10 +35,6 @@ from trellis.train.tasks import TASKS, check_metric
 #: Model names known even before ``trellis.nn`` imports (used only if it cannot be imported).
 _FALLBACK_MODELS = ("gcn", "sage", "gin", "gat", "gate", "mlp")
 
-#: Training strategies; full-batch, mini-batch (neighbour sampling) and cluster-batch (trellis.train.minibatch),
-#: and pre-propagation (trellis.train.pp: SGC/SIGN/HOGA from a ``trellis preprocess`` cache).
-STRATEGIES = ("full", "mini", "cluster", "pp")
-
 #: Models of the ``pp`` strategy (trellis.nn.pp_models.PP_MODELS); they train on no other strategy.
 PP_MODELS = ("sgc", "sign", "hoga")
 
@@ -154,7 +150,8 @@ class TrainConfig:
                                    "paper's preprocessing), none, or auto = the store's preference: row for "
                                    "Planetoid imports, none otherwise (default: auto)", choices=FEATURE_NORMS)
     strategy: str = _f("full", "training strategy: full = full-batch, mini = neighbour-sampled mini-batches, "
-                               "cluster = cluster-batches (default: full)", choices=STRATEGIES)
+                               "cluster = cluster-batches, pp = pre-propagation (default: full); the choices are "
+                               "the registered strategies (trellis.train.strategies)")
     fanouts: str | None = _f(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "
                                    "(default: 15,10 for 2 layers; 15,10,5,5,... for more)", metavar="F1,F2,...")
     batch_size: int | None = _f(None, "mini/pp: target nodes (mini) or rows (pp) per batch (default: 1024; "
@@ -272,7 +269,7 @@ class TrainConfig:
             from trellis.loader.blocks import parse_fanouts
 
             parse_fanouts(self.fanouts or "", self.layers)
-        for name in ("optimizer", "task", "feature_norm", "strategy", "cluster_method", "pp_loader", "init"):
+        for name in ("optimizer", "task", "feature_norm", "cluster_method", "pp_loader", "init"):
             choices = _field_meta(name)["choices"]
             if getattr(self, name) not in choices:
                 raise TrellisUserError(_choice_msg(name, getattr(self, name), choices))

@@ -19,10 +19,15 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from trellis.data.store import open_store
 from trellis.errors import TrellisUserError
+from trellis.train.build import ModelFactory, default_model_factory, make_model
+from trellis.train.data import load_graph_data, resolve_device
+from trellis.train.features import NodeEmbedding
 from trellis.train.runs import open_run_dir, read_json
+from trellis.train.strategies.pp import predict_pp
 from trellis.train.tasks import TASKS
-from trellis.train.trainer import MODEL_FORMAT, load_graph_data, make_model, resolve_device
+from trellis.train.trainer import MODEL_FORMAT
 
 
 def embedding_path(out: Path) -> Path:
@@ -67,7 +72,8 @@ def choose_run(run_dir: Path, run: int | None) -> int:
 
 @torch.no_grad()
 def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out: str | os.PathLike[str], *,
-            run: int | None = None, proba: bool = False, device: str = "auto") -> dict[str, Any]:
+            run: int | None = None, proba: bool = False, device: str = "auto",
+            model_factory: ModelFactory | None = None) -> dict[str, Any]:
     """Write predictions and embeddings of every node of ``store``.
 
     Args:
@@ -79,6 +85,7 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
             or softmax probabilities ``[N, C]``; binary: 0/1 labels ``[N]`` or the positive class's
             probability ``[N]``; multilabel: a 0/1 ``uint8 [N, C]`` matrix or per-label probabilities.
         device: ``auto|cpu|cuda[:N]`` (default: auto).
+        model_factory: Builds message-passing models by name (default: :func:`trellis.nn.build_model`).
 
     Returns:
         A JSON-ready description of what was written.
@@ -91,14 +98,11 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     run_dir = Path(run_dir)
     r = choose_run(run_dir, run)
     saved = torch.load(open_run_dir(run_dir).model(r), map_location="cpu", weights_only=True)
-    if saved.get("format") == "trellis-pp-model":
-        from trellis.data.store import open_store
-        from trellis.train.pp import predict_pp
-
-        dev = resolve_device(device)
-        logits = predict_pp(saved, open_store(store), dev)
-        return _write(out_path, logits, logits, "logits", TASKS["multiclass"](saved["num_classes"]), proba, r,
-                      saved["model"], run_dir)
+    if saved.get("strategy") == "pp" or saved.get("format") == "trellis-pp-model":
+        record = {**saved, "out_dim": saved.get("out_dim", saved.get("num_classes"))}  # older pp model files
+        logits = predict_pp(record, open_store(store), resolve_device(device))
+        task = TASKS[saved.get("task", "multiclass")](record["out_dim"])
+        return _write(out_path, logits, logits, "logits", task, proba, r, saved["model"], run_dir)
     if saved.get("format") != MODEL_FORMAT:
         raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
     dev = resolve_device(device)
@@ -111,11 +115,10 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     if data.in_dim != saved["in_dim"]:
         raise TrellisUserError(f"{store}: features have width {data.in_dim} but the model was trained on width "
                                f"{saved['in_dim']}; predict on a store with the same features")
-    model = make_model(saved["model"], saved["in_dim"], saved["out_dim"], edge_dim=saved["edge_dim"],
+    model = make_model(model_factory or default_model_factory, saved["model"], saved["in_dim"], saved["out_dim"],
+                       edge_dim=saved["edge_dim"],
                        **saved["kwargs"])
     if data.embedding_dim:
-        from trellis.train.features import NodeEmbedding
-
         model = NodeEmbedding(model, data.store.num_nodes, data.embedding_dim)
     model.load_state_dict(saved["state_dict"])
     model.to(dev).eval()

@@ -35,6 +35,7 @@ import itertools
 import math
 import os
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -47,12 +48,23 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from trellis.errors import TrellisUserError
+from trellis.nn.batched import BatchedGNN, capture_generator, family_of, model_decl
 from trellis.nn.init import INITS
+from trellis.nn.runtime import generator_scope
+from trellis.plan import GraphStats
+from trellis.plan.batching import balanced_batches, choose_k, default_budget_bytes
 from trellis.plan.rewrites import DEFAULT_REWRITES
+from trellis.train.build import ModelFactory, build_run_model, build_run_optimizer, default_model_factory
 from trellis.train.config import TrainConfig, check_keys
+from trellis.train.convergence import summarize_time_to_accuracy
+from trellis.train.data import resolve_device
+from trellis.train.early_stopping import EarlyStopping
 from trellis.train.optim import OPTIMIZERS
-from trellis.train.runs import MetricsLog, torch_save_atomic, write_json_atomic
-from trellis.train.tasks import Task
+from trellis.train.rng import seed_everything
+from trellis.train.runs import MetricsLog, iter_jsonl, read_jsonl, write_json_atomic
+from trellis.train.strategies.full import FullBatch, evaluate_logits
+from trellis.train.summary import RunSummary, split_metrics_of
+from trellis.train.trainer import save_model
 
 SWEEP_FORMAT = "trellis-sweep"
 
@@ -257,18 +269,16 @@ def make_entries(sc: SweepConfig) -> list[SweepEntry]:
 
 
 # ---- building a configuration's model as its solo run would --------------------------------------------
-def build_config_model(entry: SweepEntry, data: Any, device: torch.device) -> tuple[nn.Module, torch.Generator]:
-    """Build a configuration's model exactly as ``Trainer._run`` does, and its dropout generator.
+def build_config_model(entry: SweepEntry, strategy: FullBatch, device: torch.device,
+                       factory: ModelFactory = default_model_factory) -> tuple[nn.Module, torch.Generator]:
+    """Build a configuration's model exactly as the trainer's run does, and its dropout generator.
 
     The trainer seeds everything with the run's seed, builds the model and moves it to the device; nothing
     draws random numbers between that and the first training step. So the state of the device's default
     generator right after building is where the solo run's dropout starts drawing.
     """
-    from trellis.nn.batched import capture_generator
-    from trellis.train.trainer import build_run_model, seed_everything
-
     seed_everything(entry.cfg.seed)
-    model = build_run_model(entry.cfg, data).to(device)
+    model = build_run_model(entry.cfg, strategy.spec, factory).to(device)
     return model, capture_generator(device)
 
 
@@ -287,26 +297,22 @@ class SweepGroup:
     batchable: bool = True
 
 
-def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], data: Any, device: torch.device,
-               explain: bool = False) -> list[SweepGroup]:
+def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: FullBatch, device: torch.device,
+               explain: bool = False, factory: ModelFactory = default_model_factory) -> list[SweepGroup]:
     """Group configurations by depth and choose K for each group from the cost model and memory budget."""
-    from trellis.errors import TrellisUserError as _UserError
-    from trellis.nn.batched import BatchedGNN, family_of, model_decl
-    from trellis.plan import GraphStats
-    from trellis.plan.batching import balanced_batches, choose_k, default_budget_bytes
-
-    stats = GraphStats.of(data.graph)
+    graph = strategy.explain_graph()
+    stats = GraphStats.of(graph)
     budget = sc.memory_budget_mb * 2**20 if sc.memory_budget_mb is not None else default_budget_bytes()
     groups: list[SweepGroup] = []
     by_depth: dict[int, list[SweepEntry]] = {}
     for e in entries:
         by_depth.setdefault(e.cfg.layers, []).append(e)
     for layers, group in by_depth.items():
-        models = [build_config_model(e, data, torch.device("cpu"))[0] for e in group]
+        models = [build_config_model(e, strategy, torch.device("cpu"), factory)[0] for e in group]
         try:
             family = family_of(models[0])
             decls = [model_decl(m, family) for m in models]
-        except _UserError as exc:
+        except TrellisUserError as exc:
             if sc.batch_models not in (None, 1):
                 raise TrellisUserError(f"--batch-models {sc.batch_models}: {exc}") from None
             note = f"K = 1: {exc}"
@@ -320,22 +326,27 @@ def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], data: Any, device: to
         if explain:
             first = batches[0]
             bm = BatchedGNN([models[group.index(e)] for e in first], rewrites=sc.rewrites)
-            plan_text = bm.explain(data.graph)
+            plan_text = bm.explain(graph)
         groups.append(SweepGroup(layers, group, choice.k, batches, choice.format(), rows, plan_text))
     return groups
 
 
-def explain_sweep(sc: SweepConfig) -> str:
-    """What ``trellis sweep --explain`` prints: the configurations, K per group and the batched plans."""
-    from trellis.train.trainer import load_graph_data, resolve_device
+def load_sweep_data(entries: list[SweepEntry], device: torch.device) -> FullBatch:
+    """The graph every configuration trains on, loaded once: a full-batch strategy over the first config."""
+    strategy = FullBatch(entries[0].cfg, device)
+    strategy.load()
+    return strategy
 
+
+def explain_sweep(sc: SweepConfig, model_factory: ModelFactory | None = None) -> str:
+    """What ``trellis sweep --explain`` prints: the configurations, K per group and the batched plans."""
     entries = make_entries(sc)
     device = resolve_device(sc.device)
-    data = load_graph_data(sc.store, device=torch.device("cpu"), task=entries[0].cfg.task,
-                           feature_norm=entries[0].cfg.feature_norm, features=entries[0].cfg.features)
-    groups = plan_sweep(sc, entries, data, device, explain=True)
-    lines = [f"sweep: {len(entries)} configurations of {sc.model} on {data.store.name} "
-             f"({data.graph.num_dst} nodes, {data.graph.num_edges} edges)"]
+    strategy = load_sweep_data(entries, torch.device("cpu"))
+    groups = plan_sweep(sc, entries, strategy, device, explain=True, factory=model_factory or default_model_factory)
+    graph = strategy.explain_graph()
+    lines = [f"sweep: {len(entries)} configurations of {sc.model} on {strategy.store.name} "
+             f"({graph.num_dst} nodes, {graph.num_edges} edges)"]
     for g in groups:
         lines.append(f"\n== {len(g.entries)} configuration(s) with {g.layers} layers: {len(g.batches)} batch(es) "
                      f"of up to {g.k}")
@@ -353,48 +364,48 @@ def _params_text(params: dict[str, Any]) -> str:
 
 # ---- training ----------------------------------------------------------------------------------------
 @dataclass
-class _Best:
-    epoch: int = -1
-    value: float = -math.inf
-    val_loss: float = math.inf
-    metrics: dict[str, float] = field(default_factory=dict)
-    state: dict[str, Tensor] | None = None
-
-
-@dataclass
 class _State:
     """Where one configuration of a batch stands."""
 
     entry: SweepEntry
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Any
     log: MetricsLog
-    best: _Best = field(default_factory=_Best)
-    bad_epochs: int = 0
+    stopper: EarlyStopping
     epochs: int = 0
     time_s: float = 0.0
     step_times: list[float] = field(default_factory=list)
     stopped: str = ""
 
 
-def evaluate_logits(task: Task, logits: Tensor, y: Tensor, splits: dict[str, Tensor]) -> dict[str, float]:
-    """``<split>_<metric>`` for every split and metric plus ``val_loss`` (as the trainer's evaluation)."""
-    out: dict[str, float] = {}
-    for split, idx in splits.items():
-        for name, value in task.metrics(logits[idx], y[idx]).items():
-            out[f"{split}_{name}"] = value
-    val = splits["val"]
-    out["val_loss"] = float(task.loss(logits[val], y[val]))
-    return out
+class _One(nn.Module):
+    """One configuration of a family that cannot batch, behind the batched model's interface.
+
+    Its dropout draws from its own generator, in the trainer's ops, so it equals its solo run.
+    """
+
+    def __init__(self, model: nn.Module, generator: torch.Generator) -> None:
+        super().__init__()
+        self.m = model
+        self.generator = generator
+        self.active = [0]
+
+    def forward(self, graph: Any, x: Tensor) -> list[Tensor]:
+        """The configuration's logits (a one-element list), or none once it stopped."""
+        with generator_scope(self.generator if self.training else None):
+            return [self.m(graph, x)] if self.active else []
+
+    def drop(self, k: int) -> None:
+        """The configuration stopped."""
+        self.active.clear()
 
 
-def _train_batch(batch: list[SweepEntry], b: int, data: Any, task: Task, metric: str, device: torch.device,
-                 root: Path, sc: SweepConfig, batchable: bool, err: IO[str]) -> list[dict[str, Any]]:
+def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: str, device: torch.device,
+                 root: Path, sc: SweepConfig, batchable: bool, err: IO[str],
+                 factory: ModelFactory) -> list[dict[str, Any]]:
     """Train one batch of configurations to their early stops; returns one result per configuration."""
-    from trellis.nn.batched import BatchedGNN
-    from trellis.train.trainer import build_run_optimizer
-
-    built = [build_config_model(e, data, device) for e in batch]
+    task = strategy.task
+    built = [build_config_model(e, strategy, device, factory) for e in batch]
     states = []
     for e, (model, _) in zip(batch, built):
         cfg = e.cfg
@@ -402,35 +413,20 @@ def _train_batch(batch: list[SweepEntry], b: int, data: Any, task: Task, metric:
         d = root / "configs" / e.id
         (d / "models").mkdir(parents=True, exist_ok=True)
         write_json_atomic(d / "config.json", cfg.to_dict())
-        states.append(_State(e, model, opt, MetricsLog(d / "metrics.jsonl")))
+        stopper = EarlyStopping(metric, int(cfg.patience), task.higher_is_better.get(metric, True))
+        states.append(_State(e, model, opt, MetricsLog(d / "metrics.jsonl"), stopper))
+    bm: nn.Module
     if batchable:
-        bm: nn.Module = BatchedGNN([m for m, _ in built], [g for _, g in built], rewrites=sc.rewrites)
-        active: list[int] = bm.active  # type: ignore[assignment]
-    else:  # one configuration of a family that cannot batch: its own generator, the trainer's ops
-        from trellis.plan.rewrites import generator_scope
-
+        bm = BatchedGNN([m for m, _ in built], [g for _, g in built], rewrites=sc.rewrites)
+    else:
         assert len(built) == 1
-        model, gen = built[0]
-
-        class _One(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.m = model
-                self.active = [0]
-
-            def forward(self, graph: Any, x: Tensor) -> list[Tensor]:
-                with generator_scope(gen if self.training else None):
-                    return [self.m(graph, x)] if self.active else []
-
-            def drop(self, k: int) -> None:
-                self.active.clear()
-
-        bm = _One()
-        active = bm.active
-    sign = 1.0 if task.higher_is_better.get(metric, True) else -1.0
-    max_epochs = max(s.entry.cfg.epochs for s in states)
+        bm = _One(*built[0])
+    active: list[int] = bm.active  # type: ignore[assignment]
+    max_epochs = max(int(s.entry.cfg.epochs) for s in states)
     cuda = device.type == "cuda"
+    data = strategy.data
     graph, x, y, splits = data.graph, data.x, data.y, data.splits
+    assert y is not None
     train_idx = splits["train"]
     bar = tqdm(total=max_epochs, desc=f"batch {b} ({len(batch)} configs)", unit="ep", file=err,
                disable=None if sc.progress else True, dynamic_ncols=True, leave=False)
@@ -464,87 +460,67 @@ def _train_batch(batch: list[SweepEntry], b: int, data: Any, task: Task, metric:
             share = (time.perf_counter() - t0) / len(run)
             stop: list[int] = []
             for k, s, loss, ev in zip(list(active), run, loss_values, evs):
-                value, val_loss = sign * ev[f"val_{metric}"], ev["val_loss"]
-                best = s.best
-                if value > best.value or (value == best.value and val_loss < best.val_loss):
-                    s.best = _Best(epoch, value, val_loss, dict(ev),
-                                   {n: v.detach().clone() for n, v in s.model.state_dict().items()})
-                    s.bad_epochs = 0
-                else:
-                    s.bad_epochs += 1
+                s.stopper.update(epoch, ev, s.model)
                 s.time_s += share
                 s.step_times.append(step / len(run))
                 s.epochs = epoch + 1
                 s.log.write({"run": 0, "seed": s.entry.cfg.seed, "epoch": epoch, "loss": loss, **ev,
-                             "best_epoch": s.best.epoch, "step_time_s": step / len(run), "time_s": s.time_s,
+                             "best_epoch": s.stopper.best_epoch, "step_time_s": step / len(run), "time_s": s.time_s,
                              "batch": b, "batch_size": len(run), "batch_step_time_s": step})
-                if s.bad_epochs >= s.entry.cfg.patience:
+                if s.stopper.should_stop:
                     s.stopped = "patience"
-                elif epoch + 1 >= s.entry.cfg.epochs:
+                elif epoch + 1 >= int(s.entry.cfg.epochs):
                     s.stopped = "epochs"
                 if s.stopped:
                     stop.append(k)
             for k in stop:
-                bm.drop(k)
+                bm.drop(k)  # type: ignore[operator]
             bar.set_postfix_str(f"{len(active)} active", refresh=False)
             bar.update(1)
     finally:
         bar.close()
         for s in states:
             s.log.close()
-    return [_finish(s, b, data, task, metric, root) for s in states]
+    return [_finish(s, b, strategy, metric, root) for s in states]
 
 
-def _finish(s: _State, b: int, data: Any, task: Task, metric: str, root: Path) -> dict[str, Any]:
-    """Write the configuration's summary and best weights; return its leaderboard row."""
-    from trellis.train.trainer import FORMAT_VERSION, MODEL_FORMAT
-
-    cfg, e = s.entry.cfg, s.entry
+def _finish(s: _State, b: int, strategy: FullBatch, metric: str, root: Path) -> dict[str, Any]:
+    """Write the configuration's run directory (model, summary) as its solo run would; return its row."""
+    cfg, e, task = s.entry.cfg, s.entry, strategy.task
     d = root / "configs" / e.id
-    if s.best.state is not None:
-        s.model.load_state_dict(s.best.state)
-    result = {"run": 0, "seed": cfg.seed, "best_epoch": s.best.epoch, "epochs": s.epochs, "time_s": s.time_s,
-              **s.best.metrics}
-    torch_save_atomic({
-        "format": MODEL_FORMAT, "version": FORMAT_VERSION, "model": cfg.model, "in_dim": data.in_dim,
-        "out_dim": task.num_outputs, "edge_dim": data.edge_dim, "kwargs": cfg.model_kwargs(), "task": task.name,
-        "feature_norm": data.feature_norm, "metric": metric, "result": result, "init": e.cfg.init,
-        "state_dict": {k: v.detach().cpu() for k, v in s.model.state_dict().items()},
-    }, d / "models" / "run-0.pt")
-    summary: dict[str, Any] = {"status": "complete", "metric": metric, "runs": 1, "seeds": [cfg.seed],
-                               "best_epoch": [s.best.epoch], "epochs_run": [s.epochs], "best_run": 0,
-                               "train_time_s": s.time_s, "model": cfg.model, "task": task.name,
-                               "sweep_config": e.id, "params": e.params, "init": e.cfg.init, "batch": b,
-                               "stopped": s.stopped, "config": cfg.to_dict(), "per_run": [result]}
-    if s.step_times:
-        summary["epoch_time_s_median"] = sorted(s.step_times)[len(s.step_times) // 2]
-    for name in task.metric_names:
-        for split in ("train", "val", "test"):
-            v = s.best.metrics.get(f"{split}_{name}", float("nan"))
-            summary.update({f"{split}_{name}": [v], f"{split}_{name}_mean": v, f"{split}_{name}_std": 0.0})
-    from trellis.train.convergence import summarize_time_to_accuracy
-    from trellis.train.runs import iter_jsonl
-
-    summary.update(summarize_time_to_accuracy(iter_jsonl(d / "metrics.jsonl"), metric, cfg.target_acc,
-                                              higher_is_better=task.higher_is_better.get(metric, True)))
-    write_json_atomic(d / "summary.json", summary)
-    row: dict[str, Any] = {"config": e.id, **e.params, f"val_{metric}": s.best.metrics.get(f"val_{metric}"),
-                           f"test_{metric}": s.best.metrics.get(f"test_{metric}"),
-                           "val_loss": s.best.metrics.get("val_loss"), "best_epoch": s.best.epoch,
-                           "epochs": s.epochs, "time_s": s.time_s, "batch": b, "stopped": s.stopped,
-                           "metrics": dict(s.best.metrics)}
-    return row
+    s.stopper.restore(s.model)
+    best = s.stopper.best_metrics
+    result = {"run": 0, "seed": cfg.seed, "best_epoch": s.stopper.best_epoch, "epochs": s.epochs,
+              "time_s": s.time_s, **best}
+    save_model(d / "models" / "run-0.pt", s.model, cfg, metric, result, strategy.model_record(cfg))
+    times = s.step_times or [float("nan")]
+    summary = RunSummary(
+        metric=metric, strategy="full", model=str(cfg.model), task=task.name, runs=1, seeds=[cfg.seed],
+        best_epoch=[s.stopper.best_epoch], epochs_run=[s.epochs], best_run=0,
+        split_metrics=split_metrics_of([result], task.metric_names, strategy.eval_splits),
+        epoch_time_s_median=statistics.median(times), epoch_time_s_mean=statistics.fmean(times),
+        steps_timed=len(s.step_times), train_time_s=s.time_s, per_run=[result],
+        time_to_accuracy=summarize_time_to_accuracy(iter_jsonl(d / "metrics.jsonl"), metric, cfg.target_acc,
+                                                    higher_is_better=task.higher_is_better.get(metric, True)),
+        strategy_info=strategy.summary_info(),
+        info={"sweep_config": e.id, "params": e.params, "init": cfg.init, "batch": b, "stopped": s.stopped,
+              "config": cfg.to_dict()})
+    write_json_atomic(d / "summary.json", summary.to_dict())
+    return {"config": e.id, **e.params, f"val_{metric}": best.get(f"val_{metric}"),
+            f"test_{metric}": best.get(f"test_{metric}"), "val_loss": best.get("val_loss"),
+            "best_epoch": s.stopper.best_epoch, "epochs": s.epochs, "time_s": s.time_s, "batch": b,
+            "stopped": s.stopped, "metrics": dict(best)}
 
 
-def run_sweep(sc: SweepConfig, err: IO[str] | None = None) -> dict[str, Any]:
+def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
+              model_factory: ModelFactory | None = None) -> dict[str, Any]:
     """Train every configuration of the sweep and write SWEEP_DIR; returns the leaderboard (JSON-ready).
 
     Raises:
         TrellisUserError: Bad grid, store, options or SWEEP_DIR (nothing is written).
     """
-    from trellis.train.trainer import load_graph_data, resolve_device
-
     err = err if err is not None else sys.stderr
+    model_factory = model_factory or default_model_factory
     t_wall = time.perf_counter()
     entries = make_entries(sc)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -552,12 +528,10 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None) -> dict[str, Any]:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not sc.overwrite:
         raise TrellisUserError(f"--out {out}: already exists; choose another --out or pass --overwrite")
     device = resolve_device(sc.device)
-    first = entries[0].cfg
-    data = load_graph_data(sc.store, device=device, task=first.task, feature_norm=first.feature_norm,
-                           features=first.features)
-    task = data.task
-    metric = task.select_metric(first.metric)
-    groups = plan_sweep(sc, entries, data, device)
+    strategy = load_sweep_data(entries, device)
+    task = strategy.task
+    metric = task.select_metric(entries[0].cfg.metric)
+    groups = plan_sweep(sc, entries, strategy, device, factory=model_factory)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -570,7 +544,7 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None) -> dict[str, Any]:
         for g in groups:
             for batch in g.batches:
                 t_b = time.perf_counter()
-                rows += _train_batch(batch, b, data, task, metric, device, tmp, sc, g.batchable, err)
+                rows += _train_batch(batch, b, strategy, metric, device, tmp, sc, g.batchable, err, model_factory)
                 batches_info.append({"batch": b, "layers": g.layers, "configs": [e.id for e in batch],
                                      "time_s": time.perf_counter() - t_b})
                 b += 1
@@ -580,7 +554,7 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None) -> dict[str, Any]:
         for rank, r in enumerate(rows, 1):
             r["rank"] = rank
         board = {
-            "format": SWEEP_FORMAT, "version": 1, "store": str(data.store.path), "store_name": data.store.name,
+            "format": SWEEP_FORMAT, "version": 1, "store": str(strategy.store.path), "store_name": strategy.store.name,
             "model": sc.model, "metric": metric, "task": task.name, "grid": sc.grid, "base": sc.base,
             "seed": sc.seed, "device": str(device), "configs": len(entries),
             "batch_models": {str(g.layers): g.k for g in groups},
@@ -645,8 +619,6 @@ def plot_leaderboard(root: Path, rows: list[dict[str, Any]], metric: str) -> Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from trellis.train.runs import read_jsonl
 
     fig, (ax_c, ax_b) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, r in enumerate(rows):

@@ -1,0 +1,152 @@
+"""A graph's tensors for training: the store's graph, features, labels and splits on the training device.
+
+Why apart from the trainer: what a run loads is the strategy's decision (the in-memory graph for full-batch;
+memory maps for sampled and cluster batches; a pre-propagated cache for ``pp``), so loading lives beside
+the strategies, below the loop that drives them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from trellis.data.store import GraphStore
+from trellis.errors import TrellisUserError
+from trellis.ops.graph import CSRGraph
+from trellis.train.features import node_inputs, parse_features
+from trellis.train.tasks import Task, resolve_task
+
+#: The splits every labelled store has, in the order summaries list them.
+SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class GraphData:
+    """One graph's tensors on the training device, plus the task that reads its labels.
+
+    ``graph`` is the whole graph in memory, or None for strategies that read the store's memory-mapped CSR
+    themselves (sampled and cluster batches); ``edge_weight`` and ``edge_feat`` are on the device either way.
+    """
+
+    store: GraphStore
+    graph: CSRGraph | None
+    x: Tensor
+    y: Tensor | None
+    splits: dict[str, Tensor]
+    task: Task | None
+    feature_norm: str
+    features: str = "store"
+    embedding_dim: int = 0
+    edge_weight: Tensor | None = None
+    edge_feat: Tensor | None = None
+
+    @property
+    def in_dim(self) -> int:
+        """Width of the model's input: the feature width, or the embedding table's for ``embedding:D``."""
+        return self.embedding_dim or int(self.x.shape[1])
+
+    @property
+    def edge_dim(self) -> int:
+        """Width of the edge features (0 = none)."""
+        ef = self.edge_feat
+        return 0 if ef is None else int(ef.reshape(ef.shape[0], -1).shape[1])
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; refuse ``cuda`` on a machine without one."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise TrellisUserError(f"--device must be auto, cpu, cuda or cuda:N (got {name!r})")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise TrellisUserError(f"--device {name}: no CUDA device is available here; use --device cpu or auto")
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise TrellisUserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
+        return dev
+    return torch.device(name)
+
+
+def normalize_features(x: Tensor, mode: str) -> tuple[Tensor, str]:
+    """Apply ``--feature-norm`` (already resolved to ``row`` or ``none``) in place; returns ``(x, mode)``.
+
+    ``row`` divides each row by its L1 norm (Kipf & Welling's preprocessing of bag-of-words features).
+    ``auto`` is resolved by the caller from the store (:attr:`GraphStore.preferred_feature_norm`).
+    """
+    if mode == "row":
+        norm = x.abs().sum(dim=1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+        x.div_(norm)  # all-zero rows stay zero
+    return x, mode
+
+
+def load_graph_data(store_path: str | Path, *, device: torch.device, task: str = "auto",
+                    feature_norm: str = "auto", need_labels: bool = True, features: str = "store",
+                    in_memory_graph: bool = True) -> GraphData:
+    """Open a store and move its graph, features, labels and splits to ``device``.
+
+    Args:
+        store_path: Store directory.
+        device: Where the tensors live.
+        task: ``--task`` (``auto`` = the store's).
+        feature_norm: ``--feature-norm`` (``auto|none|row``).
+        need_labels: Refuse a store without labels and train/val/test splits (training); prediction
+            needs only the graph and features.
+        features: ``--features`` (``store``, or computed inputs: :mod:`trellis.train.features`).
+        in_memory_graph: Copy the CSR (and its cached reverse) into a :class:`CSRGraph` on the device;
+            False leaves it memory-mapped in the store and loads only the edge data.
+    """
+    store = GraphStore(store_path)
+    where = str(store.path)
+    kind, emb_dim = parse_features(features)
+    if kind == "store":
+        if store.x is None:
+            raise TrellisUserError(f"{where}: the store has no node features (x.npy); train with --features none, "
+                                   "degree or embedding:D, or re-import it with features")
+        x = torch.from_numpy(np.array(store.x, dtype=np.float32, copy=True))
+        if x.ndim == 1:
+            x = x.unsqueeze(1)
+        if feature_norm == "auto":
+            feature_norm = store.preferred_feature_norm
+        x, resolved_norm = normalize_features(x, feature_norm)
+    else:
+        x = node_inputs(kind, store.num_nodes, np.asarray(store.indptr), np.asarray(store.indices))
+        resolved_norm = "none"
+    if in_memory_graph:
+        graph: CSRGraph | None = CSRGraph.from_store(store).to(device)
+        assert graph is not None
+        ew, ef = graph.edge_weight, graph.edge_feat
+    else:
+        graph = None
+        ew, ef = (None if a is None else torch.from_numpy(np.array(a, dtype=np.float32)).to(device)
+                  for a in (store.edge_weight, store.edge_feat))
+    y_t: Tensor | None = None
+    splits: dict[str, Tensor] = {}
+    task_obj: Task | None = None
+    if need_labels:
+        y = store.y
+        if y is None:
+            raise TrellisUserError(f"{where}: the store has no labels (y.npy); training needs labels — re-import "
+                                   "it with labels")
+        split_ids: dict[str, np.ndarray] = {}
+        for s in SPLITS:
+            ids = store.split(s)
+            if ids is None or ids.size == 0:
+                raise TrellisUserError(f"{where}: the store has no {s} split ({s}_idx.npy); re-import it with "
+                                       "train/val/test node ids (the npz importer makes a random split)")
+            split_ids[s] = np.array(ids, dtype=np.int64)  # a copy: torch warns on read-only store maps
+        y_np = np.asarray(y)
+        task_obj = resolve_task(task, store.task, y_np, store.num_classes)
+        task_obj.check_labels(y_np, split_ids, where)
+        y_t = task_obj.labels_tensor(y_np).to(device)
+        splits = {s: torch.from_numpy(ids).to(device) for s, ids in split_ids.items()}
+    return GraphData(store=store, graph=graph, x=x.to(device), y=y_t, splits=splits, task=task_obj,
+                     feature_norm=resolved_norm, features=features, embedding_dim=emb_dim,
+                     edge_weight=ew, edge_feat=ef)
+
+

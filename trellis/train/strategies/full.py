@@ -1,0 +1,138 @@
+"""Full-batch (global-batch) training: every step runs the model over the whole graph in memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trellis.errors import TrellisUserError
+from trellis.nn.batched import BatchedGNN, family_of, model_decl
+from trellis.ops.graph import CSRGraph
+from trellis.plan.cost import GraphStats
+from trellis.plan.planner import plan_model
+from trellis.train.build import ModelSpec
+from trellis.train.config import TrainConfig
+from trellis.train.data import GraphData, load_graph_data
+from trellis.train.strategy import Strategy, register_strategy
+from trellis.train.tasks import Task
+
+
+class GraphStrategy(Strategy):
+    """Shared by the strategies that train message-passing models on the store's graph (full, mini, cluster).
+
+    :meth:`load` reads the graph, the node inputs (``--features``, ``--feature-norm``), labels and splits
+    into a :class:`~trellis.train.data.GraphData` on the device.
+    """
+
+    data: GraphData
+
+    def load(self) -> None:
+        """Load the store's graph, inputs, labels and splits onto the device."""
+        cfg = self.cfg
+        self.data = d = load_graph_data(str(cfg.store), device=self.device, task=cfg.task,
+                                        feature_norm=cfg.feature_norm, features=cfg.features)
+        assert d.task is not None
+        self.store, self.task, self.feature_norm = d.store, d.task, d.feature_norm
+        self.spec = ModelSpec(d.in_dim, d.task.num_outputs, d.edge_dim, d.store.num_nodes, d.embedding_dim)
+
+    def explain_graph(self) -> CSRGraph:
+        """The whole graph."""
+        return self.data.graph
+
+    def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
+        """Widths, task and inputs ``trellis predict`` rebuilds the model from."""
+        d = self.data
+        return {"in_dim": d.in_dim, "out_dim": self.task.num_outputs, "edge_dim": d.edge_dim,
+                "kwargs": cfg.model_kwargs(), "task": self.task.name, "feature_norm": d.feature_norm,
+                "features": d.features, "num_nodes": d.store.num_nodes}
+
+    def summary_info(self) -> dict[str, Any]:
+        """Inputs as resolved."""
+        return {"feature_norm": self.data.feature_norm, "features": self.data.features}
+
+
+def _metrics(task: Task, logits_of: Callable[[str], Tensor], y: Tensor, splits: dict[str, Tensor]) -> dict[str, float]:
+    """``<split>_<metric>`` for every split and metric, plus ``val_loss``."""
+    out: dict[str, float] = {}
+    for split, idx in splits.items():
+        logits = logits_of(split)
+        for name, value in task.metrics(logits, y[idx]).items():
+            out[f"{split}_{name}"] = value
+        if split == "val":
+            out["val_loss"] = float(task.loss(logits, y[idx]))
+    return out
+
+
+def evaluate_logits(task: Task, logits: Tensor, y: Tensor, splits: dict[str, Tensor]) -> dict[str, float]:
+    """Every split's metrics and ``val_loss`` from the logits of all nodes (full-batch and the sweep)."""
+    return _metrics(task, lambda s: logits[splits[s]], y, splits)
+
+
+@register_strategy("full")
+class FullBatch(GraphStrategy):
+    """Full-batch training: the loss over the training nodes of one forward pass over the whole graph.
+
+    A GCN/SAGE/GIN stack runs as a one-configuration :class:`~trellis.nn.batched.BatchedGNN`: the planner's
+    order per layer, the first layer's ``ÂX`` computed once and reused while the features are not dropped
+    out, and the fused epilogues. A configuration of a model-batched sweep runs through the same code, so
+    its solo run performs the same floating-point operations (Adam's and Adagrad's first steps turn
+    last-bit differences of tiny gradients into ``±lr`` updates). Other models run as they are.
+    """
+
+    _runner: tuple[nn.Module, Callable[..., Tensor]] | None = None
+
+    def forward(self, model: nn.Module) -> Tensor:
+        """The model's logits on the whole graph (through planner v2 where the family allows)."""
+        if self._runner is None or self._runner[0] is not model:
+            run: Callable[..., Tensor]
+            try:
+                family_of(model)
+            except TrellisUserError:
+                run = model
+            else:
+                batched = BatchedGNN([model])
+
+                def run(g: CSRGraph, x: Tensor) -> Tensor:
+                    batched.train(model.training)  # the wrapper follows the model's train/eval mode
+                    return batched(g, x)[0]
+            self._runner = (model, run)
+        return self._runner[1](self.data.graph, self.data.x)
+
+    def train_step(self, model: nn.Module, optimizer: Any, task: Task, epoch: int) -> Tensor:
+        """One forward, backward and optimizer step."""
+        d = self.data
+        assert d.y is not None
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        logits = self.forward(model)
+        idx = d.splits["train"]
+        loss = task.loss(logits[idx], d.y[idx])
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
+        """One forward pass without dropout scores every split."""
+        assert self.data.y is not None
+        model.eval()
+        return evaluate_logits(task, self.forward(model), self.data.y, self.data.splits)
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module) -> Tensor:
+        """Logits of every node."""
+        model.eval()
+        return self.forward(model)
+
+    def explain(self, model: nn.Module) -> str:
+        """Planner v2's plan (training step and evaluation pass) for GCN/SAGE/GIN; the model's own otherwise."""
+        try:
+            decl = model_decl(model, family_of(model))  # type: ignore[arg-type]
+        except TrellisUserError:
+            return super().explain(model)
+        stats = GraphStats.of(self.data.graph)
+        return (plan_model([decl], stats, training=True).format() + "\n\n"
+                + plan_model([decl], stats, training=False).format())

@@ -1,0 +1,209 @@
+"""Pre-propagation training (``--strategy pp``): SGC, SIGN and HOGA over a ``trellis preprocess`` cache.
+
+After preprocessing there is no graph left to train on, only dense rows, and the epoch time is dominated by
+data loading (PP-GNN §3.3), so this strategy owns a placement-chosen loader (:mod:`trellis.loader.pp`):
+rows from memory or from storage, chunk reshuffling, prefetching. Everything else — seeds, optimizers,
+``--init``, the task's loss and metrics, early stopping, checkpoints and ``--resume`` — is the trainer's,
+as for every strategy. Each epoch's shuffle follows ``(run seed, epoch)``, so a resumed run draws the
+batches it would have drawn.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from trellis.data.store import GraphStore, open_store
+from trellis.errors import TrellisUserError
+from trellis.loader.pp import Placement, PPData, plan_placement
+from trellis.loader.ppcache import PPCache, open_pp
+from trellis.nn.init import init_parameters
+from trellis.nn.pp_models import build_pp_model, hops_used
+from trellis.train.build import ModelFactory, ModelSpec
+from trellis.train.config import TrainConfig
+from trellis.train.strategy import Strategy, register_strategy
+from trellis.train.tasks import Task, resolve_task
+from trellis.utils.memory import proc_io
+
+#: Tasks a pre-propagated cache can train (its labels are one value per row).
+PP_TASKS = ("multiclass", "binary")
+
+
+def open_checked_cache(pp_dir: str, store: GraphStore) -> PPCache:
+    """The cache at ``pp_dir``, checked to be built from ``store`` (by content checksum)."""
+    cache = open_pp(pp_dir)
+    cache.check_store(store)
+    return cache
+
+
+def cache_placement(cache: PPCache, cfg: Any, device: torch.device) -> tuple[tuple[int, ...], Placement]:
+    """The hops the model reads and the loader placement for them under ``--memory-budget``."""
+    hops = hops_used(str(cfg.model), cache.hops)
+    placement = plan_placement(cache, hops, int(cfg.batch_size), loader=cfg.pp_loader, chunk_size=cfg.chunk_size,
+                               memory_budget=cfg.memory_budget, device=device)
+    return hops, placement
+
+
+def build_model_from_record(record: dict[str, Any]) -> nn.Module:
+    """A pre-propagation model with the widths recorded in its model file (weights not loaded)."""
+    return build_pp_model(record["model"], record["num_features"], record["hops"], record["out_dim"],
+                          **record["kwargs"])
+
+
+@torch.no_grad()
+def predict_pp(record: dict[str, Any], store: GraphStore, device: torch.device, batch_rows: int = 65536) -> Tensor:
+    """Logits ``[N, C]`` of every node of ``store`` from a saved pre-propagation model and its cache.
+
+    Raises:
+        TrellisUserError: The cache is gone, was built from another store, or keeps only split rows.
+    """
+    cache = open_checked_cache(record["pp_dir"], store)
+    if cache.split_rows_only:
+        raise TrellisUserError(
+            f"{cache.path}: built with --split-rows-only, so it holds only train/val/test rows; predicting every "
+            "node needs all rows: `trellis preprocess STORE --all-rows --out PP_DIR --overwrite`")
+    model = build_model_from_record(record)
+    model.load_state_dict(record["state_dict"])
+    model.to(device).eval()
+    arrays = [cache.hop(r) for r in hops_used(record["model"], cache.hops)]
+    rows = cache.rows
+    out = torch.empty((store.num_nodes, record["out_dim"]), dtype=torch.float32, device=device)
+    for a in range(0, cache.num_rows, batch_rows):
+        b = min(a + batch_rows, cache.num_rows)
+        x = torch.from_numpy(np.stack([arr[a:b] for arr in arrays], axis=1)).to(device)
+        out[torch.from_numpy(np.array(rows[a:b], dtype=np.int64)).to(device)] = model(x).float()
+    return out
+
+
+@register_strategy("pp")
+class PrePropagation(Strategy):
+    """Dense models over pre-propagated rows; evaluation scores the validation and test rows each epoch."""
+
+    eval_splits = ("val", "test")
+
+    def load(self) -> None:
+        """Open the store and its cache, choose the placement, and build the loaders."""
+        cfg = self.cfg
+        if cfg.task not in ("auto", *PP_TASKS):
+            raise TrellisUserError(f"--task {cfg.task}: --strategy pp trains {' or '.join(PP_TASKS)} node "
+                                   "classification (the cache keeps one label per row)")
+        self.store = open_store(str(cfg.store))
+        self.cache = cache = open_checked_cache(str(cfg.pp_dir), self.store)
+        if cache.y is None:
+            raise TrellisUserError(f"{self.store.path}: the store has no labels; --strategy pp needs them")
+        y = np.asarray(cache.y)
+        self.task = resolve_task(cfg.task, cache.task, y, cache.num_classes or int(np.max(y)) + 1)
+        if self.task.name not in PP_TASKS:
+            raise TrellisUserError(f"{self.store.path}: the pp strategy trains {' or '.join(PP_TASKS)} node "
+                                   f"classification; this store's task is {self.task.name!r}")
+        self.spec = ModelSpec(cache.num_features, self.task.num_outputs)
+        self.hops, self.placement = cache_placement(cache, cfg, self.device)
+        self._io0 = proc_io()
+        t0 = time.perf_counter()
+        self.data = PPData(cache, self.hops, self.placement, int(cfg.batch_size), seed=cfg.seed)
+        self.load_time_s = time.perf_counter() - t0
+
+    @property
+    def num_edges(self) -> int:
+        """Edges of the graph the cache was propagated over."""
+        return int(self.store.num_edges)
+
+    def banner(self) -> str:
+        """The placement decision, printed when the run starts."""
+        return self.placement.describe()
+
+    @staticmethod
+    def _model_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+        return {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "dropout": cfg.dropout,
+                **cfg.model_args}
+
+    def build_model(self, factory: ModelFactory) -> nn.Module:
+        """SGC/SIGN/HOGA for the cache's widths (the factory builds message-passing models only)."""
+        model = build_pp_model(str(self.cfg.model), self.cache.num_features, self.cache.hops, self.task.num_outputs,
+                               **self._model_kwargs(self.cfg))
+        return init_parameters(model, self.cfg.init)
+
+    def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
+        """What rebuilds the model for ``trellis predict``: widths, hops and the cache."""
+        return {"strategy": "pp", "num_features": self.cache.num_features, "hops": self.cache.hops,
+                "out_dim": self.task.num_outputs, "kwargs": self._model_kwargs(cfg), "task": self.task.name,
+                "pp_dir": str(self.cache.path), "feature_norm": "none", "features": "store",
+                "num_nodes": self.store.num_nodes}
+
+    def begin_run(self, seed: int) -> None:
+        """Shuffles of this run follow its seed."""
+        self.data.train.seed = seed
+
+    def train_step(self, model: nn.Module, optimizer: Any, task: Task, epoch: int) -> Tensor:
+        """One epoch over the training rows; returns the mean of the batches' losses."""
+        loader = self.data.train
+        loader.set_epoch(epoch)
+        model.train()
+        loss_sum = torch.zeros(())
+        n_batches = 0
+        for x, y in loader:
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss = task.loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach().cpu()
+            n_batches += 1
+        return torch.tensor(float(loss_sum) / max(1, n_batches), dtype=torch.float64)
+
+    def _split_logits(self, model: nn.Module, split: str) -> tuple[Tensor, Tensor]:
+        logits, labels = [], []
+        for x, y in self.data.iter_split(split):
+            assert y is not None
+            keep = y >= 0
+            logits.append(model(x.to(self.device, non_blocking=True))[keep.to(self.device)].float())
+            labels.append(y[keep].to(self.device))
+        if not logits:
+            raise TrellisUserError(f"{self.cache.path}: the {split} split has no rows; --strategy pp needs them")
+        return torch.cat(logits), torch.cat(labels)
+
+    @torch.inference_mode()
+    def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
+        """Validation and test metrics (and ``val_loss``) over the cache's split rows."""
+        model.eval()
+        out: dict[str, float] = {}
+        for split in self.eval_splits:
+            logits, y = self._split_logits(model, split)
+            for name, value in task.metrics(logits, y).items():
+                out[f"{split}_{name}"] = value
+            if split == "val":
+                out["val_loss"] = float(task.loss(logits, y))
+        return out
+
+    def predict(self, model: nn.Module) -> Tensor:
+        """Logits of every node from the cache (refused for a ``--split-rows-only`` cache)."""
+        return predict_pp({**self.model_record(self.cfg), "model": self.cfg.model, "state_dict": model.state_dict()},
+                          self.store, self.device)
+
+    def explain(self, model: nn.Module) -> str:
+        """The model, its parameter count and the placement decision."""
+        cache = self.cache
+        params = sum(p.numel() for p in model.parameters())
+        return (f"{self.cfg.model} over hops {list(self.hops)} of {cache.path} ({cache.num_features} features per "
+                f"hop, {self.task.num_outputs} outputs): {params:,} parameters; no graph work at training time "
+                f"(preprocessing took {cache.manifest.get('build', {}).get('seconds', float('nan')):.2f} s)\n"
+                + self.placement.describe())
+
+    def summary_info(self) -> dict[str, Any]:
+        """The cache, the placement and loader, load time and bytes read from storage."""
+        io1 = proc_io()
+        return {"pp_dir": str(self.cache.path), "operator": self.cache.manifest["settings"],
+                "hops_used": list(self.hops), "placement": self.placement.to_dict(),
+                "loader": self.data.train.describe(), "load_time_s": self.load_time_s,
+                "preprocess_seconds": self.cache.manifest.get("build", {}).get("seconds"),
+                "read_bytes": io1.get("read_bytes", 0) - self._io0.get("read_bytes", 0),
+                "feature_norm": "none", "features": "store"}
+
+    def close(self) -> None:
+        """Close the storage source's files."""
+        self.data.close()

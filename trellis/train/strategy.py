@@ -1,0 +1,159 @@
+"""The training-strategy interface and its registry: what one epoch, one evaluation and one prediction are.
+
+Why this seam: the trainer's loop (runs over seeds, early stopping, checkpoints, the run directory, timing
+and memory) is the same for every way of feeding a model, while *what is loaded* and *what a step is*
+differ: the whole graph in memory (``full``), sampled blocks or cluster subgraphs read from memory maps
+(``mini``, ``cluster``), pre-propagated rows (``pp``) — and next an out-of-core tiled engine and a
+distributed rank's partition. Each is a :class:`Strategy` subclass registered by name with
+:func:`register_strategy`; the CLI's ``--strategy`` choices are the registry's names, and a new strategy is
+one module in :mod:`trellis.train.strategies`.
+
+A strategy owns its data: :meth:`Strategy.load` opens the store (or cache, or partition) and keeps what
+it needs; nothing is loaded before the strategy exists.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from trellis.data.store import GraphStore
+from trellis.errors import TrellisUserError
+from trellis.train.build import ModelFactory, ModelSpec, build_run_model
+from trellis.train.config import TrainConfig
+from trellis.train.tasks import Task
+
+
+class Strategy(ABC):
+    """One way of training: loads its data, trains an epoch, evaluates, predicts, saves its own state.
+
+    Lifecycle (driven by :class:`trellis.train.trainer.Trainer`): ``load()`` once; per run
+    ``build_model()``, ``begin_run(seed)``, then per epoch ``train_step()`` and ``evaluate()``;
+    ``close()`` at the end. Between epochs :meth:`state_dict` / :meth:`load_state_dict` carry whatever
+    the strategy itself must restore for an exact ``--resume`` (the RNGs are the trainer's).
+
+    Args:
+        cfg: The run's configuration.
+        device: Where the model trains.
+
+    Attributes (set by :meth:`load`):
+        store: The graph store.
+        task: The prediction task (labels, loss, metrics).
+        spec: Widths the model is built from.
+        feature_norm: The resolved ``--feature-norm``.
+    """
+
+    #: ``--strategy`` name (set by :func:`register_strategy`).
+    name: ClassVar[str] = ""
+    #: Splits :meth:`evaluate` scores each epoch (the summary reports these).
+    eval_splits: ClassVar[tuple[str, ...]] = ("train", "val", "test")
+
+    store: GraphStore
+    task: Task
+    spec: ModelSpec
+    feature_norm: str = "none"
+
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+
+    # ---- data -----------------------------------------------------------------------------------
+    @abstractmethod
+    def load(self) -> None:
+        """Open the store and load what this strategy trains on; refuse bad input with a user error."""
+
+    @property
+    def checksum(self) -> str:
+        """Content checksum of what the run trains on (a resumed run must find the same)."""
+        return str(self.store.checksum)
+
+    @property
+    def num_edges(self) -> int:
+        """Edges of the graph (for the summary)."""
+        return int(self.store.num_edges)
+
+    def banner(self) -> str:
+        """A line the trainer prints once the data is loaded (e.g. a placement decision); empty for none."""
+        return ""
+
+    # ---- the model ------------------------------------------------------------------------------
+    def build_model(self, factory: ModelFactory) -> nn.Module:
+        """This run's model (the trainer has just seeded every RNG with the run's seed)."""
+        return build_run_model(self.cfg, self.spec, factory)
+
+    def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
+        """What ``models/run-N.pt`` of a run of ``cfg`` records beside the weights (for ``trellis predict``).
+
+        ``cfg`` rather than the strategy's own: a sweep saves many configurations over one strategy's data.
+        """
+        return {}
+
+    # ---- training -------------------------------------------------------------------------------
+    def begin_run(self, seed: int) -> None:  # noqa: B027 - optional hook
+        """A run with ``seed`` starts (or resumes): reset per-run data state."""
+
+    @abstractmethod
+    def train_step(self, model: nn.Module, optimizer: Any, task: Task, epoch: int) -> Tensor:
+        """Train one epoch; returns its training loss (a 0-d tensor, not synchronized)."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
+        """``<split>_<metric>`` for :attr:`eval_splits` and every metric of the task, plus ``val_loss``."""
+
+    def predict(self, model: nn.Module) -> Tensor:
+        """Logits of every node (``trellis predict``); strategies that cannot say so."""
+        raise TrellisUserError(f"--strategy {self.name} cannot predict every node")
+
+    def explain(self, model: nn.Module) -> str:
+        """The plan ``--explain`` prints for this strategy and model."""
+        explain = getattr(model, "explain", None)
+        if explain is None:
+            return f"{self.cfg.model}: this model does not describe its plan"
+        return str(explain(self.explain_graph()))
+
+    def explain_graph(self) -> Any:
+        """The graph a model's own ``explain`` describes its plan on."""
+        raise TrellisUserError(f"--strategy {self.name}: --explain is not available")
+
+    # ---- state, summary, teardown -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own resumable state (RNGs excluded: the trainer saves those)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Restore :meth:`state_dict`."""
+
+    def summary_info(self) -> dict[str, Any]:
+        """Fields only this strategy reports in ``summary.json``."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release files and threads."""
+
+
+#: ``--strategy`` name -> class.
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(name: str) -> Any:
+    """Class decorator that registers a :class:`Strategy` under ``name``."""
+
+    def deco(cls: type[Strategy]) -> type[Strategy]:
+        if name in STRATEGIES:
+            raise ValueError(f"strategy {name!r} registered twice")
+        cls.name = name
+        STRATEGIES[name] = cls
+        return cls
+
+    return deco
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The registered strategy ``name``; a user error listing the registered ones otherwise."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise TrellisUserError(f"unknown --strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
