@@ -30,21 +30,23 @@ chunk size is given) and otherwise reads chunks from storage, and says why.
 
 from __future__ import annotations
 
+import math
 import os
-import queue
 import re
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from trellis.errors import TrellisUserError
+from trellis.loader.features import FeatureSource, expand_ranges, np_int64
 from trellis.loader.ppcache import PPCache
+from trellis.loader.source import iter_epoch
 
 #: ``--loader`` choices (``auto`` resolves to one of the others through :func:`plan_placement`).
 LOADERS = ("auto", "naive", "naive-batch", "index", "prefetch", "chunk", "storage")
@@ -108,20 +110,12 @@ def _preadv_all(fd: int, dst: np.ndarray, offset: int) -> None:
         done += got
 
 
-def expand_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """Concatenate ``arange(s, e)`` for each pair, vectorized."""
-    lens = stops - starts
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    offs = np.cumsum(lens) - lens
-    return np.repeat(starts - offs, lens) + np.arange(total, dtype=np.int64)
+class RowSource(FeatureSource):
+    """Rows ``[a, b)`` of some hops of a cache: a feature source whose rows are hop stacks ``(H, F)``.
 
-
-class RowSource(ABC):
-    """Rows ``[a, b)`` of some hops of a cache, read into hop-major ``[H, n, F]`` tensors.
-
-    Row ids passed to the methods are relative to ``a``.
+    Rows are assembled hop-major (``[H, n, F]``, the file layout, so a chunk read is one ``preadv`` per
+    hop straight into place) and returned as the ``[n, H, F]`` view. Row ids passed to the methods are
+    relative to ``a``. Subclasses implement the hop-major :meth:`_gather` and :meth:`_read_ranges`.
     """
 
     def __init__(self, cache: PPCache, hops: Sequence[int], row_range: tuple[int, int]) -> None:
@@ -132,39 +126,50 @@ class RowSource(ABC):
                 raise TrellisUserError(f"hop {h} is not in the cache {cache.path} (hops 0..{cache.hops})")
         self.a, self.b = int(row_range[0]), int(row_range[1])
         self.num_rows = self.b - self.a
-        self.num_features = cache.num_features
+        self.dim = cache.num_features
+        self.dtype = torch.float32
         y = cache.y
         self.y: torch.Tensor | None = None if y is None else torch.from_numpy(np.array(y[self.a:self.b]))
 
     @property
-    def row_shape(self) -> tuple[int, int]:
-        return len(self.hops), self.num_features
+    def num_features(self) -> int:
+        """Features per hop (``dim``)."""
+        return self.dim
 
-    def new_buffer(self, rows: int) -> torch.Tensor:
-        """A flat float32 buffer for ``rows`` rows of every hop (viewed per batch)."""
-        return torch.empty(len(self.hops) * rows * self.num_features, dtype=torch.float32)
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """``(hops, features)``."""
+        return len(self.hops), self.dim
 
     def _view(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        return buf[: len(self.hops) * n * self.num_features].view(len(self.hops), n, self.num_features)
+        return buf[: len(self.hops) * n * self.dim].view(len(self.hops), n, self.dim)
+
+    def gather(self, ids: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` (any order) as ``[n, H, F]`` (a view of the hop-major ``out``)."""
+        idx = np_int64(ids)
+        return self._gather(idx, self.new_buffer(idx.shape[0]) if out is None else out).transpose(0, 1)
+
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the ranges ``[starts[i], stops[i])`` in order, as ``[n, H, F]`` (``out`` may be unused)."""
+        return self._read_ranges(starts, stops, out).transpose(0, 1)
 
     @abstractmethod
-    def gather(self, idx: np.ndarray, buf: torch.Tensor) -> torch.Tensor:
-        """Rows ``idx`` (any order) as ``[H, n, F]`` in ``buf``."""
+    def _gather(self, idx: np.ndarray, buf: torch.Tensor) -> torch.Tensor:
+        """Rows ``idx`` as hop-major ``[H, n, F]`` in ``buf``."""
 
     @abstractmethod
-    def read_ranges(self, starts: np.ndarray, stops: np.ndarray, buf: torch.Tensor | None) -> torch.Tensor:
-        """Rows of the ranges ``[starts[i], stops[i])`` in order, as ``[H, n, F]`` (``buf`` may be unused)."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook: only storage sources hold files
-        """Release files and threads."""
+    def _read_ranges(self, starts: np.ndarray, stops: np.ndarray, buf: torch.Tensor | None) -> torch.Tensor:
+        """Rows of the ranges as hop-major ``[H, n, F]`` (in ``buf``, or a view when no copy is needed)."""
 
 
 class MemorySource(RowSource):
     """The rows loaded once into one hop-major tensor ``[H, n, F]``.
 
     Loading reads each hop with ``preadv`` into its slab (no memory map left behind, so RSS is the
-    data itself).
+    data itself). A single range is returned as a view of the data, without a copy.
     """
+
+    range_views = True
 
     def __init__(self, cache: PPCache, hops: Sequence[int], row_range: tuple[int, int]) -> None:
         super().__init__(cache, hops, row_range)
@@ -183,16 +188,16 @@ class MemorySource(RowSource):
             finally:
                 os.close(fd)
 
-    def gather(self, idx: np.ndarray, buf: torch.Tensor) -> torch.Tensor:
+    def _gather(self, idx: np.ndarray, buf: torch.Tensor) -> torch.Tensor:
         out = self._view(buf, idx.shape[0])
         torch.index_select(self.data, 1, torch.from_numpy(idx), out=out)
         return out
 
-    def read_ranges(self, starts: np.ndarray, stops: np.ndarray, buf: torch.Tensor | None) -> torch.Tensor:
+    def _read_ranges(self, starts: np.ndarray, stops: np.ndarray, buf: torch.Tensor | None) -> torch.Tensor:
         if starts.shape[0] == 1:  # one contiguous chunk: a view, no copy
             return self.data[:, int(starts[0]):int(stops[0])]
-        assert buf is not None
-        return self.gather(expand_ranges(starts, stops), buf)
+        idx = expand_ranges(starts, stops)
+        return self._gather(idx, self.new_buffer(idx.shape[0]) if buf is None else buf)
 
 
 class StorageSource(RowSource):
@@ -215,6 +220,8 @@ class StorageSource(RowSource):
         min_read_bytes: Chunks smaller than this are gathered through the memory map (default: 64 KiB).
     """
 
+    on_storage = True
+
     def __init__(self, cache: PPCache, hops: Sequence[int], row_range: tuple[int, int], *,
                  io_threads: int = 8, piece_bytes: int = 1 << 20, min_read_bytes: int = _MIN_READ_BYTES) -> None:
         super().__init__(cache, hops, row_range)
@@ -235,7 +242,7 @@ class StorageSource(RowSource):
             for fut in [self.pool.submit(fn, k) for k in range(len(self.hops))]:
                 fut.result()
 
-    def gather(self, idx: np.ndarray, buf: torch.Tensor) -> torch.Tensor:
+    def _gather(self, idx: np.ndarray, buf: torch.Tensor) -> torch.Tensor:
         out = self._view(buf, idx.shape[0])
         arr = out.numpy()
 
@@ -246,12 +253,13 @@ class StorageSource(RowSource):
         self._per_hop(one)
         return out
 
-    def read_ranges(self, starts: np.ndarray, stops: np.ndarray, buf: torch.Tensor | None) -> torch.Tensor:
-        assert buf is not None
+    def _read_ranges(self, starts: np.ndarray, stops: np.ndarray, buf: torch.Tensor | None) -> torch.Tensor:
         lens = stops - starts
         n = int(lens.sum())
+        if buf is None:
+            buf = self.new_buffer(n)
         if n and int(lens.max()) * self.row_bytes < self.min_read_bytes and starts.shape[0] > 1:
-            return self.gather(expand_ranges(starts, stops), buf)
+            return self._gather(expand_ranges(starts, stops), buf)
         out = self._view(buf, n)
         arr = out.numpy()
         rb, step = self.row_bytes, self.piece_rows
@@ -278,6 +286,7 @@ class StorageSource(RowSource):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
+        """Stop the reader threads and close the hop files."""
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
@@ -308,13 +317,43 @@ def epoch_batches(n: int, batch_size: int, chunk_size: int, *, shuffle: bool,
     return [order[i:i + k] for i in range(0, n_chunks, k)]
 
 
-_END = object()
+@dataclass
+class RowPlan:
+    """One epoch of a :class:`PPLoader`: the chunk ids of each batch.
+
+    Attributes:
+        batches: Chunk ids of each batch (row ids when ``chunk_size == 1``).
+        epoch: The epoch seed the shuffle was drawn from.
+    """
+
+    batches: list[np.ndarray]
+    epoch: int
+
+    def __len__(self) -> int:
+        """Number of batches."""
+        return len(self.batches)
+
+
+class RowBatch(NamedTuple):
+    """One batch of pre-propagated rows (unpacks as ``x, y``).
+
+    Attributes:
+        x: ``[B, H, F]`` hop stacks (a view of a hop-major buffer).
+        y: Labels of the rows, or None.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor | None
 
 
 class PPLoader:
     """Index, prefetch, chunk and storage modes over a :class:`RowSource` (see the module docstring).
 
-    The tensors of a batch stay valid until the next batch is requested (their buffer is then reused).
+    A :class:`~trellis.loader.source.BatchSource` of :class:`RowBatch`: ``plan(epoch_seed)`` shuffles the
+    chunks, ``get(plan, i)`` assembles batch ``i``; iterating the loader runs the epoch chosen by
+    :meth:`set_epoch` through :func:`~trellis.loader.source.iter_epoch`, one batch ahead when
+    prefetching. The tensors of a batch stay valid until the next batch is requested (their buffer is
+    then reused: batch ``i`` fills buffer ``i % 2`` when prefetching, the one buffer otherwise).
 
     Args:
         source: Where rows come from.
@@ -353,8 +392,10 @@ class PPLoader:
         k = max(1, self.batch_size // self.chunk_size)
         self._buf_rows = min(k * self.chunk_size, max(1, self.num_rows))
         self._buffers: list[torch.Tensor] = buffers if buffers is not None else []
+        self._buffer_lock = threading.Lock()
 
     def __len__(self) -> int:
+        """Batches per epoch."""
         n_chunks = -(-self.num_rows // self.chunk_size)
         per_batch = max(1, self.batch_size // self.chunk_size)
         return -(-n_chunks // per_batch)
@@ -364,18 +405,19 @@ class PPLoader:
         self.epoch = int(epoch)
 
     def _buffer(self, i: int) -> torch.Tensor:
-        need = len(self.source.hops) * self._buf_rows * self.source.num_features
-        while len(self._buffers) <= i:
-            self._buffers.append(self.source.new_buffer(self._buf_rows))
-        if self._buffers[i].numel() < need:
-            self._buffers[i] = self.source.new_buffer(self._buf_rows)
-        return self._buffers[i]
+        need = math.prod(self.source.row_shape) * self._buf_rows
+        with self._buffer_lock:
+            while len(self._buffers) <= i:
+                self._buffers.append(self.source.new_buffer(self._buf_rows))
+            if self._buffers[i].numel() < need:
+                self._buffers[i] = self.source.new_buffer(self._buf_rows)
+            return self._buffers[i]
 
-    def _assemble(self, chunk_ids: np.ndarray, buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _assemble(self, chunk_ids: np.ndarray, buf: torch.Tensor | None) -> RowBatch:
         c, lo, y = self.chunk_size, self.lo, self.source.y
         if c == 1:
             idx = chunk_ids.astype(np.int64) + lo
-            if isinstance(self.source, StorageSource):
+            if self.source.on_storage:
                 idx.sort()  # the batch is a set: read it in file order
             assert buf is not None
             x = self.source.gather(idx, buf)
@@ -391,66 +433,26 @@ class PPLoader:
                 yb = y[int(starts[0]):int(stops[0])]
             else:
                 yb = y[torch.from_numpy(expand_ranges(starts, stops))]
-        return x.transpose(0, 1), yb
+        return RowBatch(x, yb)
 
     def _needs_buffer(self, chunk_ids: np.ndarray) -> bool:
-        return self.chunk_size == 1 or chunk_ids.shape[0] > 1 or not isinstance(self.source, MemorySource)
+        return self.chunk_size == 1 or chunk_ids.shape[0] > 1 or not self.source.range_views
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        rng = np.random.default_rng([self.seed, self.epoch]) if self.shuffle else None
-        plan = epoch_batches(self.num_rows, self.batch_size, self.chunk_size, shuffle=self.shuffle, rng=rng)
-        if not self.prefetch:
-            for ids in plan:
-                yield self._assemble(ids, self._buffer(0) if self._needs_buffer(ids) else None)
-            return
-        yield from self._prefetched(plan)
+    def plan(self, epoch_seed: int) -> RowPlan:
+        """The chunks of each batch of the epoch seeded by ``epoch_seed`` (``default_rng([seed, epoch_seed])``)."""
+        rng = np.random.default_rng([self.seed, epoch_seed]) if self.shuffle else None
+        return RowPlan(epoch_batches(self.num_rows, self.batch_size, self.chunk_size, shuffle=self.shuffle, rng=rng),
+                       epoch_seed)
 
-    def _prefetched(self, plan: list[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        free: queue.Queue[int] = queue.Queue()
-        for i in range(2):
-            self._buffer(i)
-            free.put(i)
-        ready: queue.Queue[Any] = queue.Queue()
-        stop = threading.Event()
+    def get(self, plan: RowPlan, i: int) -> RowBatch:
+        """Assemble batch ``i`` of ``plan`` into buffer ``i % 2`` (prefetching) or the one buffer."""
+        ids = plan.batches[i]
+        return self._assemble(ids, self._buffer(i % (2 if self.prefetch else 1)) if self._needs_buffer(ids) else None)
 
-        def produce() -> None:
-            try:
-                for ids in plan:
-                    slot = None
-                    if self._needs_buffer(ids):
-                        while slot is None:
-                            if stop.is_set():
-                                return
-                            try:
-                                slot = free.get(timeout=0.05)
-                            except queue.Empty:
-                                continue
-                    if stop.is_set():
-                        return
-                    x, yb = self._assemble(ids, None if slot is None else self._buffers[slot])
-                    ready.put((slot, x, yb))
-                ready.put(_END)
-            except BaseException as exc:  # handed to the consumer, which re-raises it
-                ready.put(exc)
-
-        worker = threading.Thread(target=produce, name="trellis-pp-prefetch", daemon=True)
-        worker.start()
-        held: int | None = None
-        try:
-            while True:
-                if held is not None:  # the consumer is done with the previous batch: recycle its buffer
-                    free.put(held)
-                    held = None
-                item = ready.get()
-                if item is _END:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                held, x, yb = item
-                yield x, yb
-        finally:
-            stop.set()
-            worker.join(timeout=10)
+    def __iter__(self) -> Iterator[RowBatch]:
+        """The batches of the epoch set by :meth:`set_epoch`, one prepared ahead when prefetching."""
+        with iter_epoch(self, self.epoch, prefetch=1 if self.prefetch else 0) as batches:
+            yield from batches
 
     def describe(self) -> str:
         """One line naming the mode."""
@@ -698,7 +700,7 @@ class PPData:
         if rng[1] <= rng[0]:
             return iter(())
         loader = PPLoader(self.source, self.eval_batch_size, chunk_size=self.eval_batch_size, shuffle=False,
-                          prefetch=isinstance(self.source, StorageSource), row_range=rng, name="eval",
+                          prefetch=self.source.on_storage, row_range=rng, name="eval",
                           buffers=self._eval_buffers)
         return iter(loader)
 
