@@ -17,8 +17,6 @@ import inspect
 import json
 import math
 import os
-import secrets
-import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +24,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from trellis.data.store import GraphStore, check_output
+from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
+from trellis.partition.hashing import grid_edge_parts
+from trellis.partition.memory import PeakMemory
+from trellis.utils.atomic import MANIFEST, atomic_dir, check_output
+from trellis.utils.atomic import replace_dir as replace_dir  # re-exported: the layout writer uses it
+from trellis.utils.atomic import temp_sibling as temp_sibling  # re-exported
 
 #: Where edges live. ``dst``: with their destination's part (a part holds its nodes' in-edges; METIS,
 #: GREM, LDG/Fennel, random, hash by destination). ``src``: with their source's part (hash by source,
@@ -97,8 +100,6 @@ class PartitionBook:
             return self.node_parts[dst]
         if self.ownership in ("src", "reverse"):
             return self.node_parts[src]
-        from trellis.partition.vertex_cut import grid_edge_parts
-
         rows, cols = self.params["grid"]
         return grid_edge_parts(src, dst, rows, cols, int(self.params.get("seed", 0)))
 
@@ -110,14 +111,8 @@ class PartitionBook:
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write ``node_parts.npy`` and ``book.json`` into directory ``path`` atomically (temp dir + rename)."""
         out = Path(path)
-        check_out_dir(out, overwrite=overwrite)
-        tmp = temp_sibling(out)
-        try:
+        with atomic_dir(out, overwrite=overwrite, owned=is_partition_output, what=_WHAT) as tmp:
             self.write_into(tmp)
-            replace_dir(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return out
 
     def write_into(self, directory: Path) -> list[str]:
@@ -143,39 +138,22 @@ class PartitionBook:
                    dict(meta.get("params", {})), dict(meta.get("stats", {})))
 
 
+_WHAT = "Trellis store or partition directory"
+
+
+def is_partition_output(path: Path) -> bool:
+    """Whether ``path`` is a directory ``trellis partition`` may replace: a layout (or store) or a saved book."""
+    return (path / MANIFEST).is_file() or (path / BOOK_FILE).is_file()
+
+
 def check_out_dir(out: str | os.PathLike[str], *, overwrite: bool = False) -> None:
     """Refuse an existing output unless ``overwrite``, and even then only replace a partition directory.
 
-    Like :func:`trellis.data.store.check_output` (which also accepts a store), but a directory saved by
-    :meth:`PartitionBook.save` has ``book.json`` and no manifest, so it counts as replaceable too: a
-    mistyped ``--out ~/data --overwrite`` must still not delete the user's files.
+    :func:`trellis.utils.atomic.check_output` with a directory saved by :meth:`PartitionBook.save`
+    (``book.json``, no manifest) counted as replaceable too: a mistyped ``--out ~/data --overwrite`` must
+    still not delete the user's files.
     """
-    out = Path(out)
-    if out.is_dir() and not out.is_symlink() and overwrite and (out / BOOK_FILE).is_file():
-        return
-    check_output(out, overwrite=overwrite)
-
-
-def temp_sibling(out: Path) -> Path:
-    """Create and return an empty temporary directory beside ``out`` (same file system, so rename works).
-
-    A plain ``mkdir`` rather than ``mkdtemp``: the renamed result keeps the umask's mode, not 0700.
-    """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    return tmp
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Rename a finished temp directory onto ``out``, replacing an old one only after the new one is whole."""
-    if out.exists():
-        trash = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, trash)
-        os.rename(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+    check_output(out, overwrite=overwrite, owned=is_partition_output, what=_WHAT)
 
 
 def _json_default(obj: Any) -> Any:
@@ -296,8 +274,6 @@ def partition_graph(store: GraphStore, method: str, num_parts: int, *, measure: 
             and the kernel's peak RSS are recorded.
         **options: Method options (``seed``, ``imbalance``, ``chunk_frac``, ...).
     """
-    from trellis.partition.memory import PeakMemory
-
     partitioner = create_partitioner(method, num_parts, **options)
     partitioner.check_store(store)
     with PeakMemory(sample=measure) as mem:

@@ -18,14 +18,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import numba
 import numpy as np
+
+from trellis.utils.numba import njit
 
 #: Default upper bound on a block's size for the shuffled stream.
 MAX_BLOCK_EDGES = 4096
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _fill_range(indptr: np.ndarray, indices: np.ndarray, e0: int, e1: int, src: np.ndarray,
                 dst: np.ndarray, eid: np.ndarray, at: int) -> int:
     """Write edges ``[e0, e1)`` into ``src/dst/eid`` from ``at`` (``eid`` of length 0: not wanted)."""
@@ -51,7 +52,7 @@ def _fill_range(indptr: np.ndarray, indices: np.ndarray, e0: int, e1: int, src: 
     return at
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _gather_blocks(indptr: np.ndarray, indices: np.ndarray, blocks: np.ndarray, block_edges: int,
                    num_edges: int, src: np.ndarray, dst: np.ndarray, eid: np.ndarray) -> int:
     at = 0
@@ -62,7 +63,7 @@ def _gather_blocks(indptr: np.ndarray, indices: np.ndarray, blocks: np.ndarray, 
     return at
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _gather_rows(indptr: np.ndarray, nodes: np.ndarray, start_node: int, start_off: int, limit: int,
                  out: np.ndarray, rows: np.ndarray) -> tuple[int, int, int]:
     """Copy up to ``limit`` edge positions of the rows of ``nodes`` from ``(start_node, start_off)``.

@@ -46,7 +46,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numba
 import numpy as np
 from tqdm import tqdm
 
@@ -56,6 +55,7 @@ from trellis.partition.base import Partitioner, register
 from trellis.partition.edges import default_block_edges, num_shuffled_chunks, shuffled_chunks
 from trellis.partition.metis import run_metis
 from trellis.partition.streaming import FENNEL, FENNEL_GAMMA, LDG, greedy_score
+from trellis.utils.numba import njit
 
 SEED_METHODS = ("metis", "ldg", "fennel")
 #: Bisections METIS computes for the seed step, keeping the best (its ``ncuts``). A sparse first chunk can
@@ -65,7 +65,7 @@ SEED_METIS_TRIES = 2
 DEFAULT_CHUNK_FRAC = 0.1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _chunk_graph(src: np.ndarray, dst: np.ndarray, part: np.ndarray, grp_of_lo: np.ndarray, loc: np.ndarray,
                  nodes: np.ndarray, cgrp: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray) -> tuple[int, int]:
     """Symmetric CSR over the chunk's nodes (first-appearance order) of its intra-group edges.
@@ -130,7 +130,7 @@ def _chunk_graph(src: np.ndarray, dst: np.ndarray, part: np.ndarray, grp_of_lo: 
     return n, kept
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _group_core(members: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray, lmap: np.ndarray,
                 seen_row: np.ndarray, seen_pos: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -212,7 +212,7 @@ def _group_core(members: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray, lmap
     return core, xadj, adjncy, wgt, vwgt, anchor
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _fix_sides(n: int, nodes: np.ndarray, cgrp: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray,
                side: np.ndarray, sizes: np.ndarray, caps: np.ndarray) -> None:
     """Move chunk nodes off any side above its cap (those with most neighbours across go first)."""
@@ -237,7 +237,7 @@ def _fix_sides(n: int, nodes: np.ndarray, cgrp: np.ndarray, cindptr: np.ndarray,
             return
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def _choose(c0: float, c1: float, s0: int, s1: int, cap0: int, cap1: int, k0: int, k1: int, old: int) -> int:
     """Alg. 2 ``assign``: the side with more neighbours if it has room; otherwise stay, or the emptier side."""
     room0 = old == 0 or s0 < cap0
@@ -255,7 +255,7 @@ def _choose(c0: float, c1: float, s0: int, s1: int, cap0: int, cap1: int, k0: in
     return 0 if s0 * k1 <= s1 * k0 else 1  # s0/k0 <= s1/k1: relatively emptier side
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _grem_chunk(n: int, nodes: np.ndarray, cgrp: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray,
                 cside: np.ndarray, side: np.ndarray, counts: np.ndarray, sizes: np.ndarray, caps: np.ndarray,
                 kw: np.ndarray, refine: bool) -> int:
@@ -299,7 +299,7 @@ def _grem_chunk(n: int, nodes: np.ndarray, cgrp: np.ndarray, cindptr: np.ndarray
     return moved
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _bfs_order(n: int, cindptr: np.ndarray, cadj: np.ndarray, order: np.ndarray) -> None:
     """Breadth-first order of the chunk graph, restarting at the next unvisited node in stream order."""
     seen = np.zeros(n, dtype=np.bool_)
@@ -322,7 +322,7 @@ def _bfs_order(n: int, cindptr: np.ndarray, cadj: np.ndarray, order: np.ndarray)
                     tail += 1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _seed_greedy(order: np.ndarray, nodes: np.ndarray, cgrp: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray,
                  side: np.ndarray, sizes: np.ndarray, caps: np.ndarray, kw: np.ndarray, mode: int,
                  alphas: np.ndarray, gamma: float) -> None:
@@ -357,7 +357,7 @@ def _seed_greedy(order: np.ndarray, nodes: np.ndarray, cgrp: np.ndarray, cindptr
         sizes[g, best] += 1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _count_chunk(n: int, nodes: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray, side: np.ndarray,
                  counts: np.ndarray) -> None:
     """Alg. 2 ``cnt_nbrs`` for every chunk node: neighbours per side in this chunk."""
@@ -374,7 +374,7 @@ def _count_chunk(n: int, nodes: np.ndarray, cindptr: np.ndarray, cadj: np.ndarra
         counts[nodes[i], 1] = c1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _finish_level(part: np.ndarray, grp_of_lo: np.ndarray, side: np.ndarray, sizes: np.ndarray,
                   caps: np.ndarray, kw: np.ndarray) -> int:
     """Place nodes no edge reached (emptier side with room), then move side-1 nodes to the upper range."""

@@ -16,25 +16,8 @@ import numpy as np
 
 from trellis.data.store import GraphStore
 from trellis.partition.base import Partitioner, register
-
-_NODE_CHUNK = 1 << 22
-
-
-def mix64(x: np.ndarray, seed: int) -> np.ndarray:
-    """SplitMix64 finaliser of ``x + seed``: a fast, well-mixed ``uint64`` hash of integer ids."""
-    z = np.asarray(x).astype(np.uint64) + np.uint64((int(seed) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def hash_parts(num_nodes: int, num_parts: int, seed: int) -> np.ndarray:
-    """``int32 [N]``: ``mix64(v, seed) mod P`` for every node id, computed in chunks."""
-    out = np.empty(num_nodes, dtype=np.int32)
-    for a in range(0, num_nodes, _NODE_CHUNK):
-        b = min(a + _NODE_CHUNK, num_nodes)
-        out[a:b] = (mix64(np.arange(a, b, dtype=np.uint64), seed) % np.uint64(num_parts)).astype(np.int32)
-    return out
+from trellis.partition.hashing import hash_parts as hash_parts  # re-exported
+from trellis.partition.hashing import mix64 as mix64  # re-exported
 
 
 @register("random")

@@ -6,7 +6,8 @@ count in the process's RSS although they belong to the page cache and can be dro
 figure a memory budget is about. Linux reports the peak of total RSS (``VmHWM``, resettable through
 ``/proc/self/clear_refs``) but not the peak of ``RssAnon``; that one is sampled. The sampler is a separate
 process reading ``/proc/PID/status``: a thread would not run while a numba kernel or METIS holds the GIL,
-and would miss exactly the peaks that matter.
+and would miss exactly the peaks that matter. (The training loop's sampler,
+:class:`trellis.utils.memory.PeakMemory`, is a thread: its steps are PyTorch ops that release the GIL.)
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from trellis.utils.memory import proc_status
 
 _SAMPLER = r"""
 import sys, time
@@ -44,20 +47,6 @@ while True:
         break
 print(peak_anon, peak_rss, flush=True)
 """
-
-
-def read_status_kb(pid: int | str = "self") -> dict[str, int]:
-    """Memory fields of ``/proc/PID/status`` in KiB (``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile``)."""
-    out: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                    out[key] = int(rest.split()[0])
-    except OSError:  # not Linux: report nothing rather than fail a partitioning run
-        pass
-    return out
 
 
 def reset_peak_rss() -> bool:
@@ -114,7 +103,7 @@ class PeakMemory:
 
     def __enter__(self) -> PeakMemory:
         reset_peak_rss()
-        self.report.base_rss_anon_mb = read_status_kb().get("RssAnon", 0) / 1024
+        self.report.base_rss_anon_mb = proc_status().get("RssAnon", 0) / 2**20
         if self.sample:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _SAMPLER, str(os.getpid()), str(self.interval)],
@@ -127,9 +116,9 @@ class PeakMemory:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.report.time_s = time.perf_counter() - self._t0
-        status = read_status_kb()
-        peak_anon_kb = status.get("RssAnon", 0)
-        peak_rss_kb = status.get("VmHWM", status.get("VmRSS", 0))
+        status = proc_status()
+        peak_anon_kb = status.get("RssAnon", 0) // 1024
+        peak_rss_kb = status.get("VmHWM", status.get("VmRSS", 0)) // 1024
         if self._proc is not None:
             try:
                 out, _ = self._proc.communicate(input="stop\n", timeout=10)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 import pymetis
 
 from trellis.data.store import GraphStore
 from trellis.partition.base import Partitioner, register
+from trellis.utils.numba import njit
 
 
 def symmetric_adjacency(indptr: np.ndarray, indices: np.ndarray, num_nodes: int
@@ -60,7 +60,7 @@ def run_metis(xadj: np.ndarray, adjncy: np.ndarray, weights: np.ndarray | None, 
     return np.asarray(membership, dtype=np.int32)
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _enforce_cap(xadj: np.ndarray, adjncy: np.ndarray, parts: np.ndarray, caps: np.ndarray,
                  order: np.ndarray) -> int:
     num_parts = caps.shape[0]

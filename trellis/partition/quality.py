@@ -32,19 +32,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numba
 import numpy as np
 
 from trellis.data.store import GraphStore
 from trellis.partition.base import PartitionBook
 from trellis.partition.edges import edge_ranges
+from trellis.utils.numba import njit
 
 #: Edges per chunk of the evaluation pass.
 DEFAULT_CHUNK_EDGES = 1 << 20
 FLOAT_BYTES = 4
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def mark_parts(nodes: np.ndarray, at_parts: np.ndarray, owner: np.ndarray, mask: np.ndarray) -> None:
     """Set bit ``at_parts[k]`` of ``mask[nodes[k]]`` when that part is not the node's owner."""
     for k in range(nodes.shape[0]):
@@ -54,7 +54,7 @@ def mark_parts(nodes: np.ndarray, at_parts: np.ndarray, owner: np.ndarray, mask:
             mask[v, p >> 6] |= np.uint64(1) << np.uint64(p & 63)
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def count_parts(mask: np.ndarray, num_parts: int) -> np.ndarray:
     """``int64 [P]``: how many nodes have bit ``p`` set (halo size of each part)."""
     out = np.zeros(num_parts, dtype=np.int64)

@@ -21,17 +21,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numba
 import numpy as np
 
 from trellis.data.store import GraphStore
 from trellis.partition.base import Partitioner, register
+from trellis.utils.numba import njit
 
 LDG, FENNEL = 0, 1
 FENNEL_GAMMA = 1.5
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
 def greedy_score(mode: int, count: float, size: float, cap: float, alpha: float, gamma: float) -> float:
     """LDG or Fennel score of placing a node with ``count`` neighbours in a part of ``size`` nodes."""
     if mode == LDG:
@@ -39,7 +39,7 @@ def greedy_score(mode: int, count: float, size: float, cap: float, alpha: float,
     return count - alpha * gamma * size ** (gamma - 1.0)
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _stream_assign(indptr: np.ndarray, indices: np.ndarray, rindptr: np.ndarray, rindices: np.ndarray,
                    order: np.ndarray, num_parts: int, cap: int, mode: int, alpha: float, gamma: float,
                    parts: np.ndarray) -> None:
