@@ -22,12 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-try:
-    from numba import njit, prange
-
-    WITH_NUMBA = True
-except ImportError:  # pragma: no cover - numba is a dependency; the fallback keeps the op usable
-    WITH_NUMBA = False
+from trellis.utils.numba import WITH_NUMBA, njit, prange
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)

@@ -40,18 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-try:  # pragma: no cover - exercised by the environment, not by a test
-    if os.environ.get("TRELLIS_DISABLE_NUMBA", "0") not in ("", "0"):
-        raise ImportError("disabled by TRELLIS_DISABLE_NUMBA")
-    from numba import njit
-
-    WITH_NUMBA = True
-except ImportError:  # pragma: no cover
-    WITH_NUMBA = False
-
-    def njit(*args: Any, **kwargs: Any) -> Any:  # noqa: D103 - stand-in decorator
-        return (lambda f: f) if not args or not callable(args[0]) else args[0]
-
+from trellis.utils.numba import WITH_NUMBA, njit
 
 #: Whether the numba kernels are used for CPU tensors (tests flip it with :func:`use_numba`).
 _enabled = WITH_NUMBA

@@ -33,14 +33,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from trellis.errors import TrellisUserError
+from trellis.utils.csr import row_ranges
+from trellis.utils.numba import WITH_NUMBA, njit, prange
 
-try:  # numba is a declared dependency; the scipy path keeps the module usable without it
-    import numba
-    from numba import prange
-
-    HAS_NUMBA = True
-except ImportError:  # pragma: no cover - exercised only where numba is absent
-    HAS_NUMBA = False
+#: Whether the numba kernels are active (the package's one flag, :data:`trellis.utils.numba.WITH_NUMBA`).
+HAS_NUMBA = WITH_NUMBA
 
 #: Operator names accepted by :class:`OperatorSpec` (and ``trellis preprocess --operator``).
 OPERATORS = ("sym", "rw", "ppr", "heat")
@@ -108,7 +105,7 @@ class OperatorSpec:
 
 if HAS_NUMBA:
 
-    @numba.njit(parallel=True, cache=True, nogil=True)
+    @njit(parallel=True, cache=True, nogil=True)
     def _spmm_block_numba(indptr, indices, weights, has_w, row0, x, dst_scale, src_scale, out):  # noqa: ANN001
         """``out[ii] = dst_scale[i] (src_scale[i] x[i] + Σ_e w_e src_scale[j_e] x[j_e])``, ``i = row0 + ii``.
 
@@ -136,7 +133,7 @@ if HAS_NUMBA:
             for c in range(f):
                 out[ii, c] = acc[c] * d
 
-    @numba.njit(parallel=True, cache=True, nogil=True)
+    @njit(parallel=True, cache=True, nogil=True)
     def _gather_rows_numba(x, idx, out):  # noqa: ANN001
         """``out[k] = x[idx[k]]`` in parallel (random reads from a memory map overlap)."""
         f = x.shape[1]
@@ -222,11 +219,6 @@ def gather_rows(x: np.ndarray, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _row_blocks(n: int, block_rows: int) -> Iterator[tuple[int, int]]:
-    for a in range(0, n, block_rows):
-        yield a, min(a + block_rows, n)
-
-
 def degrees(indptr: np.ndarray, edge_weight: np.ndarray | None = None, *, block_rows: int = 1 << 20) -> np.ndarray:
     """``d_i = 1 + Σ_j a_ij``: in-degree with the self loop (weighted sum when weights are given).
 
@@ -237,7 +229,7 @@ def degrees(indptr: np.ndarray, edge_weight: np.ndarray | None = None, *, block_
     if edge_weight is None:
         return np.diff(indptr).astype(np.float64) + 1.0
     deg = np.ones(n, dtype=np.float64)
-    for a, b in _row_blocks(n, block_rows):
+    for a, b in row_ranges(n, block_rows):
         ptr = np.asarray(indptr[a:b + 1])
         w = np.asarray(edge_weight[ptr[0]:ptr[-1]], dtype=np.float64)
         cs = np.zeros(w.shape[0] + 1)
@@ -271,7 +263,7 @@ FEATURE_NORMS = ("auto", "none", "row")
 
 def l1_normalize_rows(x: np.ndarray, out: np.ndarray, *, block_rows: int = 1 << 16) -> np.ndarray:
     """``out[i] = x[i] / Σ_j |x[i, j]|`` block by block (all-zero rows stay zero)."""
-    for a, b in _row_blocks(x.shape[0], block_rows):
+    for a, b in row_ranges(x.shape[0], block_rows):
         blk = np.asarray(x[a:b], dtype=np.float32)
         norm = np.abs(blk).sum(axis=1, keepdims=True, dtype=np.float64)
         norm[norm == 0] = 1.0
@@ -355,7 +347,7 @@ class Propagator:
         f = x.shape[1]
         buf = np.empty((min(self.block_rows, self.n), f), dtype=np.float32)
         xs = np.asarray(x)
-        for a, b in _row_blocks(self.n, self.block_rows):
+        for a, b in row_ranges(self.n, self.block_rows):
             ptr = np.ascontiguousarray(self.indptr[a:b + 1], dtype=np.int64)
             idx = np.asarray(self.indices[ptr[0]:ptr[-1]])
             w = None if self.edge_weight is None else np.asarray(self.edge_weight[ptr[0]:ptr[-1]])
@@ -395,7 +387,7 @@ class Propagator:
         t = float(spec.t)
         acc = scratch.new((n, f))
         coef = math.exp(-t)
-        for a, b in _row_blocks(n, self.block_rows):
+        for a, b in row_ranges(n, self.block_rows):
             acc[a:b] = coef * np.asarray(h[a:b])
         term = h
         for k in range(1, spec.num_iters + 1):
