@@ -1,8 +1,8 @@
 """The planner's rewrites: pushdown, cost-based order, and the general plan for parameterized messages."""
 
-from trellis.nn.decl import LayerDecl
 from trellis.plan import GraphStats, plan_layer
 from trellis.plan.cost import spmm_cost
+from trellis.plan.decl import LayerDecl
 
 S = GraphStats(num_src=100_000, num_dst=100_000, num_edges=2_000_000)
 

@@ -24,31 +24,24 @@ Equivalence with solo runs is by construction, not by approximation:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trellis.errors import TrellisUserError
-from trellis.nn.layers import GCNConv, GINConv, MessagePassing, SAGEConv
-from trellis.nn.models import GNN
+from trellis.nn.executor import run_layer
+from trellis.nn.layers import PUSHDOWN_LAYERS, PushdownConv
+from trellis.nn.models import GNN, Graphs, per_layer
+from trellis.nn.runtime import AggregationCache, bias_act_dropout, default_generator, dropout
+from trellis.nn.view import IDENTITY, GraphView
 from trellis.ops import dropout as hash_dropout
-from trellis.ops import gcn_norm, spmm
 from trellis.ops.graph import CSRGraph
 from trellis.plan import GraphStats
 from trellis.plan.ir import LayerPlan, ModelDecl, ModelPlan
 from trellis.plan.planner import check_batchable, plan_model
-from trellis.plan.rewrites import (
-    DEFAULT_REWRITES,
-    FUSE,
-    AggregationCache,
-    bias_act_dropout,
-    dropout,
-)
-
-#: Layer classes that can be model-batched, by family name.
-BATCHABLE: dict[type[MessagePassing], str] = {GCNConv: "gcn", SAGEConv: "sage", GINConv: "gin"}
+from trellis.plan.rewrites import DEFAULT_REWRITES, FUSE
 
 
 def capture_generator(device: torch.device | str) -> torch.Generator:
@@ -59,11 +52,7 @@ def capture_generator(device: torch.device | str) -> torch.Generator:
     """
     device = torch.device(device)
     g = torch.Generator(device=device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        g.set_state(torch.cuda.default_generators[index].get_state())
-    else:
-        g.set_state(torch.default_generator.get_state())
+    g.set_state(default_generator(device).get_state())
     return g
 
 
@@ -74,14 +63,13 @@ def family_of(model: nn.Module) -> str:
         TrellisUserError: The model is not a batchable GNN (e.g. GAT, MLP) or mixes layer types.
     """
     convs = getattr(model, "convs", None)
+    batchable = ", ".join(sorted(PUSHDOWN_LAYERS))
     if not isinstance(model, GNN) or convs is None or type(model) is not GNN:
-        raise TrellisUserError(f"{type(model).__name__} cannot be model-batched; batchable families: "
-                               f"{', '.join(sorted(set(BATCHABLE.values())))}")
-    names = {BATCHABLE.get(type(c)) for c in convs}
+        raise TrellisUserError(f"{type(model).__name__} cannot be model-batched; batchable families: {batchable}")
+    names = {c.family if isinstance(c, PushdownConv) else None for c in convs}
     if None in names or len(names) != 1:
         kinds = ", ".join(sorted({type(c).__name__ for c in convs}))
-        raise TrellisUserError(f"a model with layers {kinds} cannot be model-batched; batchable families: "
-                               f"{', '.join(sorted(set(BATCHABLE.values())))}")
+        raise TrellisUserError(f"a model with layers {kinds} cannot be model-batched; batchable families: {batchable}")
     if model.activation is not F.relu:
         raise TrellisUserError("model batching supports ReLU between layers only")
     return names.pop()  # type: ignore[return-value]
@@ -89,74 +77,8 @@ def family_of(model: nn.Module) -> str:
 
 def model_decl(model: GNN, family: str | None = None) -> ModelDecl:
     """The planner's view of one configuration (its layers' declarations and its dropout)."""
-    return ModelDecl(family or family_of(model), tuple(c.declare() for c in model.convs), float(model.dropout))
-
-
-# ---- per-family layer adapters --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Family:
-    """How one layer type splits into (transform before aggregation) / aggregation / (after)."""
-
-    def agg_args(self, conv: nn.Module, graph: CSRGraph) -> tuple[Tensor | None, Tensor | None, str]:
-        raise NotImplementedError
-
-    def pre_weight(self, conv: nn.Module) -> Tensor:
-        """The weight a transform-first configuration applies before aggregating."""
-        raise NotImplementedError
-
-    def post(self, conv: nn.Module, a: Tensor, h: Tensor, z: Tensor | None, agg_first: bool, n: int) -> Tensor:
-        """Layer output (before the epilogue) from the aggregation ``a``, input ``h``, pre-transform ``z``."""
-        raise NotImplementedError
-
-    def bias(self, conv: nn.Module) -> Tensor | None:
-        """A bias added in the epilogue (None when the layer adds it inside a linear map)."""
-        return None
-
-
-class _GCN(_Family):
-    def agg_args(self, conv: nn.Module, graph: CSRGraph) -> tuple[Tensor | None, Tensor | None, str]:
-        ew, sw = gcn_norm(graph, add_self_loops=True)
-        return ew, sw, "sum"
-
-    def pre_weight(self, conv: nn.Module) -> Tensor:
-        return conv.lin.weight
-
-    def post(self, conv: nn.Module, a: Tensor, h: Tensor, z: Tensor | None, agg_first: bool, n: int) -> Tensor:
-        return conv.lin(a) if agg_first else a
-
-    def bias(self, conv: nn.Module) -> Tensor | None:
-        return conv.bias
-
-
-class _SAGE(_Family):
-    def agg_args(self, conv: nn.Module, graph: CSRGraph) -> tuple[Tensor | None, Tensor | None, str]:
-        return None, None, conv.aggregate
-
-    def pre_weight(self, conv: nn.Module) -> Tensor:
-        return conv.lin_l.weight
-
-    def post(self, conv: nn.Module, a: Tensor, h: Tensor, z: Tensor | None, agg_first: bool, n: int) -> Tensor:
-        neigh = conv.lin_l(a) if agg_first else a + conv.lin_l.bias
-        return neigh + conv.lin_r(h[:n])
-
-
-class _GIN(_Family):
-    def agg_args(self, conv: nn.Module, graph: CSRGraph) -> tuple[Tensor | None, Tensor | None, str]:
-        return None, None, "sum"
-
-    def pre_weight(self, conv: nn.Module) -> Tensor:
-        return conv.lin1.weight
-
-    def post(self, conv: nn.Module, a: Tensor, h: Tensor, z: Tensor | None, agg_first: bool, n: int) -> Tensor:
-        if agg_first:
-            hid = conv.lin1(a + (1 + conv.eps) * h[:n])
-        else:
-            assert z is not None
-            hid = a + (1 + conv.eps) * z[:n] + conv.lin1.bias
-        return conv.lin2(F.relu(hid))
-
-
-_FAMILIES: dict[str, _Family] = {"gcn": _GCN(), "sage": _SAGE(), "gin": _GIN()}
+    layers = tuple(cast(PushdownConv, c).declare() for c in model.convs)
+    return ModelDecl(family or family_of(model), layers, float(model.dropout))
 
 
 class BatchedGNN(nn.Module):
@@ -186,6 +108,7 @@ class BatchedGNN(nn.Module):
         check_batchable(self.decls)
         self.family = families[0]
         self.models = nn.ModuleList(models)
+        self._gnns = [cast(GNN, m) for m in models]  # the same modules, typed
         self.generators = list(generators) if generators is not None else [None] * len(models)
         if len(self.generators) != len(models):
             raise ValueError("one generator per configuration")
@@ -196,6 +119,7 @@ class BatchedGNN(nn.Module):
 
     @property
     def depth(self) -> int:
+        """Number of layers of every configuration."""
         return self.decls[0].depth
 
     def drop(self, k: int) -> None:
@@ -217,35 +141,52 @@ class BatchedGNN(nn.Module):
         """Training-step and evaluation-pass plans of the active configurations."""
         return f"{self.plan(graph, True).format()}\n\n{self.plan(graph, False).format()}"
 
-    def forward(self, graph: CSRGraph, x: Tensor) -> list[Tensor]:
-        """Logits of every active configuration (a list in :attr:`active` order)."""
-        if not isinstance(graph, CSRGraph):
-            raise TypeError("model batching runs on one graph (full-batch); got per-layer blocks")
+    def forward(self, graph: Graphs, x: Tensor, view: GraphView | None = None) -> list[Tensor]:
+        """Logits of every active configuration (a list in :attr:`active` order).
+
+        Args:
+            graph: One graph for every layer, or one per layer (each layer is planned on its own graph).
+            x: The first layer's input rows.
+            view: Supplies each layer's input rows after its dropout, once per distinct input tensor
+                (default: the identity).
+        """
         if not self.active:
             return []
-        plan = self.plan(graph, self.training, x.requires_grad)
-        fam = _FAMILIES[self.family]
-        act = self.active
-        models = [self.models[k] for k in act]
-        gens = [self.generators[k] for k in act]
-        fuse = FUSE in plan.rewrites
-        hs, wide0 = self._first_inputs(x, models, gens, plan.layers[0], fuse)
-        for i, lp in enumerate(plan.layers):
-            convs = [m.convs[i] for m in models]
-            outs = self._layer(graph, x, fam, convs, hs, lp, first=i == 0, prebuilt=wide0 if i == 0 else None)
+        view = IDENTITY if view is None else view
+        graphs = per_layer(graph, self.depth)
+        models = [self._gnns[k] for k in self.active]
+        gens = [self.generators[k] for k in self.active]
+        plans = self._layer_plans(graphs, x.requires_grad)
+        fuse = FUSE in self.plan(graphs[0], self.training, x.requires_grad).rewrites
+        hs, wide0 = self._first_inputs(x, models, gens, plans[0], fuse)
+        for i, (g, lp) in enumerate(zip(graphs, plans)):
+            convs = [cast(PushdownConv, m.convs[i]) for m in models]
+            hs, constant = _view_inputs(view, i, g, hs, x if i == 0 else None)
+            outs = run_layer(convs, g, hs, lp, cache=self.cache if constant is x else None, constant=constant,
+                             prebuilt=wide0 if i == 0 else None)
             if i == self.depth - 1:
-                return [o + b if (b := fam.bias(c)) is not None else o for o, c in zip(outs, convs)]
+                return [o + b if (b := c.output_bias()) is not None else o for o, c in zip(outs, convs)]
             hs = []
-            for o, c, m, g in zip(outs, convs, models, gens):
+            for o, c, m, gen in zip(outs, convs, models, gens):
                 if fuse:
-                    hs.append(bias_act_dropout(o, fam.bias(c), act=True, p=m.dropout, training=self.training,
-                                               generator=g))
+                    hs.append(bias_act_dropout(o, c.output_bias(), act=True, p=m.dropout, training=self.training,
+                                               generator=gen))
                 else:
-                    b = fam.bias(c)
-                    hs.append(dropout(F.relu(o + b if b is not None else o), m.dropout, self.training, g))
+                    b = c.output_bias()
+                    hs.append(dropout(F.relu(o + b if b is not None else o), m.dropout, self.training, gen))
         raise AssertionError("unreachable")
 
-    def _first_inputs(self, x: Tensor, models: list[nn.Module], gens: list[torch.Generator | None],
+    def _layer_plans(self, graphs: list[CSRGraph], input_grad: bool) -> list[LayerPlan]:
+        """Each layer's plan, taken from the model plan of that layer's graph (one plan for one graph)."""
+        plans: dict[int, ModelPlan] = {}
+        out = []
+        for i, g in enumerate(graphs):
+            if id(g) not in plans:
+                plans[id(g)] = self.plan(g, self.training, input_grad)
+            out.append(plans[id(g)].layers[i])
+        return out
+
+    def _first_inputs(self, x: Tensor, models: list[GNN], gens: list[torch.Generator | None],
                       lp: LayerPlan, fuse: bool) -> tuple[list[Tensor], Tensor | None]:
         """Every configuration's dropped-out features, and the wide SpMM input when it was built directly.
 
@@ -268,66 +209,24 @@ class BatchedGNN(nn.Module):
             hs[j] = hash_dropout.apply_into(x, ps[j], wide[:, q * f:(q + 1) * f], gens[j])
         return hs, wide
 
-    def _layer(self, graph: CSRGraph, x: Tensor, fam: _Family, convs: list[nn.Module], hs: list[Tensor],
-               lp: LayerPlan, first: bool, prebuilt: Tensor | None = None) -> list[Tensor]:
-        """One layer for every active configuration: one SpMM over the concatenated inputs."""
-        n = graph.num_dst
-        ew, sw, reduce = fam.agg_args(convs[0], graph)
-        # Inputs of the wide SpMM. A tensor shared by several aggregate-first configurations (the features,
-        # undropped, with the cache rewrite off) enters once; transform-first configurations sharing an input
-        # (the features in an evaluation pass) are transformed by one matmul whose output enters as one part.
-        parts: list[Tensor] = []
-        pieces: list[list[int]] = []  # per part: the widths of the configurations' pieces
-        where: dict[int, tuple[int, int]] = {}  # configuration position -> (part, piece)
-        zs: dict[int, Tensor] = {}  # configuration position -> its pre-transformed input (GIN's root term)
-        agg_input: dict[int, int] = {}  # id of an aggregate-first input -> part
-        tr_groups: dict[int, list[int]] = {}
-        for j, h in enumerate(hs):
-            if lp.is_cached(j):
-                continue
-            if lp.order(j):
-                if id(h) not in agg_input:
-                    agg_input[id(h)] = len(parts)
-                    parts.append(h)
-                    pieces.append([h.shape[1]])
-                where[j] = (agg_input[id(h)], 0)
-            else:
-                tr_groups.setdefault(id(h), []).append(j)
-        for group in tr_groups.values():
-            weights = [fam.pre_weight(convs[j]) for j in group]
-            z = F.linear(hs[group[0]], torch.cat(weights, 0) if len(weights) > 1 else weights[0])
-            widths = [w.shape[0] for w in weights]
-            for q, (j, zj) in enumerate(zip(group, z.split(widths, dim=1) if len(group) > 1 else (z,))):
-                zs[j] = zj
-                where[j] = (len(parts), q)
-            parts.append(z)
-            pieces.append(widths)
-        aggs: list[list[Tensor]] = []
-        if parts:
-            if prebuilt is not None and sum(p.shape[1] for p in parts) == prebuilt.shape[1] and all(
-                    p.data_ptr() == prebuilt.data_ptr() + q * p.shape[1] * p.element_size()
-                    and p.stride() == prebuilt.stride() for q, p in enumerate(parts)):
-                wide = prebuilt  # the parts are its column blocks, in order
-            else:
-                wide = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
-            out = spmm(graph, wide, ew, reduce=reduce, self_weight=sw)
-            per_part = out.split([p.shape[1] for p in parts], dim=1) if len(parts) > 1 else (out,)
-            aggs = [list(a.split(w, dim=1)) if len(w) > 1 else [a] for a, w in zip(per_part, pieces)]
-        cached: Tensor | None = None
-        results = []
-        for j, (conv, h) in enumerate(zip(convs, hs)):
-            if lp.is_cached(j):
-                if cached is None:
-                    if not first or h is not x:
-                        raise AssertionError("only the undropped input features can be cached")
-                    cached = self.cache.get(graph, x, f"{self.family}:{reduce}",
-                                            lambda h=h: spmm(graph, h, ew, reduce=reduce, self_weight=sw))
-                a = cached
-            else:
-                part, piece = where[j]
-                a = aggs[part][piece]
-            results.append(fam.post(conv, a, h, zs.get(j), lp.order(j), n))
-        return results
+
+def _view_inputs(view: GraphView, layer: int, graph: CSRGraph, hs: list[Tensor],
+                 constant: Tensor | None) -> tuple[list[Tensor], Tensor | None]:
+    """Every configuration's input through the view, once per distinct tensor (shared inputs stay shared).
+
+    Returns:
+        The viewed inputs and what ``constant`` became (``constant`` itself under the identity view, so the
+        cached aggregation of the features is still found).
+    """
+    seen: dict[int, Tensor] = {}
+    out = []
+    for h in hs:
+        if id(h) not in seen:
+            seen[id(h)] = view.layer_input(layer, graph, h)
+        out.append(seen[id(h)])
+    if constant is not None:
+        constant = seen.get(id(constant), constant)
+    return out, constant
 
 
 def batch_models(models: Sequence[nn.Module], generators: Sequence[torch.Generator | None] | None = None,

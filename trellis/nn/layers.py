@@ -1,47 +1,55 @@
 """GNN layers on the graph engine: GCN, GraphSAGE (mean), GIN, GAT and GAT-E.
 
 Each layer declares itself (:meth:`MessagePassing.declare`) and executes the plan the planner chose for
-the graph at hand (pushdown to SpMM, transform/aggregate order). The same layer runs on the full graph,
-on a sampled bipartite block (``num_src >= num_dst``, destinations first) and on a cluster subgraph.
+the graph at hand (pushdown to SpMM, transform/aggregate order). GCN, GraphSAGE and GIN are
+:class:`PushdownConv` layers: they state their decomposition once (what is aggregated, the transform
+before, the epilogue after) and :func:`trellis.nn.executor.run_layer` runs it, for this layer alone or for
+K model-batched configurations. GAT and GAT-E keep their own ``forward`` (attention is a parameterized
+message). The same layer runs on the full graph, on a sampled bipartite block (``num_src >= num_dst``,
+destinations first), on a cluster subgraph and on a partition whose sources are owned rows then halo rows.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trellis.nn.decl import LayerDecl
+from trellis.nn.executor import Aggregation, run_layer
 from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
 from trellis.ops.dropout import dropout
 from trellis.ops.graph import CSRGraph
-from trellis.plan import GraphStats, LayerPlan, plan_layer
-from trellis.plan.planner import choose_order
+from trellis.plan import GraphStats, LayerDecl, LayerPlan, plan_layer, plan_layer_step
 
 
 class MessagePassing(nn.Module):
-    """Base of all graph layers: a declaration plus a plan cached per graph shape."""
+    """Base of all graph layers: a declaration plus plans cached per graph shape.
+
+    Calling ``layer(graph, x)`` runs the layer's step plan for this input (:meth:`step_plan`); ``layer(graph,
+    x, plan=...)`` runs a given plan (a model-level planner's, or a test's).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self._plans: dict[GraphStats, LayerPlan] = {}
-        self._orders: dict[tuple[GraphStats, bool, bool], bool] = {}
+        self._step_plans: dict[tuple[GraphStats, bool, bool], LayerPlan] = {}
 
     def declare(self) -> LayerDecl:
         """The layer in message / aggregate / update form (see :class:`LayerDecl`)."""
         raise NotImplementedError
 
     def plan(self, graph: CSRGraph) -> LayerPlan:
-        """The planner's plan for this layer on ``graph`` (cached by graph statistics)."""
+        """The planner's forward plan for this layer on ``graph`` (cached by graph statistics; ``--explain``)."""
         stats = GraphStats.of(graph)
         if stats not in self._plans:
             self._plans[stats] = plan_layer(self.declare(), stats)
         return self._plans[stats]
 
-    def aggregate_first(self, graph: CSRGraph, x: Tensor) -> bool:
-        """Whether this call aggregates before transforming: planner v2's choice for this input.
+    def step_plan(self, graph: CSRGraph, x: Tensor) -> LayerPlan:
+        """The plan this call runs: planner v2's for this input (:func:`trellis.plan.plan_layer_step`).
 
         The order is chosen on the training-step cost given whether ``x`` needs a gradient (the features do
         not, so aggregating them first costs no backward SpMM) — the same choice
@@ -49,23 +57,56 @@ class MessagePassing(nn.Module):
         performs the same floating-point operations as its configuration in the sweep (Adam's and Adagrad's
         first steps turn even last-bit differences of tiny gradients into ``±lr`` updates).
         """
-        stats = GraphStats.of(graph)
-        key = (stats, bool(x.requires_grad), self.training)
-        order = self._orders.get(key)
-        if order is None:
-            d = self.declare()
-            order = (choose_order(d, stats, input_grad=key[1], training=key[2])[0] if d.unparameterized_message
-                     else self.plan(graph).aggregate_first)
-            self._orders[key] = order
-        return order
+        key = (GraphStats.of(graph), bool(x.requires_grad), self.training)
+        plan = self._step_plans.get(key)
+        if plan is None:
+            plan = plan_layer_step(self.declare(), key[0], input_grad=key[1], training=key[2])
+            self._step_plans[key] = plan
+        return plan
 
 
 def _glorot(t: Tensor) -> None:
     nn.init.xavier_uniform_(t)
 
 
-class GCNConv(MessagePassing):
+class PushdownConv(MessagePassing):
+    """A layer whose message and aggregate are one SpMM, decomposed once for :func:`run_layer`.
+
+    Subclasses supply the pieces of :class:`trellis.nn.executor.PushdownLayer` (:meth:`aggregation`,
+    :meth:`transform_weight`, :meth:`epilogue`, :meth:`output_bias`) and their model family's name; the
+    forward pass, whichever order the plan chose, is the executor's.
+    """
+
+    #: Model family name (``gcn``, ``sage``, ``gin``): configurations of one family share a model batch.
+    family: ClassVar[str]
+
+    def aggregation(self, graph: CSRGraph) -> Aggregation:
+        """What is aggregated on ``graph``: edge weights, self weight, reduce."""
+        raise NotImplementedError
+
+    def transform_weight(self) -> Tensor:
+        """The weight a transform-first plan applies before aggregating."""
+        raise NotImplementedError
+
+    def epilogue(self, a: Tensor, h: Tensor, z: Tensor | None, aggregate_first: bool, n: int) -> Tensor:
+        """Layer output (before :meth:`output_bias`) from the aggregation ``a``, input ``h``, pre-transform ``z``."""
+        raise NotImplementedError
+
+    def output_bias(self) -> Tensor | None:
+        """A bias added after the epilogue (None when the layer adds it inside a linear map)."""
+        return None
+
+    def forward(self, graph: CSRGraph, x: Tensor, plan: LayerPlan | None = None) -> Tensor:
+        """``[graph.num_dst, out]`` from ``x`` ``[graph.num_src, in]``, by ``plan`` (default: :meth:`step_plan`)."""
+        out = run_layer([self], graph, [x], plan if plan is not None else self.step_plan(graph, x))[0]
+        bias = self.output_bias()
+        return out if bias is None else out + bias
+
+
+class GCNConv(PushdownConv):
     """Kipf & Welling: ``D^-1/2 (A + I) D^-1/2 X W + b``; the self loop is a diagonal term of the SpMM."""
+
+    family = "gcn"
 
     def __init__(self, in_dim: int, out_dim: int, bias: bool = True) -> None:
         super().__init__()
@@ -75,19 +116,31 @@ class GCNConv(MessagePassing):
         _glorot(self.lin.weight)
 
     def declare(self) -> LayerDecl:
+        """A weighted copy message summed with a self loop: pushed down to one SpMM."""
         return LayerDecl("gcn", self.in_dim, self.out_dim, message="weighted", aggregate="sum", root="self_loop")
 
-    def forward(self, graph: CSRGraph, x: Tensor) -> Tensor:
+    def aggregation(self, graph: CSRGraph) -> Aggregation:
+        """The symmetric normalization as edge weights plus the self loop's diagonal."""
         ew, sw = gcn_norm(graph, add_self_loops=True)
-        if self.aggregate_first(graph, x):
-            out = self.lin(spmm(graph, x, ew, self_weight=sw))
-        else:
-            out = spmm(graph, self.lin(x), ew, self_weight=sw)
-        return out if self.bias is None else out + self.bias
+        return Aggregation(ew, sw, "sum")
+
+    def transform_weight(self) -> Tensor:
+        """``W``."""
+        return self.lin.weight
+
+    def epilogue(self, a: Tensor, h: Tensor, z: Tensor | None, aggregate_first: bool, n: int) -> Tensor:
+        """``(ÂX) W`` aggregating first; ``Â(XW)`` is the aggregation itself otherwise."""
+        return self.lin(a) if aggregate_first else a
+
+    def output_bias(self) -> Tensor | None:
+        """``b``, added after the aggregation (fusable with the activation and dropout)."""
+        return self.bias
 
 
-class SAGEConv(MessagePassing):
+class SAGEConv(PushdownConv):
     """Hamilton et al. (mean): ``W_l mean_j x_j + W_r x_i``."""
+
+    family = "sage"
 
     def __init__(self, in_dim: int, out_dim: int, aggregate: str = "mean") -> None:
         super().__init__()
@@ -96,18 +149,27 @@ class SAGEConv(MessagePassing):
         self.lin_r = nn.Linear(in_dim, out_dim, bias=False)
 
     def declare(self) -> LayerDecl:
+        """A copy message reduced by ``aggregate`` with a separate root transform."""
         return LayerDecl("sage", self.in_dim, self.out_dim, message="copy", aggregate=self.aggregate, root="linear")
 
-    def forward(self, graph: CSRGraph, x: Tensor) -> Tensor:
-        if self.aggregate_first(graph, x):
-            neigh = self.lin_l(spmm(graph, x, reduce=self.aggregate))
-        else:
-            neigh = spmm(graph, F.linear(x, self.lin_l.weight), reduce=self.aggregate) + self.lin_l.bias
-        return neigh + self.lin_r(x[: graph.num_dst])
+    def aggregation(self, graph: CSRGraph) -> Aggregation:
+        """The unweighted neighbour rows, reduced by ``aggregate``."""
+        return Aggregation(None, None, self.aggregate)
+
+    def transform_weight(self) -> Tensor:
+        """``W_l`` (its bias is added after the aggregation)."""
+        return self.lin_l.weight
+
+    def epilogue(self, a: Tensor, h: Tensor, z: Tensor | None, aggregate_first: bool, n: int) -> Tensor:
+        """``W_l a + b_l`` (or ``a + b_l`` when ``a`` is already transformed) plus the root term ``W_r x_i``."""
+        neigh = self.lin_l(a) if aggregate_first else a + self.lin_l.bias
+        return neigh + self.lin_r(h[:n])
 
 
-class GINConv(MessagePassing):
+class GINConv(PushdownConv):
     """Xu et al.: ``MLP((1 + eps) x_i + sum_j x_j)``; the MLP's first linear map commutes with the sum."""
+
+    family = "gin"
 
     def __init__(self, in_dim: int, out_dim: int, eps: float = 0.0, train_eps: bool = False) -> None:
         super().__init__()
@@ -117,16 +179,29 @@ class GINConv(MessagePassing):
         self.eps = nn.Parameter(torch.tensor(float(eps)), requires_grad=train_eps)
 
     def declare(self) -> LayerDecl:
+        """A copy message summed, a ``(1 + eps)`` root and an MLP update."""
         return LayerDecl("gin", self.in_dim, self.out_dim, message="copy", aggregate="sum", root="eps", update="mlp")
 
-    def forward(self, graph: CSRGraph, x: Tensor) -> Tensor:
-        n = graph.num_dst
-        if self.aggregate_first(graph, x):
-            h = self.lin1(spmm(graph, x) + (1 + self.eps) * x[:n])
+    def aggregation(self, graph: CSRGraph) -> Aggregation:
+        """The unweighted neighbour rows, summed."""
+        return Aggregation(None, None, "sum")
+
+    def transform_weight(self) -> Tensor:
+        """The MLP's first weight ``W_1`` (it commutes with the sum and the root term)."""
+        return self.lin1.weight
+
+    def epilogue(self, a: Tensor, h: Tensor, z: Tensor | None, aggregate_first: bool, n: int) -> Tensor:
+        """``lin2(relu(lin1(a + (1 + eps) x_i)))``, or with the root term taken from the transformed rows."""
+        if aggregate_first:
+            hid = self.lin1(a + (1 + self.eps) * h[:n])
         else:
-            z = F.linear(x, self.lin1.weight)
-            h = spmm(graph, z) + (1 + self.eps) * z[:n] + self.lin1.bias
-        return self.lin2(F.relu(h))
+            assert z is not None
+            hid = a + (1 + self.eps) * z[:n] + self.lin1.bias
+        return self.lin2(F.relu(hid))
+
+
+#: The layers model batching can run, by family name.
+PUSHDOWN_LAYERS: dict[str, type[PushdownConv]] = {c.family: c for c in (GCNConv, SAGEConv, GINConv)}
 
 
 class GATConv(MessagePassing):
@@ -155,13 +230,20 @@ class GATConv(MessagePassing):
             nn.init.uniform_(self.lin_edge, -1 / math.sqrt(edge_dim), 1 / math.sqrt(edge_dim))
 
     def declare(self) -> LayerDecl:
+        """Attention (with edge features for GAT-E): a parameterized message, the general plan."""
         return LayerDecl("gate" if self.edge_dim else "gat", self.in_dim, self.heads * self.out_dim, heads=self.heads,
                          message="edge_attention" if self.edge_dim else "attention", message_params=True,
                          edge_dim=self.edge_dim)
 
-    def forward(self, graph: CSRGraph, x: Tensor) -> Tensor:
+    def forward(self, graph: CSRGraph, x: Tensor, plan: LayerPlan | None = None) -> Tensor:
+        """``[graph.num_dst, heads * out]`` (or ``[.., out]`` averaged over heads) from ``[graph.num_src, in]``.
+
+        Attention is a parameterized message, so this layer runs its own ops; ``plan`` (or the planner's
+        plan of the graph with self loops) only describes them.
+        """
         g = graph.with_self_loops()
-        self.plan(g)
+        if plan is None:
+            self.plan(g)
         h, d = self.heads, self.out_dim
         z = self.lin(x).view(-1, h, d)
         logits = sddmm(g, (z * self.att_src).sum(-1), (z[: g.num_dst] * self.att_dst).sum(-1), op="add")

@@ -1,8 +1,9 @@
 """Models built from the layers, and the registry ``build_model`` resolves names against.
 
 A model is called as ``model(graph, x)``: ``graph`` is one :class:`CSRGraph` (full graph or a cluster)
-used by every layer, or a list of per-layer bipartite blocks (mini-batch), so the same model code runs
-under every training strategy.
+used by every layer, or a list of per-layer graphs (a mini-batch's bipartite blocks, a partition's local
+graphs), so the same model code runs under every training strategy. ``model(graph, x, view=...)`` takes a
+:class:`~trellis.nn.view.GraphView` that supplies each layer's input rows (halo rows, tiles).
 """
 
 from __future__ import annotations
@@ -13,11 +14,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trellis.nn.layers import GATConv, GCNConv, GINConv, MessagePassing, SAGEConv
+from trellis.nn.view import IDENTITY, GraphView
 from trellis.ops.dropout import dropout as hash_dropout
 from trellis.ops.graph import CSRGraph
 from trellis.plan.ir import format_plans
 
 Graphs = CSRGraph | Sequence[CSRGraph]
+
+
+def per_layer(graph: Graphs, depth: int) -> list[CSRGraph]:
+    """One graph per layer: ``graph`` repeated, or the per-layer list checked against the depth."""
+    if isinstance(graph, CSRGraph):
+        return [graph] * depth
+    if len(graph) != depth:
+        raise ValueError(f"got {len(graph)} blocks for a {depth}-layer model")
+    return list(graph)
 
 
 class GNN(nn.Module):
@@ -29,21 +40,22 @@ class GNN(nn.Module):
         self.dropout = dropout
         self.activation = activation
 
-    def _blocks(self, graph: Graphs) -> list[CSRGraph]:
-        if isinstance(graph, CSRGraph):
-            return [graph] * len(self.convs)
-        if len(graph) != len(self.convs):
-            raise ValueError(f"got {len(graph)} blocks for a {len(self.convs)}-layer model")
-        return list(graph)
+    def forward(self, graph: Graphs, x: Tensor, return_embedding: bool = False,
+                view: GraphView | None = None) -> Tensor:
+        """Logits for every destination node (or the last hidden layer's output with ``return_embedding``).
 
-    def forward(self, graph: Graphs, x: Tensor, return_embedding: bool = False) -> Tensor:
-        """Logits for every destination node (or the last hidden layer's output with ``return_embedding``)."""
-        blocks = self._blocks(graph)
-        for i, (conv, g) in enumerate(zip(self.convs, blocks)):
+        Args:
+            graph: One graph for every layer, or one per layer.
+            x: The first layer's input rows (all its sources, or only the owned rows when ``view`` adds the rest).
+            return_embedding: Return the last layer's input (before its dropout and view) instead.
+            view: Supplies each layer's input rows after its dropout (default: the identity).
+        """
+        view = IDENTITY if view is None else view
+        for i, (conv, g) in enumerate(zip(self.convs, per_layer(graph, len(self.convs)))):
             if return_embedding and i == len(self.convs) - 1:
                 return x
             x = hash_dropout(x, self.dropout, self.training)
-            x = conv(g, x)
+            x = conv(g, view.layer_input(i, g, x))
             if i < len(self.convs) - 1:
                 x = self.activation(x)
         return x
@@ -51,7 +63,7 @@ class GNN(nn.Module):
     def explain(self, graph: Graphs) -> str:
         """The operator plan of every layer with estimated FLOPs and bytes."""
         plans = []
-        for conv, g in zip(self.convs, self._blocks(graph)):
+        for conv, g in zip(self.convs, per_layer(graph, len(self.convs))):
             if isinstance(conv, MessagePassing):
                 if isinstance(conv, GATConv):
                     g = g.with_self_loops()
@@ -75,7 +87,9 @@ class MLP(nn.Module):
         self.lins = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.dropout = dropout
 
-    def forward(self, graph: Graphs, x: Tensor, return_embedding: bool = False) -> Tensor:
+    def forward(self, graph: Graphs, x: Tensor, return_embedding: bool = False,
+                view: GraphView | None = None) -> Tensor:
+        """Logits of the destination rows of ``x`` (a graph view is not needed: no neighbour is read)."""
         n = graph.num_dst if isinstance(graph, CSRGraph) else graph[-1].num_dst
         x = x[:n]
         for i, lin in enumerate(self.lins):
@@ -87,6 +101,7 @@ class MLP(nn.Module):
         return x
 
     def explain(self, graph: Graphs) -> str:
+        """No graph ops to plan."""
         return "mlp: dense layers only, no graph ops"
 
 

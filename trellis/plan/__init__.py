@@ -1,4 +1,4 @@
-"""The planner: lowers a declared layer (message / aggregate / update) into graph-engine and tensor ops.
+"""The planner: lowers a declared layer (:class:`LayerDecl`) into graph-engine and tensor ops.
 
 Lotan §4.2: the most general plan collects per-edge tensors and runs message and aggregate in the tensor
 engine; when message and aggregate are unparameterized they are *pushed down* into the graph engine as one
@@ -13,7 +13,9 @@ fused epilogues) and chooses K from the cost model and a memory budget (:mod:`tr
 """
 
 from trellis.plan.cost import GraphStats
+from trellis.plan.decl import LayerDecl
 from trellis.plan.ir import LayerPlan, ModelDecl, ModelPlan, Op
-from trellis.plan.planner import plan_layer, plan_model
+from trellis.plan.planner import plan_layer, plan_layer_step, plan_model
 
-__all__ = ["GraphStats", "LayerPlan", "ModelDecl", "ModelPlan", "Op", "plan_layer", "plan_model"]
+__all__ = ["GraphStats", "LayerDecl", "LayerPlan", "ModelDecl", "ModelPlan", "Op", "plan_layer", "plan_layer_step",
+           "plan_model"]

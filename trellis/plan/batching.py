@@ -24,6 +24,7 @@ from trellis.errors import TrellisUserError
 from trellis.plan.cost import GraphStats
 from trellis.plan.ir import ModelDecl, ModelPlan
 from trellis.plan.planner import plan_model
+from trellis.plan.rewrites import DEFAULT_REWRITES
 
 
 def balanced_batches(n: int, k: int) -> list[range]:
@@ -101,8 +102,8 @@ class BatchChoice:
 def epoch_plans(models: Sequence[ModelDecl], stats: GraphStats, rewrites: Sequence[str] | None = None
                 ) -> tuple[ModelPlan, ModelPlan]:
     """The training-step plan and the evaluation-pass plan of one batch (one epoch = one of each)."""
-    kw = {} if rewrites is None else {"rewrites": tuple(rewrites)}
-    return plan_model(models, stats, training=True, **kw), plan_model(models, stats, training=False, **kw)
+    rw = DEFAULT_REWRITES if rewrites is None else tuple(rewrites)
+    return plan_model(models, stats, training=True, rewrites=rw), plan_model(models, stats, training=False, rewrites=rw)
 
 
 def estimate(models: Sequence[ModelDecl], stats: GraphStats, k: int, budget_bytes: float,

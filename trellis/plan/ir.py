@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from trellis.plan import cost as C
 from trellis.plan.cost import ZERO, Cost
-
-if TYPE_CHECKING:
-    from trellis.nn.decl import LayerDecl
+from trellis.plan.decl import LayerDecl
 
 #: Ops the graph engine runs (they read the graph); the rest are tensor-engine ops.
 GRAPH_OPS = frozenset({"spmm", "gather", "segment_reduce", "sddmm", "edge_softmax"})

@@ -1,4 +1,4 @@
-"""Lower a :class:`~trellis.nn.decl.LayerDecl` into a :class:`~trellis.plan.ir.LayerPlan`.
+"""Lower a :class:`~trellis.plan.decl.LayerDecl` into a :class:`~trellis.plan.ir.LayerPlan`.
 
 Rewrites (Lotan §4.2):
 
@@ -19,16 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from trellis.errors import TrellisUserError
 from trellis.plan import cost as C
 from trellis.plan.cost import Cost, GraphStats
+from trellis.plan.decl import LayerDecl
 from trellis.plan.ir import ConfigLayer, LayerPlan, ModelDecl, ModelPlan, Op
 from trellis.plan.rewrites import DEFAULT_REWRITES, FUSE, SHARE, fuse_elementwise, share_constant_aggregation
-
-if TYPE_CHECKING:
-    from trellis.nn.decl import LayerDecl
 
 
 def _root_ops(d: LayerDecl, s: GraphStats) -> list[Op]:
@@ -131,6 +128,28 @@ def choose_order(d: LayerDecl, s: GraphStats, *, input_grad: bool = True, traini
     t_agg = sum(o.seconds(training) for o in agg_first)
     t_tr = sum(o.seconds(training) for o in tr_first)
     return t_agg <= t_tr, f"aggregate-first est. {t_agg * 1e3:.2f} ms vs transform-first {t_tr * 1e3:.2f} ms"
+
+
+def plan_layer_step(d: LayerDecl, s: GraphStats, *, input_grad: bool = True, training: bool = True) -> LayerPlan:
+    """The plan one layer runs in a training step or an evaluation pass (what a layer's ``forward`` executes).
+
+    A pushed-down layer's order is :func:`choose_order`'s (step time, backward included), the same choice
+    :func:`plan_model` makes for that layer as one configuration of a model-batched sweep, so a layer called
+    on its own performs the floating-point operations of its configuration in the sweep. A layer with a
+    parameterized message gets :func:`plan_layer`'s general plan.
+
+    Args:
+        d: The layer's declaration.
+        s: Statistics of the graph the layer runs on.
+        input_grad: The layer's input needs a gradient (every layer but a first one fed with features)
+            (default: True).
+        training: Plan a training step (backward included) or an evaluation pass (default: True).
+    """
+    if not d.unparameterized_message:
+        return plan_layer(d, s)
+    first = choose_order(d, s, input_grad=input_grad, training=training)[0]
+    row = [ConfigLayer(d, 0.0, input_constant=False, input_grad=input_grad, aggregate_first=first)]
+    return replace(_lower(row, s, 0), layer=d.name)
 
 
 def check_batchable(models: Sequence[ModelDecl]) -> None:
