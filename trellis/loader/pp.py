@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import threading
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
@@ -47,6 +46,7 @@ from trellis.errors import TrellisUserError
 from trellis.loader.features import FeatureSource, expand_ranges, np_int64
 from trellis.loader.ppcache import PPCache
 from trellis.loader.source import iter_epoch
+from trellis.utils.sizes import format_size, parse_size
 
 #: ``--loader`` choices (``auto`` resolves to one of the others through :func:`plan_placement`).
 LOADERS = ("auto", "naive", "naive-batch", "index", "prefetch", "chunk", "storage")
@@ -63,27 +63,9 @@ _MIN_READ_BYTES = 64 * 1024
 # bytes, budgets
 # ---------------------------------------------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """``"2G"``, ``"512MiB"``, ``"1.5gb"``, ``1000`` → bytes (K/M/G are decimal, KiB/MiB/GiB binary)."""
-    if isinstance(text, int | float):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise TrellisUserError(f"cannot read the size {text!r}; write e.g. 2G, 512MiB or 1000000")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def fmt_bytes(n: float) -> str:
-    """Human-readable binary size."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+#: ``parse_bytes``/``fmt_bytes`` are the package's one size parser and formatter (:mod:`trellis.utils.sizes`).
+parse_bytes = parse_size
+fmt_bytes = format_size
 
 
 def default_budget() -> tuple[int, str]:
@@ -101,7 +83,7 @@ def default_budget() -> tuple[int, str]:
 
 def _preadv_all(fd: int, dst: np.ndarray, offset: int) -> None:
     """Fill the contiguous array ``dst`` from ``fd`` at ``offset`` (loops over short reads)."""
-    mv = memoryview(dst).cast("B")
+    mv = memoryview(dst).cast("B")  # type: ignore[arg-type]  # numpy arrays export the buffer protocol
     done = 0
     while done < len(mv):
         got = os.preadv(fd, [mv[done:]], offset + done)

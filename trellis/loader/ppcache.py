@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -54,10 +53,16 @@ from trellis.ops.propagate import (
     iter_hops,
     l1_normalize_rows,
 )
+from trellis.utils.atomic import MANIFEST, clean_stale_temps, replace_dir, temp_sibling
+from trellis.utils.manifest import ManifestFormat
+from trellis.utils.sizes import format_size
 
 FORMAT = "trellis-ppcache"
 VERSION = 1
-MANIFEST = "manifest.json"
+#: The cache's manifest: format, version and the messages of a missing or foreign one.
+PP_MANIFEST = ManifestFormat(
+    FORMAT, VERSION, what="a pre-propagation cache",
+    create="create it with `trellis preprocess STORE --out DIR`", fix="run `trellis preprocess` again")
 MARKER = "COMPLETE"
 #: Byte alignment of every hop file's data (page size: chunk reads start on page boundaries).
 ALIGN = 4096
@@ -163,7 +168,7 @@ class PPCache:
         state = inspect_pp(self.path)
         if state != "complete":
             raise TrellisUserError(_state_message(self.path, state))
-        self.manifest: dict[str, Any] = json.loads((self.path / MANIFEST).read_text())
+        self.manifest: dict[str, Any] = PP_MANIFEST.read(self.path)
         self._cache: dict[str, np.ndarray] = {}
         self._pos: np.ndarray | None = None
 
@@ -368,7 +373,7 @@ def _state_message(path: Path, state: str) -> str:
         "incomplete": f"{path}: the cache is incomplete (an interrupted `trellis preprocess`?); run "
                       "`trellis preprocess` again with the same --out to redo it",
         "store": f"{path} is a Trellis graph store, not a pre-propagation cache; give another --pp-dir/--out",
-        "foreign": f"{path} exists and is not a pre-propagation cache; choose another --out or pass --overwrite",
+        "foreign": f"{path} exists and is not a pre-propagation cache; choose another --out",
     }.get(state, f"{path}: not a complete cache ({state})")
 
 
@@ -396,27 +401,6 @@ def split_major_rows(store: GraphStore, shuffle_seed: int, *, split_rows_only: b
     if not split_rows_only:
         parts.append(np.flatnonzero(~in_split).astype(np.int64))
     return np.concatenate(parts), ranges
-
-
-def _clean_stale_temps(out: Path) -> None:
-    """Remove temporary build directories of ``out`` left by killed runs (their process is gone)."""
-    for tmp in out.parent.glob(f".{out.name}.pp-tmp-*"):
-        try:
-            pid = int(tmp.name.rsplit("-", 2)[-2])
-        except (ValueError, IndexError):
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def estimate_bytes(store: GraphStore, settings: PPSettings, split_rows: int) -> dict[str, int]:
@@ -467,8 +451,8 @@ def build_pp(store: GraphStore, out: str | os.PathLike[str], settings: PPSetting
     rows, ranges = split_major_rows(store, settings.shuffle_seed, split_rows_only=bool(split_only))
     m = int(rows.shape[0])
     f = store.num_features
-    _clean_stale_temps(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.pp-tmp-{os.getpid()}-", dir=out.parent))
+    clean_stale_temps(out, tag="pp-tmp")
+    tmp = temp_sibling(out, tag="pp-tmp")
     try:
         np.save(tmp / "rows.npy", rows)
         y = store.y
@@ -498,9 +482,7 @@ def build_pp(store: GraphStore, out: str | os.PathLike[str], settings: PPSetting
                 bar.close()
         shutil.rmtree(tmp / "scratch", ignore_errors=True)
         seconds = time.perf_counter() - t0
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
+        manifest = PP_MANIFEST.manifest({
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "store": {"checksum": store.checksum, "path": str(store.path), "name": store.name,
                       "num_nodes": store.num_nodes, "num_edges": store.num_edges,
@@ -516,9 +498,8 @@ def build_pp(store: GraphStore, out: str | os.PathLike[str], settings: PPSetting
             "splits": {k: list(v) for k, v in ranges.items()},
             "hop_files": hop_files,
             "build": {"seconds": round(seconds, 3), "kernel": kernel or KERNEL, "block_rows": brows},
-        }
-        raw = json.dumps(manifest, indent=2).encode()
-        (tmp / MANIFEST).write_bytes(raw)
+        })
+        raw = PP_MANIFEST.write(tmp, manifest)
         for fpath in tmp.iterdir():  # data must be on disk before the marker says it is
             fd = os.open(fpath, os.O_RDONLY)
             try:
@@ -527,7 +508,7 @@ def build_pp(store: GraphStore, out: str | os.PathLike[str], settings: PPSetting
                 os.close(fd)
         (tmp / MARKER).write_text(json.dumps({"manifest_sha256": _sha256_bytes(raw),
                                               "completed": manifest["created"]}))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -553,17 +534,6 @@ def _write_rows(path: Path, offset: int, h: np.ndarray, rows: np.ndarray, block_
         os.close(fd)
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        trash = out.with_name(f".{out.name}.old-{os.getpid()}")
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(out, trash)
-        os.rename(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
     if not enabled:
         return None
@@ -573,7 +543,7 @@ def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return format_size(n, unit="GiB")
 
 
 def ensure_pp(store: GraphStore | str | os.PathLike[str], out: str | os.PathLike[str], settings: PPSettings, *,
@@ -586,7 +556,7 @@ def ensure_pp(store: GraphStore | str | os.PathLike[str], out: str | os.PathLike
 
     Raises:
         TrellisUserError: ``out`` holds a complete cache of another store or other settings (and not
-            ``overwrite``), a graph store, or unrelated files (and not ``overwrite``).
+            ``overwrite``), a graph store, or anything else that is not a cache (even with ``overwrite``).
     """
     if not isinstance(store, GraphStore):
         store = open_store(store)
@@ -595,8 +565,9 @@ def ensure_pp(store: GraphStore | str | os.PathLike[str], out: str | os.PathLike
     state = inspect_pp(out)
     if state == "store":
         raise TrellisUserError(_state_message(out, state))
-    if state == "foreign" and not overwrite:
-        raise TrellisUserError(_state_message(out, state))
+    if state == "foreign":  # --overwrite never deletes what is not a cache: a mistyped --out keeps its files
+        only = "; --overwrite replaces only a cache" if overwrite else ""
+        raise TrellisUserError(_state_message(out, state) + only)
     if state == "complete":
         cache = PPCache(out)
         problem = mismatch(cache, store, settings)
@@ -616,7 +587,7 @@ def ensure_pp(store: GraphStore | str | os.PathLike[str], out: str | os.PathLike
     if state == "incomplete" and log:
         log(f"{out} is an incomplete cache (an interrupted run); redoing it")
     build_pp(store, out, settings, block_rows=block_rows, progress=progress, kernel=kernel, log=log)
-    return PPCache(out), "rebuilt" if state in ("incomplete", "foreign") else "built"
+    return PPCache(out), "rebuilt" if state == "incomplete" else "built"
 
 
 def mismatch(cache: PPCache, store: GraphStore, settings: PPSettings) -> str | None:

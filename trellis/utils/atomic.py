@@ -33,7 +33,6 @@ __all__ = ["MANIFEST", "atomic_dir", "atomic_write", "check_output", "clean_stal
 
 #: The metadata file of every Trellis artefact directory (store, partition layout, pp cache).
 MANIFEST = "manifest.json"
-_TMP = ".tmp-"
 
 
 # ---- files ------------------------------------------------------------------------------------------
@@ -124,15 +123,16 @@ def check_output(out: str | os.PathLike[str], *, overwrite: bool = False,
     raise TrellisUserError(f"{out}: exists and is not a {what}; refusing to overwrite it (choose another --out)")
 
 
-def temp_sibling(out: str | os.PathLike[str]) -> Path:
+def temp_sibling(out: str | os.PathLike[str], tag: str = "tmp") -> Path:
     """Create and return an empty hidden directory beside ``out`` (same file system, so rename works).
 
     A plain ``mkdir`` with a unique name rather than ``mkdtemp``: the renamed result keeps the umask's
-    mode like any other output directory, not 0700. The name holds the pid for :func:`clean_stale_temps`.
+    mode like any other output directory, not 0700. The name, ``.<out>.<tag>-<pid>-<random>``, holds the
+    pid for :func:`clean_stale_temps`.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}{_TMP}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     return tmp
 
@@ -191,14 +191,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def clean_stale_temps(out: str | os.PathLike[str]) -> None:
-    """Remove temporary directories of ``out`` (see :func:`temp_sibling`) whose process is gone."""
+def clean_stale_temps(out: str | os.PathLike[str], tag: str = "tmp") -> None:
+    """Remove temporary directories of ``out`` (see :func:`temp_sibling`, same ``tag``) whose process is gone."""
     out = Path(out)
     if not out.parent.is_dir():
         return
-    for tmp in out.parent.glob(f".{out.name}{_TMP}*"):
+    prefix = f".{out.name}.{tag}-"
+    for tmp in out.parent.glob(prefix + "*"):
         try:
-            pid = int(tmp.name[len(out.name) + 1 + len(_TMP):].split("-", 1)[0])
+            pid = int(tmp.name[len(prefix):].split("-", 1)[0])
         except ValueError:
             continue
         if pid != os.getpid() and not _pid_alive(pid):
