@@ -150,7 +150,7 @@ def test_a_model_batch_asks_the_view_once_per_distinct_input_and_matches_solo_ru
     # a halo view on a part's local graph, passed as per-layer graphs
     owner = np.random.default_rng(3).integers(0, 2, N)
     local, own, halo = part_graph(indptr, indices, np.flatnonzero(owner == 0))
-    for k, m in enumerate(models):
+    for m in models:
         solo = Recorder()
         whole = m(g, x, view=solo)
         bm_k = BatchedGNN([m]).eval()

@@ -7,6 +7,7 @@ and tiling under a memory budget) are decisions between costs, and the estimates
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 FLOAT = 4
@@ -28,6 +29,7 @@ class GraphStats:
 
     @property
     def avg_degree(self) -> float:
+        """Edges per destination."""
         return self.num_edges / max(self.num_dst, 1)
 
 
@@ -59,6 +61,14 @@ class Cost:
 
 
 ZERO = Cost(0.0, 0.0, 0.0)
+
+
+def total(costs: Iterable[Cost]) -> Cost:
+    """The sum of ``costs``, added left to right from :data:`ZERO`."""
+    out = ZERO
+    for c in costs:
+        out = out + c
+    return out
 
 
 def spmm_cost(s: GraphStats, width: int, weighted: bool) -> Cost:

@@ -49,6 +49,7 @@ class Op:
 
     @property
     def engine(self) -> str:
+        """``graph`` for an op the graph engine runs, else ``tensor``."""
         return "graph" if self.kind in GRAPH_OPS else "tensor"
 
     @property
@@ -110,10 +111,8 @@ class LayerPlan:
 
     @property
     def cost(self) -> Cost:
-        total = ZERO
-        for op in self.ops:
-            total = total + op.cost
-        return total
+        """Summed forward cost of the ops."""
+        return C.total(op.cost for op in self.ops)
 
     @property
     def peak_intermediate_bytes(self) -> float:
@@ -148,9 +147,7 @@ def _fmt(x: float, unit: str) -> str:
 
 def format_plans(plans: list[LayerPlan]) -> str:
     """All layers' plans plus the model total."""
-    total = ZERO
-    for p in plans:
-        total = total + p.cost
+    total = C.total(p.cost for p in plans)
     peak = max((p.peak_intermediate_bytes for p in plans), default=0.0)
     body = "\n".join(p.format() for p in plans)
     return (f"{body}\nmodel forward: {_fmt(total.flops, 'FLOP')}, {_fmt(total.bytes, 'B')} moved, "
@@ -175,6 +172,7 @@ class ModelDecl:
 
     @property
     def depth(self) -> int:
+        """Number of layers."""
         return len(self.layers)
 
 
@@ -200,36 +198,27 @@ class ModelPlan:
 
     @property
     def ops(self) -> tuple[Op, ...]:
+        """Every layer's ops, in execution order."""
         return tuple(op for lp in self.layers for op in lp.ops)
 
     @property
     def forward_cost(self) -> Cost:
         """Forward cost of one step (cached ops excluded: they ran once)."""
-        total = ZERO
-        for op in self.ops:
-            total = total + op.step_forward
-        return total
+        return C.total(op.step_forward for op in self.ops)
 
     @property
     def backward_cost(self) -> Cost:
         """Backward cost of one training step (zero for an evaluation plan)."""
-        total = ZERO
-        if self.training:
-            for op in self.ops:
-                total = total + op.backward
-        return total
+        return C.total(op.backward for op in self.ops) if self.training else ZERO
 
     @property
     def once_cost(self) -> Cost:
         """Cost paid once for all epochs: the cached aggregations."""
-        total = ZERO
-        for op in self.ops:
-            if op.cached:
-                total = total + op.cost
-        return total
+        return C.total(op.cost for op in self.ops if op.cached)
 
     @property
     def cached_bytes(self) -> float:
+        """Bytes of the cached aggregations (kept across epochs)."""
         return sum(op.cost.out_bytes for op in self.ops if op.cached)
 
     @property

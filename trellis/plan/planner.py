@@ -17,12 +17,12 @@ model — for a training step (forward and backward) or an evaluation pass, and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 from trellis.errors import TrellisUserError
 from trellis.plan import cost as C
-from trellis.plan.cost import Cost, GraphStats
+from trellis.plan.cost import GraphStats
 from trellis.plan.decl import LayerDecl
 from trellis.plan.ir import ConfigLayer, LayerPlan, ModelDecl, ModelPlan, Op
 from trellis.plan.rewrites import DEFAULT_REWRITES, FUSE, SHARE, fuse_elementwise, share_constant_aggregation
@@ -254,7 +254,7 @@ def _lower(row: list[ConfigLayer], s: GraphStats, index: int) -> LayerPlan:
     notes: list[str] = []
     drop = [c for c in row if c.dropout > 0.0 and index == 0]
     if drop:
-        cost = _sum(C.dropout_cost(n_src, c.decl.in_dim) for c in drop)
+        cost = C.total(C.dropout_cost(n_src, c.decl.in_dim) for c in drop)
         ops.append(Op("elementwise", f"dropout input x{len(drop)} [{d.in_dim}]", cost,
                       input_grad=any(c.input_grad for c in drop), launches=len(drop)))
     if not d.unparameterized_message:  # a single configuration (check_batchable refuses more)
@@ -268,7 +268,7 @@ def _lower(row: list[ConfigLayer], s: GraphStats, index: int) -> LayerPlan:
     ca = [c for c in row if c.cached]
     if tr:
         ops.append(Op("linear", f"{_dims(tr)} on {n_src} rows",
-                      _sum(C.linear_cost(n_src, c.decl.in_dim, c.decl.out_dim) for c in tr),
+                      C.total(C.linear_cost(n_src, c.decl.in_dim, c.decl.out_dim) for c in tr),
                       input_grad=any(c.input_grad for c in tr),
                       launches=1 if all(c.input_constant for c in tr) else len(tr)))
     const_ag = [c for c in ag if c.input_constant]
@@ -291,21 +291,21 @@ def _lower(row: list[ConfigLayer], s: GraphStats, index: int) -> LayerPlan:
                      "configuration(s)")
     if ag or ca:
         ops.append(Op("linear", f"{_dims(ag + ca)} on {n_dst} rows",
-                      _sum(C.linear_cost(n_dst, c.decl.in_dim, c.decl.out_dim) for c in ag + ca),
+                      C.total(C.linear_cost(n_dst, c.decl.in_dim, c.decl.out_dim) for c in ag + ca),
                       input_grad=any(c.input_grad for c in ag), launches=len(ag) + (1 if ca else 0)))
     if d.root == "linear":
-        ops.append(Op("linear", f"root {_dims(row)}", _sum(C.linear_cost(n_dst, c.decl.in_dim, c.decl.out_dim)
+        ops.append(Op("linear", f"root {_dims(row)}", C.total(C.linear_cost(n_dst, c.decl.in_dim, c.decl.out_dim)
                                                           for c in row), input_grad=row[0].input_grad, launches=k))
     if d.root == "eps":
         ops.append(Op("elementwise", "(1+eps) root add",
-                      _sum(C.elementwise_cost(n_dst, c.decl.in_dim if c.aggregate_first else c.decl.out_dim, 2.0)
+                      C.total(C.elementwise_cost(n_dst, c.decl.in_dim if c.aggregate_first else c.decl.out_dim, 2.0)
                            for c in row), launches=k))
     if d.update == "mlp":
         width_out = sum(c.decl.out_dim for c in row)
         ops.append(Op("elementwise", f"relu (update) [{width_out}]", C.elementwise_cost(n_dst, width_out),
                       launches=k))
         ops.append(Op("linear", f"mlp {_dims(row, square=True)}",
-                      _sum(C.linear_cost(n_dst, c.decl.out_dim, c.decl.out_dim) for c in row), launches=k))
+                      C.total(C.linear_cost(n_dst, c.decl.out_dim, c.decl.out_dim) for c in row), launches=k))
     ops += _epilogue(row, s)
     orders = tuple(c.aggregate_first for c in row)
     if k == 1:
@@ -341,10 +341,3 @@ def _dims(row: list[ConfigLayer], square: bool = False) -> str:
     uniq = sorted(set(dims))
     text = ", ".join(f"{a}->{b}" for a, b in uniq)
     return f"{len(row)}x transform {text}" if len(row) > 1 else f"transform {text}"
-
-
-def _sum(costs: Iterable[Cost]) -> Cost:
-    total = C.ZERO
-    for c in costs:
-        total = total + c
-    return total
