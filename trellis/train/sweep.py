@@ -33,7 +33,6 @@ import difflib
 import io
 import itertools
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -65,6 +64,8 @@ from trellis.train.runs import MetricsLog, iter_jsonl, read_jsonl, write_json_at
 from trellis.train.strategies.full import FullBatch, evaluate_logits
 from trellis.train.summary import RunSummary, split_metrics_of
 from trellis.train.trainer import save_model
+from trellis.utils.atomic import check_output, replace_dir, temp_sibling
+from trellis.utils.manifest import format_of
 
 SWEEP_FORMAT = "trellis-sweep"
 
@@ -215,7 +216,7 @@ class SweepConfig:
         if self.batch_models is not None and self.batch_models < 1:
             raise TrellisUserError(f"--batch-models must be a positive integer (got {self.batch_models})")
         if self.memory_budget_mb is not None and not self.memory_budget_mb > 0:
-            raise TrellisUserError(f"--memory-budget must be a positive number of MiB (got {self.memory_budget_mb})")
+            raise TrellisUserError(f"--memory-budget must be a positive size (got {self.memory_budget_mb} MiB)")
         check_keys(self.base, "--set")
         fixed = {"store", "model", "seed", "runs", "resume", "out"}
         for key in self.base:
@@ -525,17 +526,14 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
     entries = make_entries(sc)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(sc.out) if sc.out else Path("sweeps") / f"{Path(sc.store).name}-{sc.model}-{stamp}"
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not sc.overwrite:
-        raise TrellisUserError(f"--out {out}: already exists; choose another --out or pass --overwrite")
+    if not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):  # an empty dir is simply used
+        check_output(out, overwrite=sc.overwrite, owned=is_sweep_dir, what="sweep directory (no sweep.json)")
     device = resolve_device(sc.device)
     strategy = load_sweep_data(entries, device)
     task = strategy.task
     metric = task.select_metric(entries[0].cfg.metric)
     groups = plan_sweep(sc, entries, strategy, device, factory=model_factory)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temp_sibling(out)
     try:
         rows: list[dict[str, Any]] = []
         batches_info: list[dict[str, Any]] = []
@@ -571,13 +569,19 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
                                                "device": sc.device, "batch_models": sc.batch_models,
                                                "memory_budget_mb": sc.memory_budget_mb})
         plot_leaderboard(tmp, rows, metric)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return board
+
+
+def is_sweep_dir(path: Path) -> bool:
+    """Whether ``path`` holds a sweep's output (``sweep.json`` or ``leaderboard.json`` of format trellis-sweep).
+
+    ``--overwrite`` replaces only such a directory: a mistyped ``--out`` must not delete the user's files.
+    """
+    return SWEEP_FORMAT in (format_of(path / "sweep.json"), format_of(path / "leaderboard.json"))
 
 
 def _num(v: Any) -> float:
