@@ -32,9 +32,9 @@ def check_block_rows(block, node_ids, ef, ew):
     got = block.edge_feat.numpy()
     np.testing.assert_array_equal(got[:, 0], ids[dst])
     np.testing.assert_array_equal(got[:, 1], ids[block.indices.numpy()])
-    np.testing.assert_array_equal(got[:, 2], block.cache["eid"].numpy())
-    np.testing.assert_array_equal(block.edge_weight.numpy(), ew.numpy()[block.cache["eid"].numpy()])
-    assert np.array_equal(ef.numpy()[block.cache["eid"].numpy()], got)
+    np.testing.assert_array_equal(got[:, 2], block.edge_ids.numpy())
+    np.testing.assert_array_equal(block.edge_weight.numpy(), ew.numpy()[block.edge_ids.numpy()])
+    assert np.array_equal(ef.numpy()[block.edge_ids.numpy()], got)
 
 
 @pytest.mark.parametrize("fanouts", [[3, 2], [-1, 4]])

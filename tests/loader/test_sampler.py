@@ -40,7 +40,7 @@ def test_sampled_edges_exist_nested_and_unique(csr, fanouts, labor):
         d, src = block_global_edges(blk)
         assert set(zip(d.tolist(), src.tolist())) <= edges
         # eid points at the very edge that was sampled
-        eid = blk.cache["eid"].numpy()
+        eid = blk.edge_ids.numpy()
         assert np.array_equal(indices[eid], src)
         assert np.array_equal(np.searchsorted(indptr, eid, side="right") - 1, d)
         # no duplicate edge per destination
@@ -157,8 +157,8 @@ def test_blocks_carry_reverse_and_degrees(csr):
         assert blk.perm is not None and rev.num_dst == blk.num_src and rev.num_edges == blk.num_edges
         assert torch.equal(blk.indices[blk.perm], torch.repeat_interleave(torch.arange(blk.num_src),
                                                                         rev.indptr[1:] - rev.indptr[:-1]))
-        assert np.array_equal(blk.cache["src_degree"].numpy(), deg[blk.node_ids.numpy()])
-        assert blk.cache["dst_degree"].shape[0] == blk.num_dst
+        assert np.array_equal(blk.src_degree.numpy(), deg[blk.node_ids.numpy()])
+        assert blk.dst_degree.shape[0] == blk.num_dst
 
 
 def test_bad_input(csr):

@@ -88,12 +88,7 @@ class Batch:
         blocks = []
         for b in self.blocks:
             if id(b) not in moved:
-                nb = b.to(device)
-                if nb is not b:
-                    for key in ("src_degree", "dst_degree"):
-                        if key in b.cache:
-                            nb.cache[key] = b.cache[key].to(device, non_blocking=non_blocking)
-                moved[id(b)] = nb
+                moved[id(b)] = b.to(device)  # the typed fields (degrees, edge ids) move with it
             blocks.append(moved[id(b)])
 
         def mv(t: Tensor | None) -> Tensor | None:
@@ -105,7 +100,7 @@ class Batch:
 
 def attach_edge_data(blocks: Sequence[CSRGraph], edge_weight: Tensor | None = None,
                      edge_feat: Tensor | None = None) -> None:
-    """Give each block the weights/features of its edges, looked up by ``cache["eid"]`` (global edge ids).
+    """Give each block the weights/features of its edges, looked up by ``edge_ids`` (global edge ids).
 
     Why: per-edge data must follow its edge into every subgraph, or GAT-E and weighted aggregations would
     compute something else on a batch than on the full graph. Shared blocks are filled once.
@@ -113,7 +108,9 @@ def attach_edge_data(blocks: Sequence[CSRGraph], edge_weight: Tensor | None = No
     if edge_weight is None and edge_feat is None:
         return
     for b in {id(b): b for b in blocks}.values():
-        eid = b.cache["eid"]
+        eid = b.edge_ids
+        if eid is None:
+            raise ValueError("a block without edge_ids cannot be given edge data (the loader sets them)")
         if edge_weight is not None:
             b.edge_weight = edge_weight.index_select(0, eid.to(edge_weight.device))
         if edge_feat is not None:

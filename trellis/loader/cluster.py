@@ -200,8 +200,8 @@ def prefix_blocks(indptr: np.ndarray, indices: np.ndarray, hop_ends: list[int], 
         e = int(indptr[rows])
         g = CSRGraph(torch.from_numpy(indptr[: rows + 1]), torch.from_numpy(indices[:e]), num_src,
                      node_ids=node_ids[:num_src])
-        g.cache["src_degree"] = deg[:num_src]
-        g.cache["dst_degree"] = deg[:rows]
+        g.src_degree = deg[:num_src]
+        g.dst_degree = deg[:rows]
         blocks.append(attach_reverse(g))
         num_src = rows
     return blocks
@@ -309,7 +309,7 @@ class ClusterLoader:
         blocks = prefix_blocks(sub_indptr, sub_indices, hop_ends, self.num_layers, ids_t)
         eid_t = torch.from_numpy(eid)
         for b in blocks:
-            b.cache["eid"] = eid_t[: b.num_edges]
+            b.edge_ids = eid_t[: b.num_edges]
         attach_edge_data(blocks, self.edge_weight, self.edge_feat)
         batch = Batch(blocks=blocks, node_ids=ids_t, num_targets=int(nodes.shape[0]), index=index,
                       seed=int(mix64(self.seed, plan.epoch, index) >> 1),

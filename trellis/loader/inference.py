@@ -122,11 +122,7 @@ def _avg_degree(indptr: np.ndarray) -> int:
 def _to(block: CSRGraph, device: torch.device) -> CSRGraph:
     if block.device == device:
         return block
-    moved = block.to(device)
-    for key in ("src_degree", "dst_degree"):
-        if key in block.cache:
-            moved.cache[key] = block.cache[key].to(device)
-    return moved
+    return block.to(device)  # the typed fields (degrees, edge ids) move with it
 
 
 def _rowwise(model: nn.Module, x: Tensor, rows: np.ndarray | None, device: torch.device,

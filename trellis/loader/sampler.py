@@ -324,7 +324,7 @@ class NeighborSampler:
         reverse: Build the reverse CSR of every block but the input one in the sampler (default: True), so the
             backward pass finds it ready; the input block's is built on first use (:class:`LazyReverseBlock`).
             False: every block builds it on first use.
-        degrees: Attach global in-degrees as ``cache["src_degree"]``/``cache["dst_degree"]`` so GCN's
+        degrees: Attach global in-degrees as ``src_degree``/``dst_degree`` of every block so GCN's
             normalization on a block equals the full graph's (default: True).
     """
 
@@ -412,14 +412,14 @@ class NeighborSampler:
                node_ids: Tensor, *, lazy_reverse: bool = False) -> CSRGraph:
         cls = LazyReverseBlock if lazy_reverse or not self.reverse else CSRGraph
         g = cls(torch.from_numpy(indptr), torch.from_numpy(local), int(num_src), node_ids=node_ids[:num_src])
-        g.cache["eid"] = torch.from_numpy(eid)
+        g.edge_ids = torch.from_numpy(eid)
         if self.reverse and not lazy_reverse:
             attach_reverse(g)
         if self._degree is not None:
             ids = node_ids.numpy()[:num_src]
             deg = torch.from_numpy(self._degree[ids])
-            g.cache["src_degree"] = deg
-            g.cache["dst_degree"] = deg[: g.num_dst]
+            g.src_degree = deg
+            g.dst_degree = deg[: g.num_dst]
         return g
 
 

@@ -11,15 +11,26 @@ features, attention) follows its edge. It is built once and cached on the object
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from trellis.partition.layout import LocalGraph
 
 
 @dataclass(eq=False)
 class CSRGraph:
     """CSR of in-edges: for destination ``i`` its sources are ``indices[indptr[i]:indptr[i+1]]``.
+
+    Values that travel *between components* (a loader or a partition writes them, an operator reads them)
+    are typed fields, so a producer and a consumer cannot disagree on a string key and ``to(device)``
+    moves them with the graph: ``node_ids``, ``src_degree``, ``dst_degree`` and ``edge_ids``.
+    ``cache`` holds only memos that a method of this module or of :mod:`trellis.ops` derives from the
+    structure and may recompute at any time (``in_degree``, ``out_degree``, ``dst``, ``self_loops``,
+    ``edge_map``, ``inv_degree:<dtype>``, ``row_norm``, ``gcn_norm:<bool>``, ``_coef``, ``_ones_<dtype>``,
+    ``_row_chunks``); it is not moved by :meth:`to` and nobody outside ``ops`` should write to it.
 
     Attributes:
         indptr: ``int64 [num_dst + 1]``.
@@ -28,7 +39,16 @@ class CSRGraph:
         edge_weight: Optional ``float [E]`` weights in edge order.
         edge_feat: Optional ``float [E, D]`` edge features in edge order.
         node_ids: Optional ``int64 [num_src]`` local -> global id map (None for the full graph).
-        cache: Derived per-graph values (normalizations, degrees, reverse CSR) computed once.
+        rev: The reverse CSR (rows = sources), built on first use by :meth:`reverse`.
+        perm: ``int64 [E]``: edge ``k`` of ``rev`` is edge ``perm[k]`` of this graph.
+        cache: Internal memos (see above), computed once per graph.
+        src_degree: Optional ``[num_src]`` *global* in-degree (without self loops) of each source row, set
+            by a loader or a partition whose graph is a piece of a larger one, so that GCN's normalization
+            (:func:`trellis.ops.norm.gcn_norm`) equals the whole graph's. None: the local degrees are used.
+        dst_degree: Optional ``[num_dst]`` global in-degree of each destination row (same role).
+        edge_ids: Optional ``int64 [E]`` global id (into the store's CSR) of each local edge, so per-edge
+            data (weights, features) can follow its edge into a subgraph; -1 for an edge that does not
+            exist in the store (a self loop added by :meth:`with_self_loops`).
     """
 
     indptr: torch.Tensor
@@ -40,17 +60,23 @@ class CSRGraph:
     rev: CSRGraph | None = field(default=None, repr=False)
     perm: torch.Tensor | None = field(default=None, repr=False)
     cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    src_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
+    dst_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
+    edge_ids: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
 
     @property
     def num_dst(self) -> int:
+        """Number of destination rows."""
         return int(self.indptr.shape[0] - 1)
 
     @property
     def num_edges(self) -> int:
+        """Number of edges (CSR positions)."""
         return int(self.indices.shape[0])
 
     @property
     def device(self) -> torch.device:
+        """Device of the structure (``indptr``)."""
         return self.indptr.device
 
     @classmethod
@@ -63,19 +89,29 @@ class CSRGraph:
         rev: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         edge_weight: np.ndarray | None = None,
         edge_feat: np.ndarray | None = None,
+        node_ids: np.ndarray | None = None,
+        src_degree: np.ndarray | None = None,
+        dst_degree: np.ndarray | None = None,
+        edge_ids: np.ndarray | None = None,
     ) -> CSRGraph:
-        """Wrap numpy arrays (memory maps are copied into RAM once); ``rev`` reuses a cached reverse CSR."""
-        def t(a: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
-            if a is None:
-                return None
+        """Wrap numpy arrays (memory maps are copied into RAM once); ``rev`` reuses a cached reverse CSR.
+
+        Ids become ``int64``, edge data and degrees ``float32`` (the dtypes the loaders give them too).
+        """
+        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             arr = np.ascontiguousarray(a)
             if not arr.flags.writeable:  # a read-only memory map: copy into RAM (torch needs writable memory)
                 arr = np.array(arr)
             return torch.from_numpy(arr).to(dtype)
 
+        def o(a: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor | None:
+            return None if a is None else t(a, dtype)
+
         g = cls(t(indptr, torch.int64), t(indices, torch.int64),
                 int(num_src if num_src is not None else len(indptr) - 1),
-                edge_weight=t(edge_weight, torch.float32), edge_feat=t(edge_feat, torch.float32))
+                edge_weight=o(edge_weight, torch.float32), edge_feat=o(edge_feat, torch.float32),
+                node_ids=o(node_ids, torch.int64), src_degree=o(src_degree, torch.float32),
+                dst_degree=o(dst_degree, torch.float32), edge_ids=o(edge_ids, torch.int64))
         if rev is not None:
             g.rev = CSRGraph(t(rev[0], torch.int64), t(rev[1], torch.int64), g.num_dst)
             g.perm = t(rev[2], torch.int64)
@@ -88,10 +124,25 @@ class CSRGraph:
         return cls.from_numpy(store.indptr, store.indices, store.num_nodes, rev=store.reverse_csr(),
                               edge_weight=store.edge_weight, edge_feat=store.edge_feat)
 
+    @classmethod
+    def from_partition(cls, part: LocalGraph) -> CSRGraph:
+        """The pull graph of one part of a partitioned layout, with global degrees and edge ids.
+
+        Destinations are the part's owned rows; sources are its owned rows (first, same order) then its
+        halo rows, whose values an exchange (the graph view between layers) must supply; ``node_ids`` maps
+        every source row to its global id. ``src_degree`` / ``dst_degree`` are the *global* in-degrees, so
+        GCN's normalization on the part equals the whole graph's on the same edges. See
+        :meth:`trellis.partition.layout.LocalGraph.pull_csr` for the ownerships that have a pull graph.
+        """
+        p = part.pull_csr()
+        return cls.from_numpy(p.indptr, p.indices, p.num_src, edge_weight=p.edge_weight, edge_feat=p.edge_feat,
+                              node_ids=p.node_ids, src_degree=p.in_degree, dst_degree=p.in_degree[: p.num_local],
+                              edge_ids=p.edge_ids)
+
     def reverse(self) -> CSRGraph:
         """The reverse CSR (rows = sources); ``self.perm`` maps its edges to this graph's edge ids."""
         if self.rev is None:
-            from trellis.data.store import build_reverse_csr
+            from trellis.utils.csr import build_reverse_csr
 
             rip, rix, perm = build_reverse_csr(self.indptr.cpu().numpy(), self.indices.cpu().numpy(),
                                                self.num_src)
@@ -131,7 +182,10 @@ class CSRGraph:
 
         Attention layers need the self edge inside the softmax, so it cannot be folded into a diagonal
         term the way GCN's is. Edge features of the new self loops are zeros; ``cache["edge_map"]`` of the
-        result gives each new edge's id in this graph (-1 for added loops).
+        result gives each new edge's id in this graph (-1 for added loops). The typed fields follow:
+        ``edge_ids`` of kept edges are this graph's, of added loops -1 (they are in no store); ``node_ids``,
+        ``src_degree`` and ``dst_degree`` are this graph's unchanged, because the degrees describe the
+        graph without self loops (GCN counts its loop separately, see :func:`trellis.ops.norm.gcn_norm`).
         """
         if "self_loops" in self.cache:
             return self.cache["self_loops"]
@@ -144,8 +198,12 @@ class CSRGraph:
         counts = torch.bincount(new_dst, minlength=self.num_dst)
         indptr = torch.zeros(self.num_dst + 1, dtype=torch.int64, device=self.device)
         torch.cumsum(counts, 0, out=indptr[1:])
-        g = CSRGraph(indptr, torch.cat([src[keep], loops])[order], self.num_src, node_ids=self.node_ids)
+        g = CSRGraph(indptr, torch.cat([src[keep], loops])[order], self.num_src, node_ids=self.node_ids,
+                     src_degree=self.src_degree, dst_degree=self.dst_degree)
         real = edge_map >= 0
+        if self.edge_ids is not None:
+            g.edge_ids = torch.full_like(edge_map, -1)
+            g.edge_ids[real] = self.edge_ids[edge_map[real]]
         for name in ("edge_weight", "edge_feat"):
             value = getattr(self, name)
             if value is not None:
@@ -158,7 +216,10 @@ class CSRGraph:
         return g
 
     def to(self, device: torch.device | str) -> CSRGraph:
-        """A copy on ``device`` (the reverse CSR moves with it)."""
+        """A copy on ``device``: structure, edge data and the typed fields (the reverse CSR moves with it).
+
+        ``cache`` is not copied: its memos are recomputed on the new device when first asked for.
+        """
         device = torch.device(device)
         if device == self.device:
             return self
@@ -166,10 +227,11 @@ class CSRGraph:
         def mv(a: torch.Tensor | None) -> torch.Tensor | None:
             return None if a is None else a.to(device)
 
-        g = CSRGraph(mv(self.indptr), mv(self.indices), self.num_src, mv(self.edge_weight),
-                     mv(self.edge_feat), mv(self.node_ids))
+        g = CSRGraph(self.indptr.to(device), self.indices.to(device), self.num_src, mv(self.edge_weight),
+                     mv(self.edge_feat), mv(self.node_ids), src_degree=mv(self.src_degree),
+                     dst_degree=mv(self.dst_degree), edge_ids=mv(self.edge_ids))
         if self.rev is not None:
-            g.rev = CSRGraph(mv(self.rev.indptr), mv(self.rev.indices), self.num_dst)
+            g.rev = CSRGraph(self.rev.indptr.to(device), self.rev.indices.to(device), self.num_dst)
             g.perm = mv(self.perm)
             g.rev.rev = g
         return g

@@ -2,7 +2,8 @@
 
 Why cached on the graph: the values depend only on the structure, and a full-batch run calls a GCN layer
 on the same graph every step; recomputing ``1/sqrt(deg)`` gathers over ``E`` edges each time would cost as
-much as a small SpMM. Everything lands in ``graph.cache`` and is computed on the graph's device.
+much as a small SpMM. Everything lands in ``graph.cache`` (internal memos) and is computed on the graph's
+device; the global degrees that a loader or partition supplies are read from the graph's typed fields.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ def inv_degree(graph: CSRGraph, dtype: torch.dtype = torch.float32) -> Tensor:
     """``1 / in-degree`` per destination (``[num_dst]``, 0 for isolated rows), cached per dtype.
 
     Mean aggregation scales by it in the forward pass (per output row) and in the backward pass (per
-    message, on the reverse graph).
+    message, on the reverse graph). It is deliberately the *local* in-degree, not ``graph.dst_degree``:
+    the mean is over the edges the graph holds (a sampled block averages its sampled neighbours). A
+    destination-owned partition holds every in-edge of its rows, so there the two agree; an engine that
+    splits a row's in-edges across parts (push, vertex-cut) must sum first and divide by the global
+    in-degree at the owner.
     """
     key = f"inv_degree:{dtype}"
     if key not in graph.cache:
@@ -53,10 +58,15 @@ def gcn_norm(graph: CSRGraph, add_self_loops: bool = True) -> tuple[Tensor, Tens
 
     * square graph (``num_src == num_dst``): the in-degree for both ends, as PyG's ``gcn_norm`` does (for
       an undirected graph in- and out-degree agree);
-    * bipartite block: ``graph.cache["dst_degree"]`` / ``graph.cache["src_degree"]`` when a loader or a
-      partition supplies the *global* in-degrees (without self loops) of the block's destination / source
-      nodes, which makes the block's normalization equal the full graph's; otherwise the block's local
-      in-degree of destinations and local out-degree of sources (DGL's ``GraphConv`` convention on blocks).
+    * ``graph.dst_degree`` / ``graph.src_degree`` when a loader or a partition supplies the *global*
+      in-degrees (without self loops) of the graph's destination / source rows — a sampled block, a cluster
+      subgraph, a partition's local graph with halo rows — which makes its normalization equal the full
+      graph's on the same edges; each is used on its own, whichever is given;
+    * otherwise, on a bipartite block, the block's local in-degree of destinations and local out-degree of
+      sources (DGL's ``GraphConv`` convention on blocks).
+
+    The self term ``self_weight[i]`` pairs destination ``i`` with source row ``i``: a graph whose
+    destinations are not its first source rows, in the same order, gets wrong self weights.
 
     Args:
         graph: The graph (full graph, block or partition).
@@ -71,12 +81,12 @@ def gcn_norm(graph: CSRGraph, add_self_loops: bool = True) -> tuple[Tensor, Tens
         return graph.cache[key]
     loop = 1.0 if add_self_loops else 0.0
     nd = graph.num_dst
-    if "dst_degree" in graph.cache:
-        dd = graph.cache["dst_degree"].to(graph.device, torch.float64) + loop
+    if graph.dst_degree is not None:
+        dd = graph.dst_degree.to(graph.device, torch.float64) + loop
     else:
         dd = graph.in_degree().to(torch.float64) + loop
-    if "src_degree" in graph.cache:
-        ds = graph.cache["src_degree"].to(graph.device, torch.float64) + loop
+    if graph.src_degree is not None:
+        ds = graph.src_degree.to(graph.device, torch.float64) + loop
     elif graph.num_src == nd:
         ds = dd
     else:

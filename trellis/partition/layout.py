@@ -81,6 +81,7 @@ EdgeChunks = Callable[[], Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]]
 
 
 def part_dir_name(part: int) -> str:
+    """Directory name of part ``part`` inside a layout (``part-00003``)."""
     return f"part-{part:05d}"
 
 
@@ -421,6 +422,7 @@ class LocalGraph:
 
     @property
     def num_halo(self) -> int:
+        """Halo nodes ``H``: sources of the part's edges owned by other parts."""
         return int(self.halo_owner.shape[0])
 
     @property
@@ -430,6 +432,7 @@ class LocalGraph:
 
     @property
     def num_edges(self) -> int:
+        """Edges of the forward local CSR."""
         return int(self.indices.shape[0])
 
     @property
@@ -441,6 +444,89 @@ class LocalGraph:
         """``(src, dst)`` global ids of the forward edges this part stores, in local edge order."""
         dst_local = np.repeat(np.arange(self.num_nodes, dtype=np.int64), np.diff(self.indptr))
         return self.local_to_global[self.indices], self.local_to_global[dst_local]
+
+    def pull_csr(self) -> PullCSR:
+        """The part as the graph engine runs it: every in-edge of its own rows, over local + halo sources.
+
+        Why: a pull engine computes each owned node's output from its in-edges' sources, some of which are
+        halo rows an exchange supplies; with that CSR and global degrees, a layer's output on the owned rows
+        equals the whole graph's. :meth:`trellis.ops.graph.CSRGraph.from_partition` wraps the result (the
+        partition layer sits below ``ops`` and does not import it).
+
+        Row and column order: destinations are the ``L`` owned rows (local ids ``[0, L)``, ascending global
+        id); sources are all ``L + H`` local ids, owned rows first in the same order, then the halo rows in
+        the layout's order (ascending global id). Destination ``i`` is therefore source row ``i``, which GCN's
+        self term and SAGE's root term (``x[:num_dst]``) rely on. Degrees are the layout's *global*
+        in-degrees, so GCN's normalization matches the whole graph's; every in-edge of an owned row is held,
+        so the local in-degree (SAGE's mean, GAT's softmax) equals the global one too.
+
+        Supported ownerships: ``dst`` (the stored CSR's first ``L`` rows, edges in stored order) and
+        ``reverse`` (its reversed in-edge copy ``rev_*`` transposed back; within a row, edges are ordered by
+        source local id, and halo rows that only the out-edges need are present but unused).
+
+        Raises:
+            TrellisUserError: For ``src`` and ``vertex-cut`` ownership, where a part does not hold every
+                in-edge of its rows (those need a push or mirror-reduce engine, not a pull graph).
+        """
+        num_local = self.num_local
+        if self.ownership == "dst":
+            indptr = np.asarray(self.indptr[: num_local + 1])
+            if int(indptr[-1]) != self.num_edges:
+                raise TrellisUserError(f"part {self.part}: halo rows hold edges, so this is not a destination-"
+                                       "owned layout; re-run `trellis partition`")
+            return PullCSR(indptr, np.asarray(self.indices), self.local_to_global, np.asarray(self.in_degree),
+                           np.asarray(self.edge_ids), self.edge_weight, self.edge_feat, num_local)
+        if self.ownership == "reverse":
+            if self.rev is None:
+                raise TrellisUserError(f"part {self.part}: a reverse-owned layout without rev_* arrays; re-run "
+                                       "`trellis partition`")
+            rev_indptr, rev_indices, rev_eids = (np.asarray(a) for a in self.rev)
+            cols = np.asarray(rev_indices)  # owned destination of each reversed edge
+            if cols.size and int(cols.max()) >= num_local:
+                raise TrellisUserError(f"part {self.part}: reversed edges point at halo rows; re-run "
+                                       "`trellis partition`")
+            order = np.argsort(cols, kind="stable")  # rev rows are sources: a row's edges by source id
+            src = np.repeat(np.arange(rev_indptr.shape[0] - 1, dtype=np.int64), np.diff(rev_indptr))
+            indptr = np.zeros(num_local + 1, dtype=np.int64)
+            np.cumsum(np.bincount(cols, minlength=num_local), out=indptr[1:])
+            ew, ef = self.rev_edge_weight, self.rev_edge_feat
+            return PullCSR(indptr, src[order], self.local_to_global, np.asarray(self.in_degree), rev_eids[order],
+                           None if ew is None else np.asarray(ew)[order],
+                           None if ef is None else np.asarray(ef)[order], num_local)
+        raise TrellisUserError(
+            f"part {self.part}: ownership {self.ownership!r} splits a node's in-edges across parts, so a part "
+            "has no pull graph (it needs a push or mirror-reduce exchange); partition with a destination-owned "
+            "method (metis, grem, ldg, fennel, random, hash-dst) or reverse")
+
+
+@dataclass
+class PullCSR:
+    """A part's pull graph in the graph engine's convention, as numpy arrays (see :meth:`LocalGraph.pull_csr`).
+
+    Attributes:
+        indptr: ``int64 [L + 1]`` in-edge CSR of the owned rows.
+        indices: ``int64 [M]`` source local id of each edge, in ``[0, L + H)``.
+        node_ids: ``int64 [L + H]`` global id of every source row (owned rows first, then halo rows).
+        in_degree: ``[L + H]`` global in-degree of every source row; its first ``L`` entries are the
+            destinations' (the engine's ``src_degree`` and ``dst_degree``).
+        edge_ids: ``int64 [M]`` global edge id (into the store's CSR) of each local edge.
+        edge_weight / edge_feat: Edge data in local edge order, when the store has it.
+        num_local: ``L``, the number of destination rows.
+    """
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    node_ids: np.ndarray
+    in_degree: np.ndarray
+    edge_ids: np.ndarray
+    edge_weight: np.ndarray | None
+    edge_feat: np.ndarray | None
+    num_local: int
+
+    @property
+    def num_src(self) -> int:
+        """Number of source rows (owned plus halo)."""
+        return int(self.node_ids.shape[0])
 
 
 @dataclass
@@ -457,6 +543,7 @@ class EdgeBucket:
 
     @property
     def num_edges(self) -> int:
+        """Edges in the bucket."""
         return int(self.src.shape[0])
 
 
@@ -506,22 +593,27 @@ class PartitionedGraph:
 
     @property
     def num_parts(self) -> int:
+        """Number of parts ``P``."""
         return int(self.manifest["num_parts"])
 
     @property
     def num_nodes(self) -> int:
+        """Nodes of the whole graph."""
         return int(self.manifest["num_nodes"])
 
     @property
     def num_edges(self) -> int:
+        """Edges of the whole graph."""
         return int(self.manifest["num_edges"])
 
     @property
     def ownership(self) -> str:
+        """Edge ownership of the layout (see :data:`trellis.partition.base.OWNERSHIPS`)."""
         return str(self.manifest["ownership"])
 
     @property
     def quality(self) -> dict[str, Any] | None:
+        """The quality report recorded when the layout was written (None when none was)."""
         return self.manifest.get("quality")
 
     def _arr(self, rel: str) -> np.ndarray | None:
@@ -585,13 +677,13 @@ class PartitionedGraph:
     def edges_among(self, parts: Sequence[int]) -> EdgeBucket:
         """All edges whose endpoints both lie in ``parts``, concatenated (``src_part = dst_part = -1``)."""
         bs = list(self.iter_buckets(parts))
-        ew = [b.edge_weight for b in bs]
-        ef = [b.edge_feat for b in bs]
+        ew = [b.edge_weight for b in bs if b.edge_weight is not None]
+        ef = [b.edge_feat for b in bs if b.edge_feat is not None]
         return EdgeBucket(-1, -1, np.concatenate([b.src for b in bs]) if bs else np.empty(0, np.int64),
                           np.concatenate([b.dst for b in bs]) if bs else np.empty(0, np.int64),
                           np.concatenate([b.edge_ids for b in bs]) if bs else np.empty(0, np.int64),
-                          None if not bs or ew[0] is None else np.concatenate(ew),
-                          None if not bs or ef[0] is None else np.concatenate(ef))
+                          np.concatenate(ew) if bs and len(ew) == len(bs) else None,
+                          np.concatenate(ef) if bs and len(ef) == len(bs) else None)
 
 
 def open_partitioned(path: str | os.PathLike[str], verify: bool | str = "auto") -> PartitionedGraph:
@@ -604,5 +696,5 @@ def load_partition_book(path: str | os.PathLike[str]) -> PartitionBook:
     return PartitionBook.load(path)
 
 
-__all__ = ["EdgeBucket", "LocalGraph", "PartitionedGraph", "write_layout", "open_partitioned",
+__all__ = ["EdgeBucket", "LocalGraph", "PullCSR", "PartitionedGraph", "write_layout", "open_partitioned",
            "load_partition_book", "BOOK_FILE", "NODE_PARTS_FILE"]
