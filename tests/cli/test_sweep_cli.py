@@ -78,3 +78,40 @@ def test_bad_input_is_one_line_and_exit_2(store, tmp_path, capsys, argv, needle)
 def test_missing_store_is_a_user_error(tmp_path, capsys):
     rc, _, err = run(capsys, "sweep", tmp_path / "nostore", "--grid", "lr=0.1", "--out", tmp_path / "o")
     assert rc == 2 and "not a Trellis store" in err
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_sweep_and_deletes_nothing(store, tmp_path, capsys):
+    out = tmp_path / "mydata"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    rc, _, err = run(capsys, "sweep", store, "--grid", "lr=0.05", "--epochs", "1", "--out", out, "--overwrite",
+                     "--no-progress")
+    assert rc == 2 and "--out" in err and "not a sweep directory" in err and "Traceback" not in err
+    assert (out / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mydata"]  # no temporary directory left either
+
+
+def test_overwrite_replaces_a_previous_sweep(store, tmp_path, capsys):
+    out = tmp_path / "sw"
+    argv = ["sweep", store, "--grid", "hidden=8", "--epochs", "1", "--out", out, "--no-progress"]
+    assert run(capsys, *argv)[0] == 0
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and "already exists" in err
+    (out / "stale.txt").write_text("from the old sweep")
+    assert run(capsys, *argv, "--overwrite")[0] == 0
+    assert (out / "sweep.json").is_file() and not (out / "stale.txt").exists()
+
+
+@pytest.mark.parametrize(("flag", "mib"), [("3G", 3e9 / 2**20), ("512MiB", 512.0), ("100", 100.0), ("1.5", 1.5)])
+def test_memory_budget_takes_a_size_and_a_bare_number_is_mib(store, flag, mib):
+    from trellis.cli.main import build_parser
+    from trellis.cli.sweep import config_from_args
+
+    args = build_parser().parse_args(["sweep", store, "--grid", "lr=0.1", "--memory-budget", flag])
+    assert config_from_args(args).memory_budget_mb == pytest.approx(mib)
+
+
+@pytest.mark.parametrize(("flag", "needle"), [("lots", "cannot read the size"), ("0", "must be a positive size")])
+def test_bad_memory_budget_is_a_user_error(store, tmp_path, capsys, flag, needle):
+    rc, _, err = run(capsys, "sweep", store, "--grid", "lr=0.1", "--memory-budget", flag, "--out", tmp_path / "o")
+    assert rc == 2 and needle in err and "--memory-budget" in err

@@ -18,9 +18,9 @@ from typing import Any
 
 from trellis.data.store import open_store
 from trellis.errors import TrellisUserError
-from trellis.loader.pp import fmt_bytes
 from trellis.loader.ppcache import PPSettings, ensure_pp
 from trellis.ops.propagate import FEATURE_NORMS, OPERATORS, OperatorSpec
+from trellis.utils.sizes import format_size
 
 #: ``--model`` choices (``trellis.nn.pp_models.PP_MODELS``; imported lazily so ``preprocess`` needs no model code).
 PP_MODEL_NAMES = ("sgc", "sign", "hoga")
@@ -91,6 +91,6 @@ def run_preprocess(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"{action} {cache.path}: hops 0..{cache.hops} × {cache.num_rows:,} rows × {cache.num_features} "
-              f"features = {fmt_bytes(result['bytes'])}; preprocessing took {result['seconds']:.2f} s "
+              f"features = {format_size(result['bytes'])}; preprocessing took {result['seconds']:.2f} s "
               f"({result['kernel']} kernel)")
     return 0

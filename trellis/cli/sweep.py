@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from trellis.errors import TrellisUserError
+from trellis.utils.sizes import parse_size
 
 _EPILOG = """\
 examples:
@@ -35,15 +36,6 @@ def _int(name: str) -> Any:
     return parse
 
 
-def _float(name: str) -> Any:
-    def parse(text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number (got {text!r})") from None
-    return parse
-
-
 def register(sub: Any) -> None:
     """Add ``trellis sweep`` to the CLI."""
     p = sub.add_parser("sweep", help="train a hyperparameter grid with model batching; leaderboard and plot",
@@ -59,8 +51,9 @@ def register(sub: Any) -> None:
                         "weight_decay=0)")
     p.add_argument("--batch-models", type=_int("--batch-models"), default=None, metavar="K",
                    help="configurations per batched model (default: chosen from the cost model and memory budget)")
-    p.add_argument("--memory-budget", type=_float("--memory-budget"), default=None, metavar="MIB",
-                   help="memory the batches may use, in MiB (default: 60%% of the available memory)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="memory the batches may use, as in `trellis train`: e.g. 3G or 512MiB; a bare number is "
+                        "MiB (default: 60%% of the available memory)")
     p.add_argument("--epochs", type=_int("--epochs"), default=None, metavar="N",
                    help="maximum epochs per configuration (default: the model's, 200 for gcn)")
     p.add_argument("--patience", type=_int("--patience"), default=None, metavar="N",
@@ -99,9 +92,12 @@ def config_from_args(args: argparse.Namespace) -> Any:
             raise TrellisUserError(f"--{name} must be an integer >= 1 (got {value})")
     if args.seed < 0:
         raise TrellisUserError(f"--seed must be an integer >= 0 (got {args.seed})")
+    budget_mb = None
+    if args.memory_budget is not None:  # a bare number stays MiB, as before the flag took a SIZE
+        budget_mb = parse_size(args.memory_budget, bare_unit="MiB", flag="--memory-budget") / 2**20
     return SweepConfig(store=args.store, model=args.model, grid=parse_grid(args.grid), base=_base(args.base),
                        epochs=args.epochs, patience=args.patience, seed=args.seed, device=args.device,
-                       batch_models=args.batch_models, memory_budget_mb=args.memory_budget, out=args.out,
+                       batch_models=args.batch_models, memory_budget_mb=budget_mb, out=args.out,
                        overwrite=args.overwrite, progress=args.progress)
 
 
