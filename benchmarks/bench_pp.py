@@ -67,7 +67,7 @@ def _child(argv: list[str], timeout: float = 3600) -> dict[str, Any]:
 def child_preprocess(a: argparse.Namespace) -> dict[str, Any]:
     from trellis.loader.ppcache import PPSettings, ensure_pp
     from trellis.ops.propagate import OperatorSpec
-    from trellis.train.pp import PeakMemory, proc_io
+    from trellis.utils.memory import PeakMemory, proc_io
 
     shutil.rmtree(a.pp, ignore_errors=True)  # always time a real build
     io0 = proc_io()
@@ -87,7 +87,7 @@ def child_epoch(a: argparse.Namespace) -> dict[str, Any]:
     from trellis.loader.pp import PPData, StorageSource, plan_placement
     from trellis.loader.ppcache import open_pp
     from trellis.nn.pp_models import build_pp_model, hops_used
-    from trellis.train.pp import PeakMemory, proc_io
+    from trellis.utils.memory import PeakMemory, proc_io
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -7,52 +7,31 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+from trellis.utils.memory import PeakMemory as _PeakMemory
+from trellis.utils.memory import proc_status
 
 
-class PeakMemory:
-    """Samples ``RssAnon`` (the process's own memory, not page cache of memory maps) every few ms."""
+class PeakMemory(_PeakMemory):
+    """The package's peak-memory sampler (:class:`trellis.utils.memory.PeakMemory`) at a 2 ms period.
+
+    Samples ``RssAnon`` (the process's own memory, not page cache of memory maps) on a background thread.
+    """
 
     def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
-        self.peak_anon_kb = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak_anon_kb = max(self.peak_anon_kb, _status_kb("RssAnon"))
-            time.sleep(self.interval)
-
-    def __enter__(self) -> PeakMemory:
-        self.peak_anon_kb = _status_kb("RssAnon")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_anon_kb = max(self.peak_anon_kb, _status_kb("RssAnon"))
+        super().__init__(interval)
 
     @property
     def peak_anon_mb(self) -> float:
-        return self.peak_anon_kb / 1024
+        return self.peak_anon / 2**20
 
     @staticmethod
     def hwm_mb() -> float:
         """Kernel-tracked peak total RSS (VmHWM)."""
-        return _status_kb("VmHWM") / 1024
+        return proc_status().get("VmHWM", 0) / 2**20
 
 
 def time_steps(step: Callable[[], None], warmup: int = 2, repeat: int = 5) -> float:
