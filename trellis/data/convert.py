@@ -79,7 +79,7 @@ def from_arrays(
     if ya is not None:
         n = ya.shape[0] if n is None else n
         ya = check_labels(ya, n, "y")
-    split_arrays = None if splits is None else {k: _numpy(v) for k, v in splits.items()}
+    split_arrays = None if splits is None else {k: a for k, v in splits.items() if (a := _numpy(v)) is not None}
     for k in split_arrays or {}:
         if k not in ("train", "val", "test"):
             raise TrellisUserError(f"unknown split {k!r}; use train, val or test")

@@ -465,9 +465,9 @@ def build_csr_chunked(
         indices[p0:p1] = nbr[p0:p1]
         if eid is not None:
             ids = np.array(eid[p0:p1])
-            if wout is not None:
+            if wout is not None and w is not None:
                 wout[p0:p1] = np.asarray(w[ids], dtype=np.float32)
-            if fout is not None:
+            if fout is not None and f is not None:
                 fout[p0:p1] = np.asarray(f[ids], dtype=np.float32)
     del nbr, eid
     for p in (nbr_path, eid_path):

@@ -94,7 +94,7 @@ def store_info(store: GraphStore | str | os.PathLike[str], *, verify: bool = Fal
         "num_classes": store.num_classes,
         "task": store.task,
         "labelled_nodes": labelled,
-        "splits": {k: (None if store.split(k) is None else int(store.split(k).shape[0])) for k in SPLITS},
+        "splits": {k: (None if (ids := store.split(k)) is None else int(ids.shape[0])) for k in SPLITS},
         "edge_weight": store.has("edge_weight"),
         "edge_feat_dim": None if ef is None else int(ef.shape[1]),
         "in_degree": _degree_stats(in_deg),

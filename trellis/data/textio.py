@@ -119,7 +119,7 @@ def parse_block(path: Path, block: bytes, first_line: int, *, dtype: type, ncols
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "input contained no data" for comment-only blocks
-            arr = np.loadtxt(text, dtype=dtype, comments=COMMENT, delimiter=delimiter, ndmin=2)
+            arr: np.ndarray = np.loadtxt(text, dtype=dtype, comments=COMMENT, delimiter=delimiter, ndmin=2)
     except ValueError:
         raise TrellisUserError(
             _describe_bad_line(path, block, first_line, delimiter, ncols, integer, what)) from None

@@ -101,7 +101,7 @@ def create_aligned_npy(path: Path, shape: tuple[int, ...], dtype: Any, align: in
 
 def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
     """Write all of ``data``'s bytes at ``offset`` (loops over short writes)."""
-    mv = memoryview(np.ascontiguousarray(data)).cast("B")
+    mv = np.ascontiguousarray(data).data.cast("B")
     done = 0
     while done < len(mv):
         done += os.pwrite(fd, mv[done:], offset + done)
