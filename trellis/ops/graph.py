@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from trellis.utils.csr import build_reverse_csr
+
 if TYPE_CHECKING:
     from trellis.partition.layout import LocalGraph
 
@@ -142,8 +144,6 @@ class CSRGraph:
     def reverse(self) -> CSRGraph:
         """The reverse CSR (rows = sources); ``self.perm`` maps its edges to this graph's edge ids."""
         if self.rev is None:
-            from trellis.utils.csr import build_reverse_csr
-
             rip, rix, perm = build_reverse_csr(self.indptr.cpu().numpy(), self.indices.cpu().numpy(),
                                                self.num_src)
             dev = self.device
