@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from trellis.data.store import StoreWriter
 from trellis.errors import TrellisUserError
-from trellis.utils.csr import add_counts, group_ranks, reverse_csr_into, row_blocks, stable_argsort
+from trellis.utils.csr import add_counts, group_ranks, reverse_csr_into, row_segments, stable_argsort
 from trellis.utils.numba import WITH_NUMBA
 
 #: Edges per chunk of the chunked builder (about 16 MiB of int64 pairs per array).
@@ -435,12 +435,8 @@ def build_csr_chunked(
     new_counts = np.zeros(n, dtype=np.int64)
     out = 0
     with _bar(e_raw, "sort rows", progress) as bar:
-        for r0, r1 in row_blocks(indptr, chunk_edges):
-            p0, p1 = int(indptr[r0]), int(indptr[r1])
-            if p1 == p0:
-                continue
-            seg = np.array(nbr[p0:p1])
-            rows = np.repeat(np.arange(r1 - r0, dtype=np.int64), np.diff(indptr[r0:r1 + 1]))
+        for r0, r1, p0, seg, rows in row_segments(indptr, nbr, chunk_edges):
+            p1 = p0 + seg.shape[0]
             order = _sorted_order(rows, seg, r1 - r0, n, dedup=dedup)
             k = order.size
             nbr[out:out + k] = seg[order]

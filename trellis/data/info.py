@@ -13,7 +13,7 @@ import numpy as np
 
 from trellis.data.csr import DEFAULT_CHUNK_EDGES, _sorted_order
 from trellis.data.store import AUTO_VERIFY_BYTES, SPLITS, GraphStore, open_store
-from trellis.utils.csr import row_blocks
+from trellis.utils.csr import row_segments
 from trellis.utils.sizes import format_size
 
 
@@ -32,12 +32,8 @@ def _edge_scan(store: GraphStore, chunk_edges: int) -> dict[str, Any]:
     self_loops = duplicates = 0
     sorted_rows = True
     symmetric = bool(np.array_equal(indptr, np.asarray(rev_indptr)))
-    for r0, r1 in row_blocks(indptr, chunk_edges):
-        p0, p1 = int(indptr[r0]), int(indptr[r1])
-        if p1 == p0:
-            continue
-        seg = np.asarray(indices[p0:p1])
-        rows = np.repeat(np.arange(r1 - r0, dtype=np.int64), np.diff(indptr[r0:r1 + 1]))
+    for r0, r1, p0, seg, rows in row_segments(indptr, indices, chunk_edges):
+        p1 = p0 + seg.shape[0]
         self_loops += int(np.count_nonzero(seg == rows + r0))
         if sorted_rows:
             same_row = rows[1:] == rows[:-1]

@@ -19,7 +19,7 @@ import numpy as np
 from trellis.utils.numba import WITH_NUMBA, njit
 
 __all__ = ["add_counts", "build_reverse_csr", "group_ranks", "reverse_csr_into", "row_blocks", "row_ranges",
-           "stable_argsort"]
+           "row_segments", "stable_argsort"]
 
 
 @njit(cache=True, nogil=True)
@@ -124,6 +124,21 @@ def row_blocks(indptr: np.ndarray, max_edges: int) -> Iterator[tuple[int, int]]:
         r0 = r1
 
 
+def row_segments(indptr: np.ndarray, indices: np.ndarray, max_edges: int
+                 ) -> Iterator[tuple[int, int, int, np.ndarray, np.ndarray]]:
+    """Each non-empty :func:`row_blocks` block as ``(r0, r1, p0, seg, rows)``.
+
+    ``seg`` is a copy of ``indices[p0:p1]`` (so a caller may overwrite ``indices`` in place, as a compacting
+    pass does) and ``rows[k]`` the block-local row (``0..r1-r0-1``) of edge ``p0 + k``.
+    """
+    for r0, r1 in row_blocks(indptr, max_edges):
+        p0, p1 = int(indptr[r0]), int(indptr[r1])
+        if p1 == p0:
+            continue
+        rows = np.repeat(np.arange(r1 - r0, dtype=np.int64), np.diff(indptr[r0:r1 + 1]))
+        yield r0, r1, p0, np.array(indices[p0:p1]), rows
+
+
 def row_ranges(n: int, block_rows: int) -> Iterator[tuple[int, int]]:
     """Consecutive row ranges ``[a, b)`` of ``block_rows`` rows (the last one shorter) covering ``n`` rows."""
     for a in range(0, n, block_rows):
@@ -158,12 +173,8 @@ def reverse_csr_into(indptr: np.ndarray, indices: np.ndarray, num_src: int, rev_
     np.cumsum(counts[:num_src], out=rev_indptr[1:])
     del counts
     cursor = rev_indptr[:-1].copy()
-    for r0, r1 in row_blocks(indptr, chunk_edges):
-        p0, p1 = int(indptr[r0]), int(indptr[r1])
-        if p1 == p0:
-            continue
-        s = np.asarray(indices[p0:p1])
-        d = np.repeat(np.arange(r0, r1, dtype=np.int64), np.diff(indptr[r0:r1 + 1]))
+    for r0, _, p0, s, rows in row_segments(indptr, indices, chunk_edges):
+        d = rows + r0
         order = np.argsort(s, kind="stable")
         ss = s[order]
         ranks, run_keys, run_lengths = group_ranks(ss)
@@ -172,5 +183,5 @@ def reverse_csr_into(indptr: np.ndarray, indices: np.ndarray, num_src: int, rev_
         rev_perm[pos] = p0 + order
         cursor[run_keys] += run_lengths
         if progress is not None:
-            progress(p1 - p0)
+            progress(s.shape[0])
     return rev_indptr
