@@ -85,6 +85,29 @@ def test_epochs_shuffle_reproducibly():
     assert not all(torch.equal(p, q) for p, q in zip(a, c))
 
 
+@pytest.mark.parametrize("hops", [0, 2])
+def test_workers_yield_identical_batches(hops):
+    indptr, indices = random_csr(n=600, seed=6)
+    x = np.random.default_rng(3).standard_normal((600, 6)).astype(np.float32)
+    y = np.arange(600) % 7
+    parts = hash_clusters(600, 20, seed=2)
+
+    def epoch(workers, prefetch):
+        ld = ClusterLoader(indptr, indices, parts, 3, num_layers=2, boundary_hops=hops, x=x, y=y,
+                           loss_nodes=np.arange(0, 600, 2), seed=9, prefetch=prefetch, workers=workers)
+        out = []
+        for b in ld.epoch(1):
+            out.append([b.node_ids.clone(), b.x.clone(), b.y.clone(), b.loss_mask.clone()]
+                       + [t.clone() for blk in b.blocks for t in (blk.indptr, blk.indices)])
+        return out
+
+    one = epoch(1, 2)
+    assert len(one) == 7
+    for got in (epoch(3, 4), epoch(3, 1)):
+        assert len(got) == len(one)
+        assert all(len(a) == len(b) and all(torch.equal(p, q) for p, q in zip(a, b)) for a, b in zip(one, got))
+
+
 def test_induced_subgraph_resets_scratch():
     indptr, indices = random_csr(n=100, seed=0)
     scratch = np.full(100, -1, dtype=np.int32)

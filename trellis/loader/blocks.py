@@ -94,8 +94,8 @@ class Batch:
         def mv(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return replace(self, blocks=blocks, node_ids=mv(self.node_ids), x=mv(self.x), y=mv(self.y),
-                       loss_mask=mv(self.loss_mask))
+        return replace(self, blocks=blocks, node_ids=self.node_ids.to(device, non_blocking=non_blocking),
+                       x=mv(self.x), y=mv(self.y), loss_mask=mv(self.loss_mask))
 
 
 def attach_edge_data(blocks: Sequence[CSRGraph], edge_weight: Tensor | None = None,

@@ -21,7 +21,6 @@ in-degree), not the global ones -- the subgraph is the graph the model is traine
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,10 @@ from torch import Tensor
 
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import Batch, attach_edge_data
-from trellis.loader.sampler import FeatureGather, _np_int64, as_tensor, attach_reverse, mix64
+from trellis.loader.features import FeatureGather, FeatureSource, np_int64
+from trellis.loader.prefetch import Prefetcher
+from trellis.loader.sampler import ThreadLocalMap, as_tensor, attach_reverse, mix64
+from trellis.loader.source import iter_epoch
 from trellis.ops.graph import CSRGraph
 
 #: ``--cluster-method`` choices: partitioners of :mod:`trellis.partition`, plus ``hash`` (random, balanced).
@@ -147,7 +149,7 @@ def induced_subgraph(indptr: np.ndarray, indices: np.ndarray, nodes: np.ndarray,
     """
     if local_of is None:
         local_of = np.full(indptr.shape[0] - 1, -1, dtype=np.int32)
-    nodes = _np_int64(nodes)
+    nodes = np_int64(nodes)
     n = nodes.shape[0]
     cap = n
     node_ids = nodes.copy()
@@ -209,17 +211,26 @@ def prefix_blocks(indptr: np.ndarray, indices: np.ndarray, hop_ends: list[int], 
 
 @dataclass
 class ClusterPlan:
-    """One epoch's groups of clusters (a seeded permutation of cluster ids cut into groups)."""
+    """One epoch's groups of clusters (a seeded permutation of cluster ids cut into groups).
+
+    Attributes:
+        groups: Cluster ids of each batch (ascending within a group).
+        epoch: The epoch seed the permutation was drawn from.
+    """
 
     groups: list[np.ndarray]
     epoch: int
 
     def __len__(self) -> int:
+        """Number of batches."""
         return len(self.groups)
 
 
 class ClusterLoader:
-    """Cluster-batches over a fixed clustering.
+    """Cluster-batches over a fixed clustering: a :class:`~trellis.loader.source.BatchSource`.
+
+    Batch ``i`` of a plan depends only on ``(plan, i)`` (each preparing thread has its own scratch map),
+    so ``workers`` threads yield exactly the batches of one, in the same order.
 
     Args:
         indptr: ``int64 [N+1]`` in-edge CSR (memory maps are read in place).
@@ -228,24 +239,25 @@ class ClusterLoader:
         clusters_per_batch: Clusters merged into one batch (``--clusters-per-batch``).
         num_layers: Model layers (the number of blocks per batch).
         boundary_hops: 0, 1 or 2 hops of boundary source nodes (default: 0).
-        x: Node features to gather (None = none).
+        x: Node features to gather: an array, memory map, tensor or any
+            :class:`~trellis.loader.features.FeatureSource` (None = none).
         y: Labels by global id (None = none).
         loss_nodes: Bool ``[N]`` or node ids that carry the loss (e.g. the training split); None = all.
         edge_weight: ``[E]`` edge weights to carry with each batch's edges (None = none).
         edge_feat: ``[E, D]`` edge features, carried the same way (None = none).
         seed: Base seed of the cluster shuffles (default: 0).
         device: Where batches are delivered (default: cpu).
-        prefetch: Batches prepared ahead by a background worker (default: 2).
+        prefetch: Batches prepared ahead by background workers (0 = none) (default: 2).
+        workers: Threads preparing batches (default: 1); the numba kernels release the GIL.
     """
 
     def __init__(self, indptr: np.ndarray, indices: np.ndarray, parts: np.ndarray, clusters_per_batch: int, *,
-                 num_layers: int, boundary_hops: int = 0, x: np.ndarray | Tensor | None = None,
+                 num_layers: int, boundary_hops: int = 0, x: np.ndarray | Tensor | FeatureSource | None = None,
                  y: np.ndarray | Tensor | None = None, loss_nodes: np.ndarray | Tensor | None = None,
                  edge_weight: np.ndarray | Tensor | None = None, edge_feat: np.ndarray | Tensor | None = None,
-                 seed: int = 0, device: torch.device | str = "cpu",
-                 prefetch: int = 2) -> None:
-        self.indptr = _np_int64(indptr)
-        self.indices = _np_int64(indices)
+                 seed: int = 0, device: torch.device | str = "cpu", prefetch: int = 2, workers: int = 1) -> None:
+        self.indptr = np_int64(indptr)
+        self.indices = np_int64(indices)
         n = self.indptr.shape[0] - 1
         parts = np.asarray(parts, dtype=np.int64)
         if parts.shape != (n,):
@@ -268,7 +280,8 @@ class ClusterLoader:
         self.seed = int(seed)
         self.device = torch.device(device)
         self.prefetch = max(0, int(prefetch))
-        self.features = None if x is None else FeatureGather(x, slots=self.prefetch + 3,
+        self.workers = max(1, int(workers))
+        self.features = None if x is None else FeatureGather(x, slots=self.prefetch + self.workers + 2,
                                                              pin=self.device.type == "cuda")
         self.y = None if y is None else (y if isinstance(y, Tensor) else torch.from_numpy(np.ascontiguousarray(y)))
         if loss_nodes is None:
@@ -283,17 +296,18 @@ class ClusterLoader:
             self.loss_mask = torch.from_numpy(mask)
         self.edge_weight = as_tensor(edge_weight)
         self.edge_feat = as_tensor(edge_feat)
-        self._map = np.full(n, -1, dtype=np.int32)
+        self._scratch = ThreadLocalMap(n)
 
     def __len__(self) -> int:
+        """Batches per epoch."""
         return -(-self.num_clusters // self.clusters_per_batch)
 
-    def plan(self, epoch: int) -> ClusterPlan:
-        """The epoch's random groups of clusters (seeded by ``(seed, epoch)``)."""
-        rng = np.random.default_rng(mix64(self.seed, epoch, 0xC1) >> 1)
+    def plan(self, epoch_seed: int) -> ClusterPlan:
+        """The epoch's random groups of clusters (seeded by ``(seed, epoch_seed)``)."""
+        rng = np.random.default_rng(mix64(self.seed, epoch_seed, 0xC1) >> 1)
         perm = rng.permutation(self.num_clusters)
         k = self.clusters_per_batch
-        return ClusterPlan([np.sort(perm[i:i + k]) for i in range(0, self.num_clusters, k)], epoch)
+        return ClusterPlan([np.sort(perm[i:i + k]) for i in range(0, self.num_clusters, k)], epoch_seed)
 
     def nodes_of(self, clusters: np.ndarray) -> np.ndarray:
         """Global ids of the nodes of ``clusters`` (cluster by cluster, ascending within each)."""
@@ -304,7 +318,7 @@ class ClusterLoader:
         clusters = plan.groups[index]
         nodes = self.nodes_of(clusters)
         sub_indptr, sub_indices, eid, node_ids, hop_ends = induced_subgraph(
-            self.indptr, self.indices, nodes, boundary_hops=self.boundary_hops, local_of=self._map)
+            self.indptr, self.indices, nodes, boundary_hops=self.boundary_hops, local_of=self._scratch.get())
         ids_t = torch.from_numpy(node_ids)
         blocks = prefix_blocks(sub_indptr, sub_indices, hop_ends, self.num_layers, ids_t)
         eid_t = torch.from_numpy(eid)
@@ -326,13 +340,7 @@ class ClusterLoader:
                 batch = batch.to(self.device, non_blocking=True)
         return batch
 
-    def epoch(self, epoch: int, *, gather: bool = True) -> Iterator[Batch]:
-        """Iterate the batches of ``epoch`` in order, prepared ``prefetch`` ahead on a background thread.
-
-        One worker only: the loader's scratch map is shared, and cluster batches are cheap to build.
-        """
-        from trellis.loader.prefetch import Prefetcher
-
-        plan = self.plan(epoch)
-        return iter(Prefetcher(lambda i: self.get(plan, i, gather=gather), len(plan), depth=self.prefetch,
-                               workers=1))
+    def epoch(self, epoch: int, *, gather: bool = True) -> Prefetcher[Batch]:
+        """Iterate the batches of ``epoch`` in order, prepared ``prefetch`` ahead on ``workers`` threads."""
+        return iter_epoch(self, epoch, prefetch=self.prefetch, workers=self.workers,
+                          get=lambda plan, i: self.get(plan, i, gather=gather))

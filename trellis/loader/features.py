@@ -132,7 +132,7 @@ class ArrayRows(FeatureSource):
         self.x = arr.reshape(arr.shape[0], -1) if arr.ndim != 2 else arr
         self.num_rows = int(self.x.shape[0])
         self.dim = int(self.x.shape[1])
-        self.dtype = torch.from_numpy(self.x[:0]).dtype
+        self.dtype = torch.from_numpy(np.empty(0, dtype=self.x.dtype)).dtype
 
     def gather(self, ids: np.ndarray | Tensor, out: Tensor | None = None) -> Tensor:
         """Rows ``x[ids]`` as ``[len(ids), dim]``, written into ``out`` when given."""

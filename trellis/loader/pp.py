@@ -433,7 +433,7 @@ class PPLoader:
 
     def __iter__(self) -> Iterator[RowBatch]:
         """The batches of the epoch set by :meth:`set_epoch`, one prepared ahead when prefetching."""
-        with iter_epoch(self, self.epoch, prefetch=1 if self.prefetch else 0) as batches:
+        with iter_epoch(self, self.epoch, prefetch=1 if self.prefetch else 0, workers=1) as batches:
             yield from batches
 
     def describe(self) -> str:

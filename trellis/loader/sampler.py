@@ -1,4 +1,4 @@
-"""Neighbor sampling into nested blocks (GraphSAGE's sampler, and LABOR), plus the feature gather.
+"""Neighbor sampling into nested blocks (GraphSAGE's sampler, and LABOR), and the neighbour batch source.
 
 Why numba and not torch: batch preparation -- multi-hop sampling plus gathering input features -- is
 what dominates mini-batch training on CPUs (Armada §2, Fig. 1), and it is a loop over seeds with a
@@ -25,7 +25,7 @@ neighbours tend to pick the same ones, so far fewer distinct nodes -- and featur
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numba
@@ -36,6 +36,9 @@ from torch import Tensor
 
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import Batch, attach_edge_data, parse_fanouts
+from trellis.loader.features import FeatureGather, FeatureSource, gather_rows, np_int64
+from trellis.loader.prefetch import Prefetcher
+from trellis.loader.source import iter_epoch
 from trellis.ops.graph import CSRGraph
 
 # ---- counter-based random numbers --------------------------------------------------------------------
@@ -254,12 +257,6 @@ def reverse_csr(indptr, indices, num_src):  # pragma: no cover - compiled
     return rev_indptr, rev_indices, perm
 
 
-def _gather_rows_py(src, ids, out):  # pragma: no cover - compiled
-    """``out[i] = src[ids[i]]`` for every row."""
-    for i in prange(ids.shape[0]):
-        out[i, :] = src[ids[i], :]
-
-
 # Each parallel kernel is compiled twice: ``prange`` variants for large inputs and serial ones for small
 # inputs, where waking a thread team costs more than the work (and, on a loaded 2-core machine, a
 # descheduled team member stalls the whole region at its closing barrier).
@@ -269,8 +266,6 @@ _pick_par = njit(nogil=True, parallel=True, cache=True)(_pick_py)
 _pick_seq = njit(nogil=True, cache=True)(_pick_py)
 _reset_par = njit(nogil=True, parallel=True, cache=True)(_reset_py)
 _reset_seq = njit(nogil=True, cache=True)(_reset_py)
-_gather_par = njit(nogil=True, parallel=True, cache=True)(_gather_rows_py)
-_gather_seq = njit(nogil=True, cache=True)(_gather_rows_py)
 
 #: Work (edges or rows) below which the serial variant runs.
 PARALLEL_MIN_WORK = 20_000
@@ -292,12 +287,6 @@ def _reset(local_of, node_ids):
     f(local_of, node_ids)
 
 
-def gather_rows(src: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
-    """``out[i] = src[ids[i]]`` for every row, in parallel when large (the input-feature gather)."""
-    f = _gather_par if ids.shape[0] * max(1, src.shape[1] // 32) >= PARALLEL_MIN_WORK // 4 else _gather_seq
-    f(src, ids, out)
-
-
 # ---- sampler -----------------------------------------------------------------------------------------
 def as_tensor(a: np.ndarray | Tensor | None) -> Tensor | None:
     """A tensor view of ``a`` (numpy arrays and memory maps are copied once into RAM)."""
@@ -306,10 +295,38 @@ def as_tensor(a: np.ndarray | Tensor | None) -> Tensor | None:
     return torch.from_numpy(np.array(a, copy=True))
 
 
-def _np_int64(a: np.ndarray | Tensor) -> np.ndarray:
-    if isinstance(a, Tensor):
-        a = a.detach().cpu().numpy()
-    return np.ascontiguousarray(np.asarray(a), dtype=np.int64)
+_np_int64 = np_int64
+
+
+class ThreadLocalMap:
+    """A scratch ``[N]`` global -> local id map per thread (all -1 between uses).
+
+    Why per thread: batches are then built by several threads at once without sharing scratch state.
+    Pickles empty (a worker process builds its own).
+
+    Args:
+        num_nodes: Entries of each map.
+    """
+
+    def __init__(self, num_nodes: int) -> None:
+        self.num_nodes = int(num_nodes)
+        self._local = threading.local()
+
+    def get(self) -> np.ndarray:
+        """This thread's map (``int32``, or ``int64`` beyond 2**31 nodes), created on first use."""
+        m = getattr(self._local, "map", None)
+        if m is None:
+            m = np.full(self.num_nodes, -1, dtype=np.int32 if self.num_nodes < 2**31 else np.int64)
+            self._local.map = m
+        return m
+
+    def __getstate__(self) -> dict[str, int]:
+        """Pickle the size only."""
+        return {"num_nodes": self.num_nodes}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        """Restore with no maps yet."""
+        self.__init__(state["num_nodes"])  # type: ignore[misc]
 
 
 class NeighborSampler:
@@ -337,24 +354,23 @@ class NeighborSampler:
         self.labor = bool(labor)
         self.reverse = reverse
         self._degree = np.diff(self.indptr).astype(np.float32) if degrees else None
-        self._local = threading.local()
+        self._scratch = ThreadLocalMap(self.num_nodes)
 
     @classmethod
-    def from_store(cls, store: object, fanouts: Sequence[int], **kwargs: object) -> NeighborSampler:
+    def from_store(cls, store: object, fanouts: Sequence[int], *, labor: bool = False, reverse: bool = True,
+                   degrees: bool = True) -> NeighborSampler:
         """A sampler over a :class:`~trellis.data.store.GraphStore`'s in-edge CSR (memory-mapped, not copied)."""
-        return cls(store.indptr, store.indices, fanouts, **kwargs)  # type: ignore[attr-defined]
+        return cls(store.indptr, store.indices, fanouts, labor=labor, reverse=reverse,  # type: ignore[attr-defined]
+                   degrees=degrees)
 
     @property
     def num_layers(self) -> int:
+        """Number of sampled layers (blocks per batch)."""
         return len(self.fanouts)
 
     def _map(self) -> np.ndarray:
         """This thread's ``int32 [N]`` global -> local map (all -1 between batches)."""
-        m = getattr(self._local, "map", None)
-        if m is None:
-            m = np.full(self.num_nodes, -1, dtype=np.int32 if self.num_nodes < 2**31 else np.int64)
-            self._local.map = m
-        return m
+        return self._scratch.get()
 
     def sample(self, seeds: np.ndarray | Tensor, seed: int = 0) -> Batch:
         """Sample the blocks of one batch.
@@ -401,7 +417,7 @@ class NeighborSampler:
             _reset(local_of, node_ids[:n])
         node_ids = node_ids[:n]
         ids_t = torch.from_numpy(node_ids)
-        blocks = []
+        blocks: list[CSRGraph] = []
         for indptr, local, eid, _, num_src in reversed(blocks_top_down):
             # the input block's reverse is built only if a backward pass asks for it (LazyReverseBlock)
             blocks.append(self._block(indptr, local, eid, num_src, ids_t, lazy_reverse=not blocks))
@@ -449,93 +465,44 @@ class LazyReverseBlock(CSRGraph):
         return self.rev
 
 
-# ---- features ----------------------------------------------------------------------------------------
-class FeatureGather:
-    """Gathers rows of a feature matrix by node id into reused buffers.
-
-    Why reused buffers: a batch's input rows are tens of MB; allocating (and on CUDA, pinning) them per
-    batch costs more than the copy. Buffers rotate over ``slots``: batch ``i`` writes slot ``i % slots``,
-    so with a prefetch depth ``d`` and ``slots >= d + 2`` no buffer is overwritten while the trainer still
-    reads it (the trainer holds one batch, ``d`` wait in the queue, one is being filled).
-
-    Args:
-        x: ``[N, F]`` features: a numpy array or memory map (gathered by the numba kernel) or a torch tensor
-            (a CPU tensor is gathered the same way through its numpy view; a CUDA tensor by ``index_select``).
-        slots: Number of rotating buffers (default: 4).
-        pin: Allocate pinned buffers for fast host->GPU copies (default: False; the loader sets it for CUDA).
-    """
-
-    def __init__(self, x: np.ndarray | Tensor, *, slots: int = 4, pin: bool = False) -> None:
-        self.device = x.device if isinstance(x, Tensor) else torch.device("cpu")
-        if isinstance(x, Tensor) and x.device.type != "cpu":
-            self.x_t: Tensor | None = x
-            self.x_np: np.ndarray | None = None
-        else:
-            self.x_t = None
-            arr = x.detach().numpy() if isinstance(x, Tensor) else np.asarray(x)
-            self.x_np = arr.reshape(arr.shape[0], -1) if arr.ndim != 2 else arr
-        self.slots = max(1, int(slots))
-        self.pin = pin and torch.cuda.is_available()
-        self._buffers: dict[int, Tensor] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def num_features(self) -> int:
-        return int(self.x_t.shape[1] if self.x_t is not None else self.x_np.shape[1])
-
-    def _buffer(self, slot: int, rows: int) -> Tensor:
-        with self._lock:
-            buf = self._buffers.get(slot)
-            if buf is None or buf.shape[0] < rows:
-                cap = max(rows, int(rows * 1.25) if buf is not None else rows)
-                dtype = torch.from_numpy(self.x_np[:0]).dtype
-                buf = torch.empty((cap, self.num_features), dtype=dtype, pin_memory=self.pin)
-                self._buffers[slot] = buf
-            return buf
-
-    def gather(self, ids: np.ndarray | Tensor, slot: int | None = None) -> Tensor:
-        """Rows ``x[ids]``; with ``slot`` they land in (a view of) that reused buffer, else in a new tensor."""
-        if self.x_t is not None:
-            idx = ids if isinstance(ids, Tensor) else torch.from_numpy(np.asarray(ids))
-            return self.x_t.index_select(0, idx.to(self.x_t.device))
-        ids_np = _np_int64(ids)
-        if slot is None:
-            out = torch.empty((ids_np.shape[0], self.num_features), dtype=torch.from_numpy(self.x_np[:0]).dtype)
-        else:
-            out = self._buffer(slot % self.slots, ids_np.shape[0])[: ids_np.shape[0]]
-        if ids_np.shape[0]:
-            gather_rows(self.x_np, ids_np, out.numpy())
-        return out
-
-
 # ---- loader ------------------------------------------------------------------------------------------
 @dataclass
-class EpochPlan:
-    """The batches of one epoch: a seeded permutation of the ids cut into batches (random access)."""
+class SeedPlan:
+    """The batches of one epoch: a seeded permutation of the target ids cut into batches (random access).
+
+    Attributes:
+        order: The epoch's target ids in batch order.
+        batch_size: Targets per batch (the last batch may be smaller).
+        epoch: The epoch seed the permutation was drawn from.
+    """
 
     order: np.ndarray
     batch_size: int
     epoch: int
 
     def __len__(self) -> int:
+        """Number of batches."""
         return -(-self.order.shape[0] // self.batch_size)
 
     def seeds(self, index: int) -> np.ndarray:
+        """Target ids of batch ``index``."""
         return self.order[index * self.batch_size:(index + 1) * self.batch_size]
 
 
 class NeighborLoader:
     """Mini-batches for an epoch: shuffled target ids, sampled blocks, gathered features and labels.
 
-    ``get(epoch, i)`` builds batch ``i`` of ``epoch`` from scratch (its seeds from the epoch's seeded
-    permutation, its sampling seed from :func:`batch_seed`), so batches can be built out of order by
-    prefetching workers and still be identical to a sequential pass.
+    A :class:`~trellis.loader.source.BatchSource`: ``get(plan, i)`` builds batch ``i`` of the epoch's
+    plan from scratch (its seeds from the epoch's seeded permutation, its sampling seed from
+    :func:`batch_seed`), so batches can be built out of order by prefetching workers and still be
+    identical to a sequential pass.
 
     Args:
         sampler: The :class:`NeighborSampler`.
         ids: Target node ids to iterate (e.g. the training split).
         batch_size: Targets per batch (the last batch may be smaller).
-        x: Node features to gather (None = blocks only).
+        x: Node features to gather: an array, memory map, tensor or any
+            :class:`~trellis.loader.features.FeatureSource` (None = blocks only).
         y: Labels indexed by global node id (None = no labels).
         seed: Base seed of the shuffles and samples (default: 0).
         shuffle: Shuffle ids every epoch (default: True).
@@ -549,8 +516,8 @@ class NeighborLoader:
     """
 
     def __init__(self, sampler: NeighborSampler, ids: np.ndarray | Tensor, batch_size: int, *,
-                 x: np.ndarray | Tensor | None = None, y: np.ndarray | Tensor | None = None, seed: int = 0,
-                 shuffle: bool = True, device: torch.device | str = "cpu", prefetch: int = 2,
+                 x: np.ndarray | Tensor | FeatureSource | None = None, y: np.ndarray | Tensor | None = None,
+                 seed: int = 0, shuffle: bool = True, device: torch.device | str = "cpu", prefetch: int = 2,
                  workers: int = 1, edge_weight: np.ndarray | Tensor | None = None,
                  edge_feat: np.ndarray | Tensor | None = None, threads: int | None = None) -> None:
         if int(batch_size) <= 0:
@@ -573,19 +540,20 @@ class NeighborLoader:
         self.edge_weight = as_tensor(edge_weight)
         self.edge_feat = as_tensor(edge_feat)
 
-    def plan(self, epoch: int) -> EpochPlan:
-        """The epoch's order of targets (a permutation seeded by ``(seed, epoch)``)."""
+    def plan(self, epoch_seed: int) -> SeedPlan:
+        """The epoch's order of targets (a permutation seeded by ``(seed, epoch_seed)``)."""
         if self.shuffle:
-            rng = np.random.default_rng(mix64(self.seed, epoch, 0x5EED) >> 1)
+            rng = np.random.default_rng(mix64(self.seed, epoch_seed, 0x5EED) >> 1)
             order = self.ids[rng.permutation(self.ids.shape[0])]
         else:
             order = self.ids
-        return EpochPlan(order, self.batch_size, epoch)
+        return SeedPlan(order, self.batch_size, epoch_seed)
 
     def __len__(self) -> int:
+        """Batches per epoch."""
         return -(-self.ids.shape[0] // self.batch_size)
 
-    def get(self, plan: EpochPlan, index: int, *, gather: bool = True) -> Batch:
+    def get(self, plan: SeedPlan, index: int, *, gather: bool = True) -> Batch:
         """Build batch ``index`` of ``plan``'s epoch (sampling, then the feature and label gather)."""
         if self.threads is not None and numba.get_num_threads() != self.threads:
             numba.set_num_threads(self.threads)  # per calling thread: only this preparing thread changes
@@ -607,15 +575,12 @@ class NeighborLoader:
             return batch.to(self.device, non_blocking=True)
         return batch
 
-    def epoch(self, epoch: int, *, gather: bool = True) -> Iterator[Batch]:
+    def epoch(self, epoch: int, *, gather: bool = True) -> Prefetcher[Batch]:
         """Iterate the batches of ``epoch`` in order, prepared ``prefetch`` ahead by background workers."""
-        from trellis.loader.prefetch import Prefetcher
-
-        plan = self.plan(epoch)
-        return iter(Prefetcher(lambda i: self.get(plan, i, gather=gather), len(plan), depth=self.prefetch,
-                               workers=self.workers))
+        return iter_epoch(self, epoch, prefetch=self.prefetch, workers=self.workers,
+                          get=lambda plan, i: self.get(plan, i, gather=gather))
 
 
-__all__ = ["FeatureGather", "NeighborLoader", "NeighborSampler", "attach_reverse", "batch_seed", "gather_rows",
-           "mix64", "parse_fanouts", "reverse_csr"]
+__all__ = ["FeatureGather", "NeighborLoader", "NeighborSampler", "SeedPlan", "ThreadLocalMap", "attach_reverse",
+           "batch_seed", "gather_rows", "mix64", "parse_fanouts", "reverse_csr"]
 

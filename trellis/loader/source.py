@@ -13,12 +13,12 @@ Implemented by :class:`~trellis.loader.sampler.NeighborLoader` (sampled blocks),
 (pre-propagated rows). Each also keeps its own entry point (``epoch(seed)``, or iteration for the pp
 loader), which is :func:`iter_epoch` over itself.
 
-Example -- a strategy's training epoch over any source, batches prepared two ahead on three threads::
+Example -- a strategy's training epoch over any source, batches prepared ahead on background threads::
 
     from trellis.loader.source import BatchSource, iter_epoch
 
     def train_epoch(source: BatchSource, epoch_seed: int, step) -> None:
-        with iter_epoch(source, epoch_seed, prefetch=2, workers=3) as batches:
+        with iter_epoch(source, epoch_seed) as batches:  # the source's prefetch and workers
             for batch in batches:  # same batches, same order, for any prefetch and workers
                 step(batch)
 
@@ -61,6 +61,10 @@ class BatchSource(Protocol[PlanT, BatchT_co]):
     ``plan(epoch_seed)`` draws the epoch's random order (cheap, deterministic in the seed);
     ``get(plan, i)`` builds batch ``i`` of it -- deterministic given ``(plan, i)`` and safe to call from
     worker threads concurrently for distinct ``i``; ``len(source)`` is the number of batches per epoch.
+
+    A batch may live in one of the source's rotating buffers (tens of MB are not allocated per batch):
+    the buffers are sized for the source's own ``prefetch`` and ``workers`` settings, which
+    :func:`iter_epoch` uses by default; a consumer that keeps batches longer clones them.
     """
 
     def plan(self, epoch_seed: int, /) -> PlanT:
@@ -76,24 +80,29 @@ class BatchSource(Protocol[PlanT, BatchT_co]):
         ...
 
 
-def iter_epoch(source: BatchSource[PlanT, BatchT], epoch_seed: int, *, prefetch: int = 2, workers: int = 1,
-               get: Callable[[PlanT, int], BatchT] | None = None) -> Prefetcher[BatchT]:
+def iter_epoch(source: BatchSource[PlanT, BatchT], epoch_seed: int, *, prefetch: int | None = None,
+               workers: int | None = None, get: Callable[[PlanT, int], BatchT] | None = None) -> Prefetcher[BatchT]:
     """The batches of one epoch in order, ``prefetch`` prepared ahead on ``workers`` threads.
 
     Args:
         source: The batch source.
         epoch_seed: Seed of the epoch's plan.
-        prefetch: Batches prepared ahead (0 = each built in the caller's thread when asked for) (default: 2).
-        workers: Threads preparing batches (default: 1); the order and content never depend on it.
+        prefetch: Batches prepared ahead (0 = each built in the caller's thread when asked for) (default: the
+            source's ``prefetch`` attribute, else 2). More than the source's buffers are sized for would
+            overwrite a batch still in use.
+        workers: Threads preparing batches (default: the source's ``workers`` attribute, else 1); the order
+            and content never depend on it.
         get: Builds batch ``i`` of the plan instead of ``source.get`` (e.g. a variant with options).
 
     Returns:
         A :class:`~trellis.loader.prefetch.Prefetcher`: iterate it, or use it as a context manager so an
         early exit stops its threads.
     """
+    depth = int(getattr(source, "prefetch", 2)) if prefetch is None else prefetch
+    threads = int(getattr(source, "workers", 1)) if workers is None else workers
     plan = source.plan(epoch_seed)
     make = source.get if get is None else get
-    return Prefetcher(lambda i: make(plan, i), len(plan), depth=prefetch, workers=workers)
+    return Prefetcher(lambda i: make(plan, i), len(plan), depth=depth, workers=threads)
 
 
 __all__ = ["BatchSource", "EpochPlan", "iter_epoch"]

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from trellis.loader.blocks import Batch
+from trellis.loader.prefetch import Prefetcher
 from trellis.loader.sampler import NeighborLoader, NeighborSampler
 
 
@@ -63,11 +65,13 @@ def sampler_throughput(indptr: np.ndarray, indices: np.ndarray, ids: np.ndarray,
     }
     figures = [("sampling", False)] + ([("sampling_gather", True)] if x is not None else [])
     for name, gather in figures:
-        from trellis.loader.prefetch import Prefetcher
-
         edges = inputs = 0
         t0 = time.perf_counter()
-        with Prefetcher(lambda k, g=gather: loader.get(*work[k], gather=g), n, depth=depth, workers=workers) as it:
+
+        def make(k: int, g: bool = gather) -> Batch:
+            return loader.get(*work[k], gather=g)
+
+        with Prefetcher(make, n, depth=depth, workers=workers) as it:
             for b in it:
                 edges += b.num_edges
                 inputs += b.num_inputs

@@ -1,0 +1,89 @@
+"""Feature sources: memory, memory map and storage reads give the same rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trellis.loader.features import ArrayRows, FeatureGather, FeatureSource, TensorRows, as_feature_source
+from trellis.loader.pp import MemorySource, StorageSource
+from trellis.loader.ppcache import PPSettings, ensure_pp
+from trellis.loader.sampler import NeighborLoader, NeighborSampler
+from trellis.ops.propagate import OperatorSpec
+
+from .conftest import random_csr
+from .test_pp import make_store
+
+
+@pytest.fixture
+def table(tmp_path):
+    x = np.random.default_rng(0).standard_normal((120, 7)).astype(np.float32)
+    mm = np.memmap(tmp_path / "x.bin", dtype=np.float32, mode="w+", shape=x.shape)
+    mm[:] = x
+    mm.flush()
+    return x, np.memmap(tmp_path / "x.bin", dtype=np.float32, mode="r", shape=x.shape)
+
+
+def test_memory_and_memmap_sources_give_equal_rows(table):
+    x, mm = table
+    ids = np.array([5, 0, 119, 5, 42])
+    mem, mapped = TensorRows(torch.from_numpy(x)), ArrayRows(mm)
+    assert isinstance(as_feature_source(mm), ArrayRows) and as_feature_source(mem) is mem
+    for src in (mem, mapped, ArrayRows(x)):
+        assert isinstance(src, FeatureSource)
+        assert (src.num_rows, src.dim, src.row_shape, src.dtype) == (120, 7, (7,), torch.float32)
+        assert src.nbytes == x.nbytes
+        np.testing.assert_array_equal(src.gather(ids).numpy(), x[ids])
+        np.testing.assert_array_equal(src.gather(torch.from_numpy(ids)).numpy(), x[ids])
+        buf = src.new_buffer(8)
+        rows = src.gather(ids, buf)
+        assert rows.data_ptr() == buf.data_ptr()  # landed in the buffer, no allocation
+        np.testing.assert_array_equal(src.read_ranges(np.array([3, 100]), np.array([6, 102])).numpy(),
+                                      x[[3, 4, 5, 100, 101]])
+        assert src.gather(np.zeros(0, dtype=np.int64)).shape == (0, 7)
+
+
+def test_memmap_is_not_copied(table):
+    _, mm = table
+    src = ArrayRows(mm)
+    assert np.shares_memory(src.x, mm)
+
+
+def test_neighbor_loader_reads_features_from_any_source(table):
+    x, mm = table
+    indptr, indices = random_csr(n=120, seed=2)
+    s = NeighborSampler(indptr, indices, [3, 2])
+    ref = [b.x.clone() for b in NeighborLoader(s, np.arange(120), 25, x=x, seed=1, prefetch=0).epoch(0)]
+    for feats in (mm, ArrayRows(mm), torch.from_numpy(x)):
+        got = [b.x.clone() for b in NeighborLoader(s, np.arange(120), 25, x=feats, seed=1, prefetch=0).epoch(0)]
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_feature_gather_over_a_source_rotates_buffers(table):
+    _, mm = table
+    fg = FeatureGather(ArrayRows(mm), slots=2)
+    a = fg.gather(np.array([1, 2, 3]), 0)
+    b = fg.gather(np.array([4]), 2)
+    assert a.data_ptr() == b.data_ptr() and fg.num_features == 7
+
+
+def test_pp_memory_and_storage_sources_give_equal_rows(tmp_path):
+    cache, _ = ensure_pp(make_store(tmp_path / "store"), tmp_path / "pp", PPSettings(OperatorSpec("sym"), hops=2),
+                         progress=False, log=None)
+    hops, rows = (0, 2), (10, 250)
+    mem = MemorySource(cache, hops, rows)
+    sto = StorageSource(cache, hops, rows, min_read_bytes=0)
+    try:
+        ids = np.array([0, 7, 3, 239, 100])
+        want = np.stack([np.asarray(cache.hop(h))[10:250][ids] for h in hops], 1)
+        for src in (mem, sto):
+            assert (src.num_rows, src.dim, src.row_shape) == (240, cache.num_features, (2, cache.num_features))
+            assert src.nbytes == 240 * 2 * cache.row_bytes
+            np.testing.assert_array_equal(src.gather(ids).numpy(), want)
+            np.testing.assert_array_equal(src.gather(ids, src.new_buffer(5)).numpy(), want)
+            got = src.read_ranges(np.array([4, 30]), np.array([9, 31]))
+            np.testing.assert_array_equal(got.numpy(), mem.gather(np.array([4, 5, 6, 7, 8, 30])).numpy())
+        assert sto.on_storage and not mem.on_storage and mem.range_views
+    finally:
+        sto.close()
