@@ -66,6 +66,7 @@ class Batch:
 
     @property
     def num_layers(self) -> int:
+        """Number of blocks (model layers)."""
         return len(self.blocks)
 
     @property

@@ -473,6 +473,7 @@ class NaiveLoader:
         return -(-self.num_rows // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
+        """Select the shuffle of epoch ``epoch``."""
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -488,6 +489,7 @@ class NaiveLoader:
         yield from loader
 
     def describe(self) -> str:
+        """One line naming the baseline."""
         how = "BatchSampler index batches" if self.batch_sampler else "per-row __getitem__ + collate"
         return f"{self.name}, batch {self.batch_size}, torch DataLoader over TensorDataset ({how})"
 
@@ -525,6 +527,7 @@ class Placement:
 
     @property
     def reshuffling(self) -> str:
+        """``exact``, or ``chunk (N rows)``."""
         return "exact" if self.chunk_size == 1 else f"chunk ({self.chunk_size} rows)"
 
     def describe(self) -> str:
@@ -533,6 +536,7 @@ class Placement:
                 f"{', double-buffered prefetch' if self.prefetch else ''} — {self.reason}")
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (for the run's summary)."""
         return {**asdict(self), "reshuffling": self.reshuffling}
 
 
@@ -687,4 +691,5 @@ class PPData:
         return iter(loader)
 
     def close(self) -> None:
+        """Release the source's files and threads."""
         self.source.close()

@@ -180,18 +180,22 @@ class PPCache:
 
     @property
     def num_features(self) -> int:
+        """Features per row of every hop."""
         return int(self.manifest["num_features"])
 
     @property
     def num_rows(self) -> int:
+        """Rows per hop (split rows first; every node unless built with split rows only)."""
         return int(self.manifest["num_rows"])
 
     @property
     def num_nodes(self) -> int:
+        """Nodes of the store the cache was built from."""
         return int(self.manifest["store"]["num_nodes"])
 
     @property
     def dtype(self) -> np.dtype:
+        """Element type of the hop files."""
         return np.dtype(self.manifest["dtype"])
 
     @property
@@ -201,28 +205,34 @@ class PPCache:
 
     @property
     def split_rows_only(self) -> bool:
+        """Whether only the split rows were propagated (no rows for other nodes)."""
         return bool(self.manifest["split_rows_only"])
 
     @property
     def store_checksum(self) -> str:
+        """Checksum of the store the cache was built from (reuse is keyed on it)."""
         return str(self.manifest["store"]["checksum"])
 
     @property
     def operator(self) -> OperatorSpec:
+        """The propagation operator the hops were built with."""
         key = self.manifest["settings"]
         return OperatorSpec(name=key["operator"], **{k: key[k] for k in ("alpha", "t", "iters") if k in key})
 
     @property
     def feature_norm(self) -> str:
+        """The feature normalization applied before propagating."""
         return str(self.manifest["settings"].get("feature_norm", "none"))
 
     @property
     def num_classes(self) -> int | None:
+        """Classes of the store's labels (None when unknown)."""
         nc = self.manifest["store"].get("num_classes")
         return None if nc is None else int(nc)
 
     @property
     def task(self) -> str | None:
+        """The store's task (None when unknown)."""
         return self.manifest["store"].get("task")
 
     def split_range(self, split: str) -> tuple[int, int]:
@@ -231,6 +241,7 @@ class PPCache:
         return int(a), int(b)
 
     def hop_path(self, r: int) -> Path:
+        """The file holding hop ``r``."""
         return self.path / self.manifest["hop_files"][r]["file"]
 
     def hop_offset(self, r: int) -> int:
