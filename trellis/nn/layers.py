@@ -12,6 +12,7 @@ destinations first), on a cluster subgraph and on a partition whose sources are 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import ClassVar
 
 import torch
@@ -24,29 +25,35 @@ from trellis.ops.dropout import dropout
 from trellis.ops.graph import CSRGraph
 from trellis.plan import GraphStats, LayerDecl, LayerPlan, plan_layer, plan_layer_step
 
+#: Plans kept per (declaration, graph statistics, mode): sampled blocks differ in shape every batch, so the
+#: memo is bounded; equal layers (same declaration) share entries.
+PLAN_CACHE_SIZE = 1024
+
+
+@lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _forward_plan(decl: LayerDecl, stats: GraphStats) -> LayerPlan:
+    return plan_layer(decl, stats)
+
+
+@lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _step_plan(decl: LayerDecl, stats: GraphStats, input_grad: bool, training: bool) -> LayerPlan:
+    return plan_layer_step(decl, stats, input_grad=input_grad, training=training)
+
 
 class MessagePassing(nn.Module):
-    """Base of all graph layers: a declaration plus plans cached per graph shape.
+    """Base of all graph layers: a declaration, and the plans the planner makes of it.
 
     Calling ``layer(graph, x)`` runs the layer's step plan for this input (:meth:`step_plan`); ``layer(graph,
     x, plan=...)`` runs a given plan (a model-level planner's, or a test's).
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._plans: dict[GraphStats, LayerPlan] = {}
-        self._step_plans: dict[tuple[GraphStats, bool, bool], LayerPlan] = {}
 
     def declare(self) -> LayerDecl:
         """The layer in message / aggregate / update form (see :class:`LayerDecl`)."""
         raise NotImplementedError
 
     def plan(self, graph: CSRGraph) -> LayerPlan:
-        """The planner's forward plan for this layer on ``graph`` (cached by graph statistics; ``--explain``)."""
-        stats = GraphStats.of(graph)
-        if stats not in self._plans:
-            self._plans[stats] = plan_layer(self.declare(), stats)
-        return self._plans[stats]
+        """The planner's forward plan for this layer on ``graph`` (what ``--explain`` prints)."""
+        return _forward_plan(self.declare(), GraphStats.of(graph))
 
     def step_plan(self, graph: CSRGraph, x: Tensor) -> LayerPlan:
         """The plan this call runs: planner v2's for this input (:func:`trellis.plan.plan_layer_step`).
@@ -57,12 +64,7 @@ class MessagePassing(nn.Module):
         performs the same floating-point operations as its configuration in the sweep (Adam's and Adagrad's
         first steps turn even last-bit differences of tiny gradients into ``±lr`` updates).
         """
-        key = (GraphStats.of(graph), bool(x.requires_grad), self.training)
-        plan = self._step_plans.get(key)
-        if plan is None:
-            plan = plan_layer_step(self.declare(), key[0], input_grad=key[1], training=key[2])
-            self._step_plans[key] = plan
-        return plan
+        return _step_plan(self.declare(), GraphStats.of(graph), bool(x.requires_grad), self.training)
 
 
 def _glorot(t: Tensor) -> None:
