@@ -12,7 +12,6 @@ destinations first), on a cluster subgraph and on a partition whose sources are 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import ClassVar
 
 import torch
@@ -25,19 +24,9 @@ from trellis.ops.dropout import dropout
 from trellis.ops.graph import CSRGraph
 from trellis.plan import GraphStats, LayerDecl, LayerPlan, plan_layer, plan_layer_step
 
-#: Plans kept per (declaration, graph statistics, mode): sampled blocks differ in shape every batch, so the
-#: memo is bounded; equal layers (same declaration) share entries.
+#: Plans a layer keeps, per graph shape and mode: sampled blocks differ in shape every batch, so the memo
+#: is bounded (it starts over when full).
 PLAN_CACHE_SIZE = 1024
-
-
-@lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _forward_plan(decl: LayerDecl, stats: GraphStats) -> LayerPlan:
-    return plan_layer(decl, stats)
-
-
-@lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _step_plan(decl: LayerDecl, stats: GraphStats, input_grad: bool, training: bool) -> LayerPlan:
-    return plan_layer_step(decl, stats, input_grad=input_grad, training=training)
 
 
 class MessagePassing(nn.Module):
@@ -47,13 +36,21 @@ class MessagePassing(nn.Module):
     x, plan=...)`` runs a given plan (a model-level planner's, or a test's).
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._plan_memo: dict[tuple[GraphStats, bool, bool] | GraphStats, LayerPlan] = {}
+
     def declare(self) -> LayerDecl:
         """The layer in message / aggregate / update form (see :class:`LayerDecl`)."""
         raise NotImplementedError
 
     def plan(self, graph: CSRGraph) -> LayerPlan:
         """The planner's forward plan for this layer on ``graph`` (what ``--explain`` prints)."""
-        return _forward_plan(self.declare(), GraphStats.of(graph))
+        stats = GraphStats.of(graph)
+        plan = self._plan_memo.get(stats)
+        if plan is None:
+            plan = self._remember(stats, plan_layer(self.declare(), stats))
+        return plan
 
     def step_plan(self, graph: CSRGraph, x: Tensor) -> LayerPlan:
         """The plan this call runs: planner v2's for this input (:func:`trellis.plan.plan_layer_step`).
@@ -64,7 +61,17 @@ class MessagePassing(nn.Module):
         performs the same floating-point operations as its configuration in the sweep (Adam's and Adagrad's
         first steps turn even last-bit differences of tiny gradients into ``±lr`` updates).
         """
-        return _step_plan(self.declare(), GraphStats.of(graph), bool(x.requires_grad), self.training)
+        key = (GraphStats.of(graph), bool(x.requires_grad), self.training)
+        plan = self._plan_memo.get(key)
+        if plan is None:
+            plan = self._remember(key, plan_layer_step(self.declare(), key[0], input_grad=key[1], training=key[2]))
+        return plan
+
+    def _remember(self, key: tuple[GraphStats, bool, bool] | GraphStats, plan: LayerPlan) -> LayerPlan:
+        if len(self._plan_memo) >= PLAN_CACHE_SIZE:
+            self._plan_memo.clear()
+        self._plan_memo[key] = plan
+        return plan
 
 
 def _glorot(t: Tensor) -> None:
