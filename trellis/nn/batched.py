@@ -7,7 +7,9 @@ random row accesses, its index and weight reads, and its launches are shared), w
 configuration keeps its own transforms, hidden size, dropout rate and random stream. Each configuration
 also keeps its order of transform and aggregation (the planner picks it from that configuration's widths),
 and configurations whose first-layer input is the constant feature matrix share one cached ``Â X``
-(:mod:`trellis.plan.rewrites`).
+(:mod:`trellis.plan.rewrites`, :mod:`trellis.nn.runtime`). Each layer runs through the one executor of a
+layer's plan (:func:`trellis.nn.executor.run_layer`), the same one a layer's own ``forward`` calls; the
+layer classes supply the math.
 
 Equivalence with solo runs is by construction, not by approximation:
 
