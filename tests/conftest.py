@@ -3,7 +3,7 @@
 ``data_dir``: the real datasets (``TRELLIS_DATA_DIR``, default ``<repo>/../shared/data``). Tests that use
 it fail, never skip, when the data is missing: a silently skipped real-data test hides a broken setup.
 ``sbm_store``: a small generated store (session-scoped) for tests that just need a graph.
-``stub_model``: train the small stub model instead of ``trellis.nn``'s, on one thread (opt in).
+``stub_model``: the small stub model's factory (pass it as ``model_factory=``), on one thread (opt in).
 """
 
 from __future__ import annotations
@@ -48,19 +48,17 @@ def sbm_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def stub_model(monkeypatch):
-    """Train the small stub model instead of ``trellis.nn``'s (opt in with ``usefixtures("stub_model")``).
+def stub_model():
+    """The small stub model's factory, to pass as ``model_factory=`` instead of ``trellis.nn``'s.
 
-    Also runs torch on one intra-op thread: on these tiny graphs that is faster and immune to a busy machine,
-    and subprocess tests match it with ``OMP_NUM_THREADS=1`` so their results compare exactly.
+    Also runs torch on one intra-op thread while the test runs: on these tiny graphs that is faster and immune
+    to a busy machine, and subprocess tests match it with ``OMP_NUM_THREADS=1`` so their results compare exactly.
     """
     import torch
 
-    import trellis.train.trainer as trainer
     from tests.train.stubmodel import stub_build
 
-    monkeypatch.setattr(trainer, "build_model_fn", stub_build)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    yield stub_build
     torch.set_num_threads(before)

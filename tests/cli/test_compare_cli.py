@@ -9,7 +9,7 @@ import pytest
 from tests.train.stubmodel import make_sbm_store, stub_build
 from trellis.cli.main import main
 
-pytestmark = pytest.mark.usefixtures("stub_model")  # tests that need trellis.nn patch it back
+pytestmark = pytest.mark.usefixtures("stub_model")  # one torch thread; the stub is passed as model_factory
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +22,15 @@ def two_runs(store, tmp_path_factory):
     """Two finished runs with --target-acc: a wide model for 12 epochs and a narrow one for 20."""
     import torch
 
-    import trellis.train.trainer as trainer
-
     root = tmp_path_factory.mktemp("runs")
-    saved, threads = trainer.build_model_fn, torch.get_num_threads()
-    trainer.build_model_fn = stub_build
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for name, hidden, epochs in (("wide", "64", "12"), ("narrow", "8", "20")):
             assert main(["train", store, "--out", str(root / name), "--epochs", epochs, "--hidden", hidden,
-                         "--lr", "0.03", "--runs", "2", "--target-acc", "0.6", "--no-progress"]) == 0
+                         "--lr", "0.03", "--runs", "2", "--target-acc", "0.6", "--no-progress"],
+                        model_factory=stub_build) == 0
     finally:
-        trainer.build_model_fn = saved
         torch.set_num_threads(threads)
     return root / "wide", root / "narrow"
 

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from tests.train.stubmodel import make_sbm_store
+from tests.train.stubmodel import make_sbm_store, stub_build
 from trellis.cli.main import main
 
-pytestmark = pytest.mark.usefixtures("stub_model")  # tests that need trellis.nn patch it back
+pytestmark = pytest.mark.usefixtures("stub_model")  # one torch thread; the stub is passed as model_factory
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +16,9 @@ def store(tmp_path_factory):
     return str(make_sbm_store(tmp_path_factory.mktemp("cli") / "sbm"))
 
 
-def run(capsys, *argv):
-    rc = main(list(argv))
+def run(capsys, *argv, real: bool = False):
+    """``trellis ARGV`` in process: the stub model unless ``real`` (trellis.nn's models)."""
+    rc = main(list(argv), model_factory=None if real else stub_build)
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -130,11 +131,9 @@ def test_help_lists_generated_flags(capsys):
         assert flag in out
 
 
-def test_demo_small_with_real_models(capsys, tmp_path, monkeypatch):
-    import trellis.train.trainer as trainer
-
-    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
-    rc, out, err = run(capsys, "demo", "--nodes", "3000", "--epochs", "30", "--keep", str(tmp_path / "d"), "--json")
+def test_demo_small_with_real_models(capsys, tmp_path):
+    rc, out, err = run(capsys, "demo", "--nodes", "3000", "--epochs", "30", "--keep", str(tmp_path / "d"), "--json",
+                       real=True)
     assert rc == 0, err
     res = json.loads(out.strip().splitlines()[-1])
     assert res["nodes"] == 3000 and res["test_acc"] > 0.5  # 8 classes: chance is 0.125
@@ -143,14 +142,11 @@ def test_demo_small_with_real_models(capsys, tmp_path, monkeypatch):
     assert rc == 2 and "not empty" in err
 
 
-def test_explain_with_real_gcn(capsys, store, monkeypatch):
-    import trellis.train.trainer as trainer
-
-    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
-    rc, out, err = run(capsys, "train", store, "--model", "gcn", "--explain")
+def test_explain_with_real_gcn(capsys, store):
+    rc, out, err = run(capsys, "train", store, "--model", "gcn", "--explain", real=True)
     assert rc == 0 and "spmm" in out
     # planner v2: training step and evaluation pass, with the rewrites and the cost estimates
     assert "training step, 1 configuration(s)" in out and "evaluation pass" in out
     assert "share_constant_aggregation" in out and "est. peak" in out
-    rc, out, err = run(capsys, "train", store, "--model", "gat", "--explain")
+    rc, out, err = run(capsys, "train", store, "--model", "gat", "--explain", real=True)
     assert rc == 0 and ("sddmm" in out.lower() or "softmax" in out.lower())

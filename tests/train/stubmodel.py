@@ -1,7 +1,7 @@
 """A small stand-in for ``trellis.nn`` so the trainer is tested on its own, plus a graph-store maker.
 
-``install()`` swaps the trainer's model factory for :func:`stub_build`; subprocess tests call it before
-``trellis.cli.main.main`` (``python -c "import tests.train.stubmodel as s; s.run_cli()" ARGS``).
+:func:`stub_build` is a model factory: pass it as ``model_factory=`` to the trainer, the sweep or
+``trellis.cli.main.main``; subprocess tests run ``python -c "import tests.train.stubmodel as s; s.run_cli()" ARGS``.
 """
 
 from __future__ import annotations
@@ -56,19 +56,12 @@ def stub_build(name, in_dim, out_dim, *, hidden=16, layers=2, heads=1, dropout=0
     return StubGNN(in_dim, out_dim, hidden, layers, dropout, use_graph=name != "mlp")
 
 
-def install() -> None:
-    import trellis.train.trainer as trainer
-
-    trainer.build_model_fn = stub_build
-
-
 def run_cli() -> None:
     """Entry for subprocess tests: stub model, then the real CLI with ``sys.argv[1:]``.
 
     ``STUB_EPOCH_SLEEP`` (seconds) slows every forward pass so a test can signal the process mid-run
     without training for long; sleeping touches no RNG, so results are unchanged.
     """
-    install()
     delay = float(os.environ.get("STUB_EPOCH_SLEEP", "0"))
     if delay:
         original = StubGNN.forward
@@ -80,7 +73,7 @@ def run_cli() -> None:
         StubGNN.forward = slow
     from trellis.cli.main import main
 
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:], model_factory=stub_build))
 
 
 def make_sbm_store(out: Path, *, n: int = 300, classes: int = 3, features: int = 8, p_in: float = 0.05,

@@ -51,7 +51,6 @@ def test_every_model_has_complete_defaults():
     ({"task": "multiclass", "metric": "auc"}, "--metric auc does not fit --task multiclass"),
     ({"task": "binary", "metric": "f1_micro"}, "--metric f1_micro does not fit --task binary"),
     ({"feature_norm": "l2"}, "--feature-norm"),
-    ({"strategy": "minibatch"}, "--strategy"),
     ({"hidden": 1.5}, "--hidden"),
     ({"hidden": True}, "--hidden"),
     ({"json": "yes"}, "--json"),
@@ -118,3 +117,12 @@ def test_no_shared_mutable_defaults():
     a, b = TrainConfig(store="s"), TrainConfig(store="s")
     a.model_args["x"] = 1
     assert b.model_args == {}
+
+
+def test_unknown_strategy_is_refused_by_the_registry(tmp_path):
+    from trellis.train.trainer import Trainer
+
+    cfg = TrainConfig(store=str(tmp_path / "missing"), strategy="minibatch", out=str(tmp_path / "run"))
+    with pytest.raises(TrellisUserError, match=r"unknown --strategy 'minibatch'; choose one of full, mini"):
+        Trainer(cfg).fit()
+    assert not (tmp_path / "run").exists()

@@ -20,8 +20,7 @@ def cora_store(dataset, tmp_path_factory):
 
 
 @pytest.mark.timeout(1500)  # ~1 min on an idle 2-core machine; allow for a heavily shared one
-def test_gcn_on_cora_reaches_paper_accuracy(cora_store, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
+def test_gcn_on_cora_reaches_paper_accuracy(cora_store, tmp_path):
     cfg = TrainConfig(store=str(cora_store), model="gcn", runs=3, out=str(tmp_path / "run"), device="cpu",
                       progress=False, checkpoint_every=0)
     s = trainer.train(cfg)

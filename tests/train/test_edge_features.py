@@ -13,11 +13,6 @@ from trellis.errors import TrellisUserError
 from trellis.train.config import TrainConfig
 
 
-@pytest.fixture(autouse=True)
-def real_models(monkeypatch):
-    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
-
-
 @pytest.fixture(scope="module")
 def edge_store(tmp_path_factory):
     out = tmp_path_factory.mktemp("edges") / "sbm"

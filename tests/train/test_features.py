@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-import trellis.train.trainer as trainer
 from tests.train.helpers import metrics_without_timing, summary_without_timing
 from tests.train.stubmodel import make_sbm_store
 from trellis.cli.main import main
 from trellis.errors import TrellisUserError
+from trellis.train.build import build_run_model, build_run_optimizer
 from trellis.train.config import TrainConfig
 from trellis.train.features import (
     DEGREE_BUCKETS,
@@ -22,17 +22,24 @@ from trellis.train.features import (
     degree_encoding,
     parse_features,
 )
+from trellis.train.rng import seed_everything
 from trellis.train.runs import read_json, read_jsonl
-from trellis.train.trainer import Trainer, TrainingInterrupted, build_run_model, build_run_optimizer, train
+from trellis.train.strategies.full import FullBatch
+from trellis.train.trainer import Trainer, TrainingInterrupted, train
 
 
 @pytest.fixture(autouse=True)
-def real_models(monkeypatch):
-    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
+def one_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def loaded(c: TrainConfig) -> FullBatch:
+    strategy = FullBatch(c, torch.device("cpu"))
+    strategy.load()
+    return strategy
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +96,9 @@ def test_embedding_through_batch_strategies(store, tmp_path, strategy):
 
 def test_embedding_table_gets_sparse_gradients_and_sparse_optimizer(store, tmp_path):
     c = cfg(store, tmp_path / "r", features="embedding:8")
-    data = trainer.load_graph_data(c.store, device=torch.device("cpu"), features=c.features)
-    model = build_run_model(c, data)
+    st = loaded(c)
+    data = st.data
+    model = build_run_model(c, st.spec)
     assert isinstance(model, NodeEmbedding) and data.in_dim == 8 and data.x.dtype == torch.float64
     opt = build_run_optimizer(c, model)
     assert isinstance(opt, SplitOptimizer) and isinstance(opt.sparse, torch.optim.SparseAdam)
@@ -131,8 +139,7 @@ def test_predict_with_embedding(store, tmp_path):
     ("sgd", 0.5, torch.optim.SGD), ("adagrad", None, torch.optim.Adagrad), ("adamw", 0.8, torch.optim.AdamW)])
 def test_optimizer_and_momentum(store, tmp_path, optimizer, momentum, cls):
     c = cfg(store, tmp_path / "r", optimizer=optimizer, momentum=momentum)
-    data = trainer.load_graph_data(c.store, device=torch.device("cpu"))
-    opt = build_run_optimizer(c, build_run_model(c, data))
+    opt = build_run_optimizer(c, build_run_model(c, loaded(c).spec))
     assert isinstance(opt, cls)
     if optimizer == "sgd":
         assert opt.param_groups[0]["momentum"] == 0.5
@@ -144,14 +151,14 @@ def test_optimizer_and_momentum(store, tmp_path, optimizer, momentum, cls):
 @pytest.mark.parametrize("init", ["xavier", "he"])
 def test_init_changes_weights_deterministically(store, tmp_path, init):
     base = cfg(store, tmp_path / "r")
-    data = trainer.load_graph_data(base.store, device=torch.device("cpu"))
-    trainer.seed_everything(0)
-    default = build_run_model(base, data).state_dict()
+    spec = loaded(base).spec
+    seed_everything(0)
+    default = build_run_model(base, spec).state_dict()
     c = cfg(store, tmp_path / "r", init=init)
-    trainer.seed_everything(0)
-    a = build_run_model(c, data).state_dict()
-    trainer.seed_everything(0)
-    b = build_run_model(c, data).state_dict()
+    seed_everything(0)
+    a = build_run_model(c, spec).state_dict()
+    seed_everything(0)
+    b = build_run_model(c, spec).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], default[k]) for k in a if a[k].dim() >= 2)
 

@@ -13,12 +13,6 @@ from trellis.train.runs import read_jsonl
 from trellis.train.sweep import SweepConfig, expand_grid, make_entries, parse_grid, run_sweep
 
 
-@pytest.fixture(autouse=True)
-def real_models(monkeypatch):
-    """This package's conftest stubs the model builder; sweeps batch the real layers."""
-    monkeypatch.setattr(trainer, "build_model_fn", trainer._default_build_model)
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     return str(make_sbm_store(tmp_path_factory.mktemp("sweep") / "sbm", n=240, features=10))

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import statistics
@@ -13,12 +14,19 @@ import pytest
 import torch
 
 from tests.train.helpers import metrics_without_timing, summary_without_timing
-from tests.train.stubmodel import make_sbm_store
+from tests.train.stubmodel import make_sbm_store, stub_build
 from trellis.data.store import write_store
 from trellis.errors import TrellisUserError
 from trellis.train.config import TrainConfig
+from trellis.train.data import normalize_features
 from trellis.train.runs import read_json, read_jsonl
-from trellis.train.trainer import Trainer, TrainingInterrupted, normalize_features, train
+from trellis.train.trainer import Trainer as _Trainer
+from trellis.train.trainer import TrainingInterrupted
+from trellis.train.trainer import train as _train
+
+# The trainer on its own: every run here trains the small stub model, passed as the trainer's model factory.
+Trainer = functools.partial(_Trainer, model_factory=stub_build)
+train = functools.partial(_train, model_factory=stub_build)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("stub_model")
@@ -74,7 +82,7 @@ def test_early_stopping_restores_best(small_store, tmp_path):
     # The saved model holds the best-validation weights: evaluating it gives the logged best metrics.
     from trellis.train.predict import predict
 
-    info = predict(tmp_path / "run", small_store, tmp_path / "p.npy", device="cpu")
+    info = predict(tmp_path / "run", small_store, tmp_path / "p.npy", device="cpu", model_factory=stub_build)
     pred = np.load(info["predictions"])
     from trellis.data.store import GraphStore
 

@@ -24,6 +24,8 @@ from typing import Any
 
 from trellis.errors import TrellisUserError
 from trellis.train.convergence import cumulative_times, mean_if_all, run_time_to_accuracy, split_runs
+from trellis.train.summary import RunSummary
+from trellis.train.tasks import TASKS
 
 
 @dataclass
@@ -31,7 +33,7 @@ class RunDir:
     """One run directory read back: its summary, its config and its per-epoch records by run."""
 
     path: Path
-    summary: dict[str, Any]
+    summary: RunSummary
     config: dict[str, Any]
     runs: dict[int, list[dict[str, Any]]]
     metric: str
@@ -39,16 +41,18 @@ class RunDir:
 
     @property
     def strategy(self) -> str:
-        return str(self.summary.get("strategy") or self.config.get("strategy") or "full")
+        """The run's training strategy."""
+        return self.summary.strategy
 
     @property
     def model(self) -> str:
-        return str(self.summary.get("model") or self.config.get("model") or "?")
+        """The run's model name."""
+        return self.summary.model
 
     @property
     def target(self) -> float | None:
         """The ``--target-acc`` the run was trained with (None when it had none)."""
-        t = self.config.get("target_acc", self.summary.get("target_acc"))
+        t = self.config.get("target_acc", self.summary.info.get("target_acc"))
         return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
 
 
@@ -82,10 +86,6 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _higher_is_better(task: str | None, metric: str) -> bool:
-    try:
-        from trellis.train.tasks import TASKS
-    except ImportError:
-        return True
     cls = TASKS.get(task or "")
     return bool(cls.higher_is_better.get(metric, True)) if cls is not None else True
 
@@ -109,32 +109,24 @@ def load_run_dir(path: str | Path) -> RunDir:
             raise TrellisUserError(f"{p}: a sweep directory, not a run directory; pass its configs/<id>/ "
                                    "directories")
         raise TrellisUserError(f"{p}: not a run directory (no summary.json); pass the --out of `trellis train`")
-    summary = _read_json(summary_p)
-    if summary.get("status", "complete") != "complete":
-        raise TrellisUserError(f"{p}: the run is incomplete (summary.json status {summary.get('status')!r})")
+    summary = RunSummary.from_dict(_read_json(summary_p), where=str(summary_p))
+    if summary.status != "complete":
+        raise TrellisUserError(f"{p}: the run is incomplete (summary.json status {summary.status!r})")
     if not metrics_p.is_file():
         raise TrellisUserError(f"{metrics_p}: missing; the per-epoch curves are needed to compare runs")
     config = _read_json(config_p) if config_p.is_file() else {}
     records = _read_records(metrics_p)
     if not records:
         raise TrellisUserError(f"{metrics_p}: no epochs recorded")
-    metric = str(summary.get("metric") or "acc")
+    metric = summary.metric
     if not any(f"val_{metric}" in r for r in records):
         raise TrellisUserError(f"{metrics_p}: no val_{metric} values (the summary's selection metric)")
     return RunDir(p, summary, config, split_runs(records), metric,
-                  _higher_is_better(summary.get("task"), metric))
+                  _higher_is_better(summary.task, metric))
 
 
 def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
-def _mb(summary: dict[str, Any], key: str) -> float | None:
-    """``<key>_mb`` or ``<key>_bytes`` (older pre-propagation summaries) in MiB."""
-    mb = _num(summary.get(f"{key}_mb"))
-    if mb is None and _num(summary.get(f"{key}_bytes")) is not None:
-        mb = float(summary[f"{key}_bytes"]) / 2**20
-    return mb
 
 
 def _names(paths: list[Path]) -> list[str]:
@@ -153,20 +145,20 @@ def row_for(rd: RunDir, name: str, target: float | None) -> dict[str, Any]:
     epoch_walls = [float(w) / e for w, e in zip(walls, epochs) if _num(w) is not None and e]
     row: dict[str, Any] = {
         "name": name, "run_dir": str(rd.path), "model": rd.model, "strategy": rd.strategy, "metric": m,
-        "runs": len(rd.runs), "device": s.get("device"),
-        "test_mean": _num(s.get(f"test_{m}_mean")), "test_std": _num(s.get(f"test_{m}_std")),
-        "val_mean": _num(s.get(f"val_{m}_mean")),
+        "runs": len(rd.runs), "device": s.info.get("device"),
+        "test_mean": _num(s.stat(f"test_{m}")), "test_std": _num(s.stat(f"test_{m}", "std")),
+        "val_mean": _num(s.stat(f"val_{m}")),
         # the training step alone (median), as both trainers report it; the wall time per epoch with
         # evaluation (what time to target accumulates) from the per-epoch log
-        "epoch_time_s": _num(s.get("epoch_time_s_median", s.get("epoch_time_median_s"))),
+        "epoch_time_s": _num(s.epoch_time_s_median),
         "epoch_wall_s": statistics.fmean(epoch_walls) if epoch_walls else None,
         "epochs_run_mean": statistics.fmean(epochs),
         "epoch_at_99pct_peak_val_mean": mean_if_all([r["epoch_at_99pct_peak_val"] for r in per_run]),
         "converged_epoch_mean": mean_if_all([r["converged_epoch"] for r in per_run]),
-        "peak_rss_mb": _mb(s, "peak_rss"), "peak_rss_anon_mb": _mb(s, "peak_rss_anon"),
-        "peak_cuda_mb": _mb(s, "peak_cuda"), "target": target,
+        "peak_rss_mb": _num(s.peak_rss_mb), "peak_rss_anon_mb": _num(s.peak_rss_anon_mb),
+        "peak_cuda_mb": _num(s.peak_cuda_mb), "target": target,
         # pre-propagation's one-off cost, outside time_s (and so outside time to target)
-        "preprocess_s": _num(s.get("preprocess_seconds")),
+        "preprocess_s": _num(s.info.get("preprocess_seconds")),
     }
     if target is not None:
         ttt = [r["time_to_target_s"] for r in per_run]

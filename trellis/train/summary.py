@@ -77,6 +77,16 @@ class RunSummary:
         """Sample standard deviation over runs of ``<split>_<metric>`` (0 for one run)."""
         return _std(self.split_metrics[key])
 
+    def stat(self, key: str, which: str = "mean") -> float | None:
+        """``mean`` or ``std`` of ``<split>_<metric>``, None when the summary has neither.
+
+        From the per-run values, else as an older file recorded it (``<key>_mean``/``<key>_std`` only).
+        """
+        if key in self.split_metrics:
+            return self.mean(key) if which == "mean" else self.std(key)
+        value = self.info.get(f"{key}_{which}")
+        return float(value) if isinstance(value, (int, float)) else None
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: core fields, ``<split>_<metric>[_mean|_std]``, then the flattened extras."""
         out: dict[str, Any] = {"status": self.status, "metric": self.metric}

@@ -66,6 +66,7 @@ from trellis.train.summary import RunSummary, split_metrics_of
 from trellis.train.trainer import save_model
 from trellis.utils.atomic import check_output, replace_dir, temp_sibling
 from trellis.utils.manifest import format_of
+from trellis.utils.memory import PeakMemory
 
 SWEEP_FORMAT = "trellis-sweep"
 
@@ -223,6 +224,10 @@ class SweepConfig:
             name = key.replace("-", "_")
             if name in fixed:
                 raise TrellisUserError(f"--set {key}: set by the sweep itself; use the sweep's own flag instead")
+            if name == "strategy" and self.base[key] != "full":
+                raise TrellisUserError(f"--set {key}={self.base[key]}: a sweep trains full-batch configurations "
+                                       "(model batching shares one whole-graph pass); train other strategies with "
+                                       "`trellis train`")
             if name in self.grid:
                 raise TrellisUserError(f"--set {key} and --grid {name}: give the values in one place")
 
@@ -403,7 +408,7 @@ class _One(nn.Module):
 
 def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: str, device: torch.device,
                  root: Path, sc: SweepConfig, batchable: bool, err: IO[str],
-                 factory: ModelFactory) -> list[dict[str, Any]]:
+                 factory: ModelFactory, meter: PeakMemory) -> list[dict[str, Any]]:
     """Train one batch of configurations to their early stops; returns one result per configuration."""
     task = strategy.task
     built = [build_config_model(e, strategy, device, factory) for e in batch]
@@ -482,11 +487,15 @@ def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: s
         bar.close()
         for s in states:
             s.log.close()
-    return [_finish(s, b, strategy, metric, root) for s in states]
+    return [_finish(s, b, strategy, metric, root, meter.report()) for s in states]
 
 
-def _finish(s: _State, b: int, strategy: FullBatch, metric: str, root: Path) -> dict[str, Any]:
-    """Write the configuration's run directory (model, summary) as its solo run would; return its row."""
+def _finish(s: _State, b: int, strategy: FullBatch, metric: str, root: Path,
+            peaks: dict[str, float]) -> dict[str, Any]:
+    """Write the configuration's run directory (model, summary) as its solo run would; return its row.
+
+    ``peaks`` are the sweep process's memory peaks so far: the configurations of a batch share one model.
+    """
     cfg, e, task = s.entry.cfg, s.entry, strategy.task
     d = root / "configs" / e.id
     s.stopper.restore(s.model)
@@ -500,7 +509,8 @@ def _finish(s: _State, b: int, strategy: FullBatch, metric: str, root: Path) -> 
         best_epoch=[s.stopper.best_epoch], epochs_run=[s.epochs], best_run=0,
         split_metrics=split_metrics_of([result], task.metric_names, strategy.eval_splits),
         epoch_time_s_median=statistics.median(times), epoch_time_s_mean=statistics.fmean(times),
-        steps_timed=len(s.step_times), train_time_s=s.time_s, per_run=[result],
+        steps_timed=len(s.step_times), train_time_s=s.time_s, peak_rss_anon_mb=peaks["peak_rss_anon_mb"],
+        peak_rss_mb=peaks["peak_rss_mb"], peak_cuda_mb=peaks.get("peak_cuda_mb"), per_run=[result],
         time_to_accuracy=summarize_time_to_accuracy(iter_jsonl(d / "metrics.jsonl"), metric, cfg.target_acc,
                                                     higher_is_better=task.higher_is_better.get(metric, True)),
         strategy_info=strategy.summary_info(),
@@ -534,6 +544,7 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
     metric = task.select_metric(entries[0].cfg.metric)
     groups = plan_sweep(sc, entries, strategy, device, factory=model_factory)
     tmp = temp_sibling(out)
+    meter = PeakMemory(device=device).start()
     try:
         rows: list[dict[str, Any]] = []
         batches_info: list[dict[str, Any]] = []
@@ -542,7 +553,8 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
         for g in groups:
             for batch in g.batches:
                 t_b = time.perf_counter()
-                rows += _train_batch(batch, b, strategy, metric, device, tmp, sc, g.batchable, err, model_factory)
+                rows += _train_batch(batch, b, strategy, metric, device, tmp, sc, g.batchable, err, model_factory,
+                                     meter)
                 batches_info.append({"batch": b, "layers": g.layers, "configs": [e.id for e in batch],
                                      "time_s": time.perf_counter() - t_b})
                 b += 1
@@ -558,7 +570,7 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
             "batch_models": {str(g.layers): g.k for g in groups},
             "batch_choice": {str(g.layers): {"text": g.choice_text, "candidates": g.choice_rows} for g in groups},
             "batches": batches_info, "rewrites": list(sc.rewrites), "sweep_time_s": sweep_time,
-            "threads": torch.get_num_threads(), "rows": rows, "out": str(out),
+            "threads": torch.get_num_threads(), "rows": rows, "out": str(out), **meter.report(),
         }
         board["wall_time_s"] = time.perf_counter() - t_wall
         write_json_atomic(tmp / "leaderboard.json", board)
@@ -573,6 +585,8 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        meter.stop()
     return board
 
 

@@ -1,0 +1,132 @@
+"""Every strategy through the one trainer: options that used to be ignored, exact resume, the one summary schema."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from tests.train.helpers import metrics_without_timing, summary_without_timing
+from tests.train.stubmodel import make_sbm_store
+from trellis.cli.main import main
+from trellis.train.compare import compare_runs, load_run_dir
+from trellis.train.config import TrainConfig
+from trellis.train.rng import seed_everything
+from trellis.train.runs import read_json
+from trellis.train.strategies import STRATEGIES
+from trellis.train.strategies.pp import PrePropagation
+from trellis.train.summary import RunSummary
+from trellis.train.trainer import Trainer, TrainingInterrupted, train
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_sbm_store(tmp_path_factory.mktemp("strat") / "sbm", n=300)
+
+
+@pytest.fixture(scope="module")
+def pp_dir(store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("strat") / "pp"
+    assert main(["preprocess", str(store), "--hops", "2", "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def pp_cfg(store, pp_dir, out, **kw) -> TrainConfig:
+    values = {"store": str(store), "strategy": "pp", "pp_dir": str(pp_dir), "model": "sign", "hidden": 16,
+              "batch_size": 32, "epochs": 12, "device": "cpu", "progress": False, "out": str(out), **kw}
+    return TrainConfig(**values)
+
+
+def test_registry_names_the_cli_choices(capsys):
+    assert set(STRATEGIES) == {"full", "mini", "cluster", "pp"}
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--strategy {full,mini,cluster,pp}" in capsys.readouterr().out
+
+
+def test_pp_trains_with_sgd_and_xavier(store, pp_dir, tmp_path):
+    """``--strategy pp`` used to ignore --optimizer, --momentum and --init; now the trainer builds them."""
+    cfg = pp_cfg(store, pp_dir, tmp_path / "run", optimizer="sgd", momentum=0.5, init="xavier", lr=0.05)
+
+    def stop(t, rec):
+        if rec["epoch"] == 2:
+            t.request_stop(signal.SIGTERM)
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(cfg, callbacks=[stop]).fit()
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    group = ckpt["run_state"]["optimizer"]["param_groups"][0]
+    assert group["momentum"] == 0.5 and group["lr"] == 0.05 and "betas" not in group  # SGD, not Adam
+    # --init xavier: re-initialized weights (same draws for the same seed), zero biases
+    strategy = PrePropagation(cfg, torch.device("cpu"))
+    strategy.load()
+    seed_everything(0)
+    xavier = strategy.build_model(lambda *a, **k: None).state_dict()
+    seed_everything(0)
+    default = PrePropagation(pp_cfg(store, pp_dir, tmp_path / "x"), torch.device("cpu"))
+    default.load()
+    plain = default.build_model(lambda *a, **k: None).state_dict()
+    assert any(not torch.equal(xavier[k], plain[k]) for k in xavier if xavier[k].dim() >= 2)
+    assert all(float(v.abs().sum()) == 0.0 for k, v in xavier.items() if k.endswith("bias") and v.dim() == 1)
+    strategy.close()
+    default.close()
+
+
+def test_pp_resume_is_exact(store, pp_dir, tmp_path):
+    kw = {"runs": 2, "checkpoint_every": 3}
+    train(pp_cfg(store, pp_dir, tmp_path / "full", **kw))
+
+    def stop(t, rec):
+        if rec["run"] == 1 and rec["epoch"] == 4:
+            t.request_stop(signal.SIGINT)
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(pp_cfg(store, pp_dir, tmp_path / "cut", **kw), callbacks=[stop]).fit()
+    resumed = TrainConfig.from_dict({**read_json(tmp_path / "cut" / "config.json"), "resume": str(tmp_path / "cut"),
+                                     "progress": False})
+    Trainer(resumed).fit()
+    assert metrics_without_timing(tmp_path / "cut") == metrics_without_timing(tmp_path / "full")
+    # the placement's budget follows the machine's free memory at load time; load time and bytes read vary
+    machine = ("placement", "load_time_s", "read_bytes")
+    cut, full = (summary_without_timing(tmp_path / d) for d in ("cut", "full"))
+    assert {k: v for k, v in cut.items() if k not in machine} == {k: v for k, v in full.items() if k not in machine}
+
+
+def test_compare_reads_every_strategy_through_one_schema(store, pp_dir, tmp_path):
+    runs = {
+        "full": ["--model", "gcn"],
+        "mini": ["--model", "sage", "--strategy", "mini", "--fanouts", "4,4", "--batch-size", "64"],
+        "cluster": ["--model", "gcn", "--strategy", "cluster", "--clusters", "6", "--clusters-per-batch", "2",
+                    "--cluster-method", "hash"],
+        "pp": ["--model", "sgc", "--strategy", "pp", "--pp-dir", str(pp_dir)],
+    }
+    dirs = []
+    for name, args in runs.items():
+        assert main(["train", str(store), *args, "--epochs", "4", "--runs", "2", "--device", "cpu", "--no-progress",
+                     "--out", str(tmp_path / name)]) == 0
+        dirs.append(tmp_path / name)
+    assert main(["sweep", str(store), "--model", "gcn", "--grid", "lr=0.01,0.02", "--epochs", "4", "--device", "cpu",
+                 "--no-progress", "--out", str(tmp_path / "sweep")]) == 0
+    dirs.append(tmp_path / "sweep" / "configs" / "c00")
+    for d in dirs:
+        raw = read_json(d / "summary.json")
+        s = RunSummary.from_dict(raw)
+        assert isinstance(raw["runs"], int) and raw["runs"] == len(raw["per_run"]) == s.runs
+        assert raw["epoch_time_s_median"] > 0 and raw["peak_rss_anon_mb"] > 0 and s.metric == "acc"
+        vals = raw["test_acc"]
+        if len(vals) > 1:  # sample standard deviation everywhere
+            mean = sum(vals) / len(vals)
+            assert raw["test_acc_std"] == pytest.approx((sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5)
+        assert load_run_dir(d).strategy == raw["strategy"]
+    result, _ = compare_runs(dirs)
+    assert [r["strategy"] for r in result["rows"]] == ["full", "mini", "cluster", "pp", "full"]
+    assert all(r["test_mean"] is not None and r["epoch_time_s"] > 0 for r in result["rows"])
