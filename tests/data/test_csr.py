@@ -15,8 +15,8 @@ from trellis.data.csr import (
     edges_to_csr,
 )
 from trellis.data.store import open_store, store_writer
-from trellis.utils.csr import build_reverse_csr, stable_argsort
 from trellis.errors import TrellisUserError
+from trellis.utils.csr import build_reverse_csr, stable_argsort
 
 
 def reference_csr(src, dst, n, *, symmetrize, dedup, remove_self_loops):

@@ -52,7 +52,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
 from tqdm import tqdm
 
@@ -68,6 +67,7 @@ from trellis.partition.base import (
 )
 from trellis.partition.edges import edge_ranges, row_edges
 from trellis.partition.quality import PartitionQuality, mark_parts, new_mask
+from trellis.utils import numba  # the package's one numba flag: numba.njit is its njit
 
 FORMAT = "trellis-partition"
 VERSION = 1
