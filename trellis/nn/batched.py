@@ -77,10 +77,16 @@ def family_of(model: nn.Module) -> str:
     return names.pop()  # type: ignore[return-value]
 
 
-def model_decl(model: GNN, family: str | None = None) -> ModelDecl:
-    """The planner's view of one configuration (its layers' declarations and its dropout)."""
+def model_decl(model: nn.Module, family: str | None = None) -> ModelDecl:
+    """The planner's view of one configuration (its layers' declarations and its dropout).
+
+    Raises:
+        TrellisUserError: The model is not a batchable GNN (see :func:`family_of`).
+    """
+    family = family or family_of(model)
+    model = cast(GNN, model)
     layers = tuple(cast(PushdownConv, c).declare() for c in model.convs)
-    return ModelDecl(family or family_of(model), layers, float(model.dropout))
+    return ModelDecl(family, layers, float(model.dropout))
 
 
 class BatchedGNN(nn.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -77,7 +77,7 @@ def build_run_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
             extra["momentum"] = cfg.momentum
         else:  # adam / adamw: the first-moment decay
             extra["betas"] = (cfg.momentum, extra.get("betas", (0.9, 0.999))[1])
-    tables = [m.table.weight for m in model.modules() if isinstance(m, NodeEmbedding)]
+    tables = [cast(nn.Parameter, m.table.weight) for m in model.modules() if isinstance(m, NodeEmbedding)]
     table_ids = {id(p) for p in tables}
     dense = [p for p in model.parameters() if id(p) not in table_ids]
     opt = build_optimizer(cfg.optimizer, dense, lr=float(cfg.lr), weight_decay=float(cfg.weight_decay), **extra)

@@ -92,8 +92,9 @@ def known_models() -> tuple[str, ...]:
 
 
 def _f(default: Any = None, help: str = "", *, choices: tuple[str, ...] | None = None, metavar: str | None = None,
-       factory: Any = None) -> Any:
-    meta = {"help": help, "choices": choices, "metavar": metavar}
+       factory: Any = None, resolved: bool = False) -> Any:
+    """A field with its CLI help; ``resolved`` fields start as None and get the model's or strategy's default."""
+    meta = {"help": help, "choices": choices, "metavar": metavar, "resolved": resolved}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -108,18 +109,18 @@ class TrainConfig:
     """
 
     store: str | None = _f(None, "graph store directory (from `trellis data import|generate`)", metavar="STORE")
-    model: str | None = _f(None, "model: gcn, sage, gin, gat, gate (GAT with edge features) or mlp; sgc, sign or hoga "
-                                 "with --strategy pp (default: gcn; pp sign)", metavar="NAME")
-    hidden: int | None = _f(None, "hidden width, per attention head for gat/gate (default: 16; gat 8; "
-                                  "sage/gin/mlp 64)")
+    model: str = _f(None, "model: gcn, sage, gin, gat, gate (GAT with edge features) or mlp; sgc, sign or hoga "
+                                 "with --strategy pp (default: gcn; pp sign)", metavar="NAME", resolved=True)
+    hidden: int = _f(None, "hidden width, per attention head for gat/gate (default: 16; gat 8; "
+                                  "sage/gin/mlp 64)", resolved=True)
     layers: int = _f(2, "number of layers (default: 2)")
-    heads: int | None = _f(None, "attention heads of hidden layers (default: 8 for gat/gate, else 1)")
-    dropout: float | None = _f(None, "dropout before every layer (default: 0.5; gat 0.6)")
-    lr: float | None = _f(None, "learning rate (default: 0.01; gat 0.005)")
-    weight_decay: float | None = _f(None, "L2 penalty (default: 5e-4)")
-    epochs: int | None = _f(None, "maximum epochs per run (default: 200; gat 1000)")
-    patience: int | None = _f(None, "stop a run after this many epochs without a better validation metric "
-                                    "(default: 100)")
+    heads: int = _f(None, "attention heads of hidden layers (default: 8 for gat/gate, else 1)", resolved=True)
+    dropout: float = _f(None, "dropout before every layer (default: 0.5; gat 0.6)", resolved=True)
+    lr: float = _f(None, "learning rate (default: 0.01; gat 0.005)", resolved=True)
+    weight_decay: float = _f(None, "L2 penalty (default: 5e-4)", resolved=True)
+    epochs: int = _f(None, "maximum epochs per run (default: 200; gat 1000)", resolved=True)
+    patience: int = _f(None, "stop a run after this many epochs without a better validation metric "
+                                    "(default: 100)", resolved=True)
     runs: int = _f(1, "repeat with seeds seed..seed+runs-1 and report mean and std (default: 1)")
     seed: int = _f(0, "seed of the first run (default: 0)")
     device: str = _f("auto", "auto (cuda when available), cpu, cuda or cuda:N (default: auto)",
@@ -152,10 +153,11 @@ class TrainConfig:
     strategy: str = _f("full", "training strategy: full = full-batch, mini = neighbour-sampled mini-batches, "
                                "cluster = cluster-batches, pp = pre-propagation (default: full); the choices are "
                                "the registered strategies (trellis.train.strategies)")
-    fanouts: str | None = _f(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "
-                                   "(default: 15,10 for 2 layers; 15,10,5,5,... for more)", metavar="F1,F2,...")
-    batch_size: int | None = _f(None, "mini/pp: target nodes (mini) or rows (pp) per batch (default: 1024; "
-                                      "pp 8192)")
+    fanouts: str = _f(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "
+                                   "(default: 15,10 for 2 layers; 15,10,5,5,... for more)", metavar="F1,F2,...",
+                             resolved=True)
+    batch_size: int = _f(None, "mini/pp: target nodes (mini) or rows (pp) per batch (default: 1024; "
+                                      "pp 8192)", resolved=True)
     labor: bool = _f(False, "mini: LABOR (layer-neighbour) sampling instead of uniform (default: off)")
     clusters: int = _f(32, "cluster: number of clusters the graph is split into (default: 32)")
     clusters_per_batch: int = _f(4, "cluster: clusters merged into one batch (default: 4)")
@@ -356,12 +358,16 @@ def flag(name: str) -> str:
 
 
 def base_type(name: str) -> tuple[type, bool]:
-    """``(type, optional)`` of a field: ``int | None`` -> ``(int, True)``; ``dict[str, Any]`` -> ``(dict, False)``."""
+    """``(type, optional)`` of a field: ``int | None`` -> ``(int, True)``; ``dict[str, Any]`` -> ``(dict, False)``.
+
+    A field resolved from the model's or strategy's defaults (``hidden``, ``lr``, ...) is optional too: ``none``
+    asks for the default.
+    """
     hint = _hints()[name]
-    optional = False
+    optional = bool(_field_meta(name).get("resolved"))
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(hint))
+        optional = optional or len(args) < len(typing.get_args(hint))
         hint = args[0]
     origin = typing.get_origin(hint)
     return (origin or hint), optional

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 #: Largest change of the validation metric between consecutive epochs that counts as "not changing"
 #: (Dorylus §7.3).
@@ -45,7 +45,7 @@ CONVERGENCE_WINDOW = 3
 PEAK_FRACTION = 0.99
 
 
-def _ok(v: Any) -> bool:
+def _ok(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -85,12 +85,12 @@ def converged_index(values: Sequence[float | None], tol: float = CONVERGENCE_TOL
     """
     if window < 1:
         raise ValueError(f"window must be >= 1 (got {window})")
-    if not values or not _ok(values[0]):
-        start = 0
-    else:
-        start = next((i for i, v in enumerate(values) if not (_ok(v) and v == values[0])), None)
-        if start is None:  # never moved
+    start = 0
+    if values and _ok(values[0]):
+        moved = next((i for i, v in enumerate(values) if not (_ok(v) and v == values[0])), None)
+        if moved is None:  # never moved
             return None
+        start = moved
     streak = 0
     for t in range(max(start, 1), len(values)):
         a, b = values[t - 1], values[t]

@@ -7,9 +7,9 @@ the strategies, below the loop that drives them.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ def normalize_features(x: Tensor, mode: str) -> tuple[Tensor, str]:
     return x, mode
 
 
-def load_graph_data(store_path: str | Path, *, device: torch.device, task: str = "auto",
+def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device, task: str = "auto",
                     feature_norm: str = "auto", need_labels: bool = True, features: str = "store",
                     in_memory_graph: bool = True) -> GraphData:
     """Open a store and move its graph, features, labels and splits to ``device``.

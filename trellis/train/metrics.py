@@ -115,11 +115,11 @@ def roc_auc_macro(scores: Tensor, y: Tensor) -> float:
 
 def _counts(pred: Tensor, y: Tensor, dim: int | None) -> tuple[Tensor, Tensor, Tensor]:
     p, t = pred != 0, y != 0
-    kw = {} if dim is None else {"dim": dim}
-    tp = (p & t).sum(**kw).to(torch.float64)
-    fp = (p & ~t).sum(**kw).to(torch.float64)
-    fn = (~p & t).sum(**kw).to(torch.float64)
-    return tp, fp, fn
+
+    def count(mask: Tensor) -> Tensor:
+        return (mask.sum() if dim is None else mask.sum(dim=dim)).to(torch.float64)
+
+    return count(p & t), count(p & ~t), count(~p & t)
 
 
 def f1_binary(pred: Tensor, y: Tensor) -> float:

@@ -100,9 +100,9 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     saved = torch.load(open_run_dir(run_dir).model(r), map_location="cpu", weights_only=True)
     if saved.get("strategy") == "pp" or saved.get("format") == "trellis-pp-model":
         record = {**saved, "out_dim": saved.get("out_dim", saved.get("num_classes"))}  # older pp model files
-        logits = predict_pp(record, open_store(store), resolve_device(device))
-        task = TASKS[saved.get("task", "multiclass")](record["out_dim"])
-        return _write(out_path, logits, logits, "logits", task, proba, r, saved["model"], run_dir)
+        pp_logits = predict_pp(record, open_store(store), resolve_device(device))
+        pp_task = TASKS[saved.get("task", "multiclass")](record["out_dim"])
+        return _write(out_path, pp_logits, pp_logits, "logits", pp_task, proba, r, saved["model"], run_dir)
     if saved.get("format") != MODEL_FORMAT:
         raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
     dev = resolve_device(device)

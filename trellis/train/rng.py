@@ -22,10 +22,10 @@ def seed_everything(seed: int) -> None:
 
 def get_rng_state() -> dict[str, Any]:
     """Every RNG the trainer touches, in a form ``torch.load(weights_only=True)`` accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     return {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],

@@ -63,6 +63,7 @@ class BatchStrategy(GraphStrategy):
     def _loss(self, model: nn.Module, batch: Batch, task: Task) -> tuple[Tensor | None, int]:
         logits = model(batch.graph, batch.x)
         y = batch.y
+        assert y is not None  # the loader was given the labels
         if batch.loss_mask is not None:
             mask = batch.loss_mask.to(logits.device)
             count = int(mask.sum())

@@ -40,6 +40,7 @@ class GraphStrategy(Strategy):
 
     def explain_graph(self) -> CSRGraph:
         """The whole graph."""
+        assert self.data.graph is not None
         return self.data.graph
 
     def model_record(self, cfg: TrainConfig) -> dict[str, Any]:

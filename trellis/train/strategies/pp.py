@@ -146,6 +146,7 @@ class PrePropagation(Strategy):
         loss_sum = torch.zeros(())
         n_batches = 0
         for x, y in loader:
+            assert y is not None  # training rows are labelled
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
