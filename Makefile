@@ -16,12 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/trellis demo
 
-test: $(STAMP)
-	$(BIN)/ruff check trellis tests benchmarks
+test: lint
 	$(BIN)/python -m pytest tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check trellis tests benchmarks
+	$(BIN)/mypy trellis
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,bench]'

@@ -26,7 +26,8 @@ from trellis.errors import TrellisUserError
 
 def _summary(path: Any) -> dict[str, Any]:
     store = open_store(path, verify=False)
-    splits = {k: (None if store.split(k) is None else int(store.split(k).shape[0])) for k in ("train", "val", "test")}
+    ids = {k: store.split(k) for k in ("train", "val", "test")}
+    splits = {k: None if v is None else int(v.shape[0]) for k, v in ids.items()}
     return {"store": str(store.path), "name": store.name, "num_nodes": store.num_nodes, "num_edges": store.num_edges,
             "num_features": store.num_features, "num_classes": store.num_classes, "task": store.task,
             "splits": splits, "disk_bytes": store.nbytes(), "checksum": store.checksum}

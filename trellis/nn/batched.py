@@ -112,7 +112,7 @@ class BatchedGNN(nn.Module):
         if not models:
             raise TrellisUserError("a model batch needs at least one configuration")
         families = [family_of(m) for m in models]
-        self.decls = [model_decl(m, f) for m, f in zip(models, families)]  # type: ignore[arg-type]
+        self.decls = [model_decl(m, f) for m, f in zip(models, families)]
         check_batchable(self.decls)
         self.family = families[0]
         self.models = nn.ModuleList(models)

@@ -131,7 +131,7 @@ class _BiasActDropout(torch.autograd.Function):
     """``dropout(relu(x + bias))`` as one autograd node that saves only its output."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, bias: Tensor | None, p: float,  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, bias: Tensor | None, p: float,
                 generator: torch.Generator | None) -> Tensor:
         y = x + bias if bias is not None else x.clone()
         y.relu_()
@@ -146,7 +146,7 @@ class _BiasActDropout(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         (y,) = ctx.saved_tensors
         g = grad * ctx.scale if ctx.scale is not None else grad
         # y > 0 exactly where relu passed the value and the mask kept it; elsewhere the chain's gradient is

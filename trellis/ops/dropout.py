@@ -87,12 +87,12 @@ def apply_into(x: Tensor, p: float, out: Tensor, generator: torch.Generator | No
 
 class _HashDropout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, seed: int, p: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, seed: int, p: float) -> Tensor:
         ctx.seed, ctx.p = seed, p
         return _run(x, seed, p)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         return _run(grad, ctx.seed, ctx.p), None, None
 
 

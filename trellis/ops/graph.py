@@ -158,6 +158,12 @@ class CSRGraph:
             self.perm[fwd_perm] = torch.arange(fwd_perm.shape[0], device=fwd_perm.device)
         return self.rev
 
+    def edge_perm(self) -> torch.Tensor:
+        """This graph's edge id of each edge of :meth:`reverse` (builds the reverse CSR when needed)."""
+        self.reverse()
+        assert self.perm is not None
+        return self.perm
+
     def in_degree(self) -> torch.Tensor:
         """Number of in-edges per destination (float32, cached)."""
         if "in_degree" not in self.cache:

@@ -90,6 +90,7 @@ def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tens
         else:  # per-head weights are read through eid inside the kernel; nscale is folded in beforehand
             if nscale is not None:
                 w, eid = _coefficients(graph, w, eid, nscale), None
+            assert w is not None  # refused above for a multi-head x
             K.launch(K.spmm_sum_h, graph, graph.num_edges, x, K.np_(graph.indptr), K.np_(graph.indices),
                      opt(eid, np.int64), K.np_(w), K.np_(x), opt(rscale, dt), opt(sw, dt), out.numpy())
         return out.view(shape)
@@ -137,10 +138,10 @@ def prim_spmm_max_bwd_x(graph: CSRGraph, arg: Tensor, g: Tensor, w: Tensor | Non
     ns = graph.num_src
     if K.wants_numba(g):
         dt = K.np_(g).dtype
-        rev = graph.reverse()
+        rev, perm = graph.reverse(), graph.edge_perm()
         out = g.new_empty((ns, *g.shape[1:]))
         K.launch(K.spmm_max_bwd_x, rev, graph.num_edges, g, K.np_(rev.indptr), K.np_(rev.indices),
-                 K.np_(graph.perm), opt(w, dt, 2), K.np_(arg), K.np_(g), opt(sw, dt), one(g), out.numpy())
+                 K.np_(perm), opt(w, dt, 2), K.np_(arg), K.np_(g), opt(sw, dt), one(g), out.numpy())
         return out
     _, hh, dd = g.shape
     out = g.new_zeros((ns, hh, dd))
@@ -186,11 +187,11 @@ def prim_spmm_bwd_fused(graph: CSRGraph, g: Tensor, x: Tensor, w: Tensor, nscale
     Numba only (callers check :func:`~trellis.ops.kernels.wants_numba`): it reads each gathered gradient row
     once for both products instead of once per gradient (see :func:`trellis.ops.kernels.spmm_bwd_fused`).
     """
-    rev = graph.reverse()
+    rev, perm = graph.reverse(), graph.edge_perm()
     dt = K.np_(g).dtype
     gx = g.new_empty((graph.num_src, *g.shape[1:]))
     gw = g.new_empty((graph.num_edges, g.shape[1]))
-    K.launch(K.spmm_bwd_fused, rev, graph.num_edges, g, K.np_(rev.indptr), K.np_(rev.indices), K.np_(graph.perm),
+    K.launch(K.spmm_bwd_fused, rev, graph.num_edges, g, K.np_(rev.indptr), K.np_(rev.indices), K.np_(perm),
              K.np_(w), opt(nscale, dt), K.np_(g), K.np_(x), opt(sw, dt), one(g), gx.numpy(), gw.numpy())
     return gx, gw
 
@@ -241,7 +242,9 @@ class _SpMM(torch.autograd.Function):
         else:
             invdeg = inv_degree(graph, g.dtype) if mean else None
             if need_x and need_w and K.wants_numba(g):
-                gx, gw = prim_spmm_bwd_fused(graph, _as3(g), _as3(x), _w2(w), invdeg, sw)
+                assert w is not None  # need_w: the SpMM was weighted
+                gx, gw = prim_spmm_bwd_fused(graph, _as3(g), _as3(x), w if w.dim() == 2 else w.view(-1, 1), invdeg,
+                                             sw)
                 gx = gx.view(ctx.x_shape)
             else:
                 if need_x:

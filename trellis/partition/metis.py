@@ -52,11 +52,12 @@ def run_metis(xadj: np.ndarray, adjncy: np.ndarray, weights: np.ndarray | None, 
     adjncy = np.ascontiguousarray(adjncy, dtype=np.int64)
     weights = None if weights is None else np.ascontiguousarray(weights, dtype=np.int64)
     vweights = None if vweights is None else np.ascontiguousarray(vweights, dtype=np.int64)
-    kw = {"eweights": weights, "vweights": vweights, "tpwgts": tpwgts, "options": opts, "recursive": recursive}
     if hasattr(pymetis, "CSRAdjacency"):  # pymetis >= 2025.2; passing xadj/adjncy is deprecated there
-        _, membership = pymetis.part_graph(num_parts, pymetis.CSRAdjacency(xadj, adjncy), **kw)
+        _, membership = pymetis.part_graph(num_parts, pymetis.CSRAdjacency(xadj, adjncy), eweights=weights,
+                                           vweights=vweights, tpwgts=tpwgts, options=opts, recursive=recursive)
     else:  # pragma: no cover - older pymetis
-        _, membership = pymetis.part_graph(num_parts, xadj=xadj, adjncy=adjncy, **kw)
+        _, membership = pymetis.part_graph(num_parts, xadj=xadj, adjncy=adjncy, eweights=weights, vweights=vweights,
+                                           tpwgts=tpwgts, options=opts, recursive=recursive)
     return np.asarray(membership, dtype=np.int32)
 
 

@@ -175,6 +175,7 @@ def evaluate(store: GraphStore, book: PartitionBook, *, width: int = 256,
     if own == "vertex-cut":
         halo = count_parts(mask_mir, num_parts)
     elif own == "reverse":
+        assert mask_in is not None and mask_out is not None
         halo = count_parts(mask_in | mask_out, num_parts)
     else:
         halo = halo_in + halo_out

@@ -427,7 +427,7 @@ def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: s
     else:
         assert len(built) == 1
         bm = _One(*built[0])
-    active: list[int] = bm.active  # type: ignore[assignment]
+    active: list[int] = bm.active
     max_epochs = max(int(s.entry.cfg.epochs) for s in states)
     cuda = device.type == "cuda"
     data = strategy.data
@@ -480,7 +480,7 @@ def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: s
                 if s.stopped:
                     stop.append(k)
             for k in stop:
-                bm.drop(k)  # type: ignore[operator]
+                bm.drop(k)
             bar.set_postfix_str(f"{len(active)} active", refresh=False)
             bar.update(1)
     finally:

@@ -131,7 +131,7 @@ class FullBatch(GraphStrategy):
     def explain(self, model: nn.Module) -> str:
         """Planner v2's plan (training step and evaluation pass) for GCN/SAGE/GIN; the model's own otherwise."""
         try:
-            decl = model_decl(model, family_of(model))  # type: ignore[arg-type]
+            decl = model_decl(model, family_of(model))
         except TrellisUserError:
             return super().explain(model)
         stats = GraphStats.of(self.data.graph)
