@@ -24,7 +24,6 @@ from trellis.loader.pp import (
     StorageSource,
     epoch_batches,
     expand_ranges,
-    parse_bytes,
     plan_placement,
 )
 from trellis.loader.ppcache import (
@@ -37,6 +36,7 @@ from trellis.loader.ppcache import (
     open_pp,
 )
 from trellis.ops.propagate import OperatorSpec, propagate
+from trellis.utils.sizes import parse_size
 
 N, F = 300, 4
 REPO = Path(__file__).resolve().parents[2]
@@ -252,9 +252,9 @@ def test_placement_rules(cache) -> None:
         plan_placement(cache, hops, 16, loader="index", memory_budget=data_bytes // 4)
     with pytest.raises(TrellisUserError, match="chunk-size applies"):
         plan_placement(cache, hops, 16, loader="index", chunk_size=4, memory_budget="1G")
-    assert parse_bytes("2G") == 2 * 10**9 and parse_bytes("1.5MiB") == 3 * 2**19
+    assert parse_size("2G") == 2 * 10**9 and parse_size("1.5MiB") == 3 * 2**19
     with pytest.raises(TrellisUserError):
-        parse_bytes("lots")
+        parse_size("lots")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ in-degree), not the global ones -- the subgraph is the graph the model is traine
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +34,7 @@ from trellis.loader.prefetch import Prefetcher
 from trellis.loader.sampler import ThreadLocalMap, as_tensor, attach_reverse, mix64
 from trellis.loader.source import iter_epoch
 from trellis.ops.graph import CSRGraph
+from trellis.partition.base import partition_graph
 
 #: ``--cluster-method`` choices: partitioners of :mod:`trellis.partition`, plus ``hash`` (random, balanced).
 CLUSTER_METHODS = ("metis", "grem", "hash")
@@ -58,12 +58,6 @@ def cluster_assignment(store: object, num_clusters: int, method: str = "metis", 
     if not 1 <= num_clusters <= num_nodes:
         raise TrellisUserError(f"--clusters {num_clusters}: need between 1 and the graph's {num_nodes} nodes")
     if method == "hash":
-        return hash_clusters(num_nodes, num_clusters, seed)
-    try:
-        from trellis.partition.base import partition_graph
-    except ImportError:  # pragma: no cover - only before trellis.partition exists
-        warnings.warn(f"trellis.partition is unavailable; --cluster-method {method} falls back to hash",
-                      stacklevel=2)
         return hash_clusters(num_nodes, num_clusters, seed)
     book = partition_graph(store, method, num_clusters, measure=False, seed=seed)  # type: ignore[arg-type]
     return np.asarray(book.node_parts, dtype=np.int32)

@@ -63,10 +63,6 @@ _MIN_READ_BYTES = 64 * 1024
 # bytes, budgets
 # ---------------------------------------------------------------------------------------------------
 
-#: ``parse_bytes``/``fmt_bytes`` are the package's one size parser and formatter (:mod:`trellis.utils.sizes`).
-parse_bytes = parse_size
-fmt_bytes = format_size
-
 
 def default_budget() -> tuple[int, str]:
     """``(bytes, why)``: 80% of the RAM psutil reports available."""
@@ -588,7 +584,7 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
     if memory_budget is None:
         budget, source = default_budget()
     else:
-        budget, source = parse_bytes(memory_budget), "--memory-budget"
+        budget, source = parse_size(memory_budget), "--memory-budget"
     h = len(hops)
     a, b = split_rows(cache)
     row = h * cache.row_bytes
@@ -597,8 +593,8 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
     buffers = 2 * batch
     if budget < buffers:
         raise TrellisUserError(
-            f"memory budget {fmt_bytes(budget)} ({source}) is too small for one batch: {batch_size} rows × "
-            f"{h} hops × {cache.num_features} features × 4 B, double-buffered = {fmt_bytes(buffers)}; raise "
+            f"memory budget {format_size(budget)} ({source}) is too small for one batch: {batch_size} rows × "
+            f"{h} hops × {cache.num_features} features × 4 B, double-buffered = {format_size(buffers)}; raise "
             "--memory-budget or lower --batch-size"
         )
     train = cache.split_range("train")
@@ -609,15 +605,15 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
             c = chunk_size or 1
             spare, spare_why = spare_compute(device)
             mode = ("prefetch" if spare else "index") if c == 1 else "chunk"
-            why = (f"the {b - a:,} split rows of {h} hop(s) take {fmt_bytes(data)}, which fits the budget "
-                   f"{fmt_bytes(budget)} ({source}); ")
+            why = (f"the {b - a:,} split rows of {h} hop(s) take {format_size(data)}, which fits the budget "
+                   f"{format_size(budget)} ({source}); ")
             why += (f"exact reshuffling with one gather per batch, {'' if spare else 'not '}prefetched "
                     f"({spare_why}); give --chunk-size to trade shuffling for zero-copy chunks" if c == 1 else
                     f"--chunk-size {c} asks for chunk reshuffling")
             return Placement(mode, "memory", c, mode != "index", budget, source, data, batch, why)
         c = chunk_size or batch_size
-        why = (f"the {b - a:,} split rows of {h} hop(s) take {fmt_bytes(data)}, more than the budget "
-               f"{fmt_bytes(budget)} ({source}) minus two batch buffers; reading whole chunks of {c} rows from "
+        why = (f"the {b - a:,} split rows of {h} hop(s) take {format_size(data)}, more than the budget "
+               f"{format_size(budget)} ({source}) minus two batch buffers; reading whole chunks of {c} rows from "
                "the hop files")
         if c * cache.row_bytes < _MIN_READ_BYTES:
             why += " (chunks this small make storage reads nearly random: expect it to be slow)"
@@ -626,7 +622,7 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
         need = data + buffers + (naive_extra if loader.startswith("naive") else 0)
         if need > budget:
             raise TrellisUserError(
-                f"--loader {loader} keeps {fmt_bytes(need)} in memory but the budget is {fmt_bytes(budget)} "
+                f"--loader {loader} keeps {format_size(need)} in memory but the budget is {format_size(budget)} "
                 f"({source}); use --loader storage (or auto), fewer hops, or a larger --memory-budget"
             )
     if loader in ("naive", "naive-batch", "index", "prefetch"):
@@ -634,11 +630,11 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
             raise TrellisUserError(
                 f"--chunk-size applies to --loader chunk, storage or auto, not {loader} (exact reshuffling)")
         return Placement(loader, "memory", 1, loader == "prefetch", budget, source, data, batch,
-                         f"--loader {loader} asked for; the split rows take {fmt_bytes(data)}")
+                         f"--loader {loader} asked for; the split rows take {format_size(data)}")
     c = chunk_size or batch_size
     where = "memory" if loader == "chunk" else "storage"
     return Placement(loader, where, c, True, budget, source, data, batch,
-                     f"--loader {loader} asked for; the split rows take {fmt_bytes(data)}")
+                     f"--loader {loader} asked for; the split rows take {format_size(data)}")
 
 
 class PPData:

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from trellis.errors import TrellisUserError
+from trellis.loader.blocks import parse_fanouts
+from trellis.nn import MODELS
 from trellis.nn.init import INITS
+from trellis.train.features import parse_features
 from trellis.train.optim import OPTIMIZERS
 from trellis.train.tasks import TASKS, check_metric
-
-#: Model names known even before ``trellis.nn`` imports (used only if it cannot be imported).
-_FALLBACK_MODELS = ("gcn", "sage", "gin", "gat", "gate", "mlp")
+from trellis.utils.sizes import parse_size
 
 #: Models of the ``pp`` strategy (trellis.nn.pp_models.PP_MODELS); they train on no other strategy.
 PP_MODELS = ("sgc", "sign", "hoga")
@@ -83,11 +84,7 @@ SESSION_FIELDS = frozenset({"json", "explain", "resume", "progress", "overwrite"
 
 
 def known_models() -> tuple[str, ...]:
-    """Model names from the ``trellis.nn`` registry (a fixed list if it cannot be imported)."""
-    try:
-        from trellis.nn import MODELS
-    except ImportError:
-        return _FALLBACK_MODELS
+    """Model names from the ``trellis.nn`` registry."""
     return tuple(MODELS)
 
 
@@ -227,8 +224,6 @@ class TrainConfig:
             if self.optimizer == "adagrad":
                 raise TrellisUserError("--momentum does not apply to --optimizer adagrad (it has no momentum); "
                                        "drop --momentum or choose sgd, adam or adamw")
-        from trellis.train.features import parse_features
-
         parse_features(self.features)
         if self.target_acc is not None and not 0.0 < self.target_acc <= 1.0:  # also refuses NaN
             raise TrellisUserError(f"--target-acc must be in (0, 1] (got {self.target_acc})")
@@ -261,15 +256,11 @@ class TrainConfig:
             if self.chunk_size is not None:
                 _check_range("chunk_size", self.chunk_size, 1)
             if self.memory_budget is not None:
-                from trellis.loader.pp import parse_bytes
-
                 try:
-                    parse_bytes(self.memory_budget)
+                    parse_size(self.memory_budget)
                 except TrellisUserError as exc:
                     raise TrellisUserError(f"--memory-budget: {exc}") from None
         if self.strategy == "mini":
-            from trellis.loader.blocks import parse_fanouts
-
             parse_fanouts(self.fanouts or "", self.layers)
         for name in ("optimizer", "task", "feature_norm", "cluster_method", "pp_loader", "init"):
             choices = _field_meta(name)["choices"]
