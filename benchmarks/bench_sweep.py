@@ -157,11 +157,11 @@ def _breakdown(store: str, k: Any) -> dict[str, Any]:
 
     from trellis.nn.batched import BatchedGNN
     from trellis.train.optim import build_optimizer
-    from trellis.train.sweep import build_config_model
-    from trellis.train.trainer import load_graph_data
+    from trellis.train.sweep import build_config_model, load_sweep_data
 
     entries = _configs(store)
-    data = load_graph_data(store, device=torch.device("cpu"))
+    strategy = load_sweep_data(entries, torch.device("cpu"))  # the full-batch strategy a sweep trains on
+    data = strategy.data
 
     def epoch(model: Any, opts: list[Any]) -> None:
         _epoch(model, opts, data)
@@ -178,7 +178,7 @@ def _breakdown(store: str, k: Any) -> dict[str, Any]:
     solo = dict.fromkeys([*CATEGORIES, "other"], 0.0)
     solo_wall = 0.0
     for e in entries:
-        model, _ = build_config_model(e, data, torch.device("cpu"))
+        model, _ = build_config_model(e, strategy, torch.device("cpu"))
         opt = build_optimizer(e.cfg.optimizer, model.parameters(), lr=e.cfg.lr, weight_decay=e.cfg.weight_decay)
         cats, wall = measure(model, [opt])
         solo_wall += wall
@@ -189,7 +189,7 @@ def _breakdown(store: str, k: Any) -> dict[str, Any]:
     batched_wall = 0.0
     for start in range(0, len(entries), kk):
         chunk = entries[start:start + kk]
-        built = [build_config_model(e, data, torch.device("cpu")) for e in chunk]
+        built = [build_config_model(e, strategy, torch.device("cpu")) for e in chunk]
         opts = [build_optimizer(e.cfg.optimizer, m.parameters(), lr=e.cfg.lr, weight_decay=e.cfg.weight_decay)
                 for e, (m, _) in zip(chunk, built)]
         bm = BatchedGNN([m for m, _ in built], [gen for _, gen in built])
@@ -215,11 +215,11 @@ def _ab(store: str, k: Any, reps: int, rewrites: tuple[str, ...]) -> dict[str, A
 
     from trellis.nn.batched import BatchedGNN
     from trellis.train.optim import build_optimizer
-    from trellis.train.sweep import build_config_model
-    from trellis.train.trainer import load_graph_data
+    from trellis.train.sweep import build_config_model, load_sweep_data
 
     entries = _configs(store)
-    data = load_graph_data(store, device=torch.device("cpu"))
+    strategy = load_sweep_data(entries, torch.device("cpu"))  # the full-batch strategy a sweep trains on
+    data = strategy.data
 
     def opt(e: Any, m: Any) -> Any:
         return build_optimizer(e.cfg.optimizer, m.parameters(), lr=e.cfg.lr, weight_decay=e.cfg.weight_decay)
@@ -229,13 +229,13 @@ def _ab(store: str, k: Any, reps: int, rewrites: tuple[str, ...]) -> dict[str, A
 
     solos = []
     for e in entries:
-        m, _ = build_config_model(e, data, torch.device("cpu"))
+        m, _ = build_config_model(e, strategy, torch.device("cpu"))
         solos.append((m, [opt(e, m)]))
     kk = len(entries) if k == "auto" else int(k)
     batches = []
     for start in range(0, len(entries), kk):
         chunk = entries[start:start + kk]
-        built = [build_config_model(e, data, torch.device("cpu")) for e in chunk]
+        built = [build_config_model(e, strategy, torch.device("cpu")) for e in chunk]
         batches.append((BatchedGNN([m for m, _ in built], [q for _, q in built], rewrites=rewrites),
                         [opt(e, m) for e, (m, _) in zip(chunk, built)]))
     for m, o in solos + batches:  # warm-up
