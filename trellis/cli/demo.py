@@ -30,6 +30,7 @@ def _positive_int(text: str) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Generate the planted-partition store, train GCN on it and print accuracy and timing; returns exit code 0."""
     from trellis.data.generate import generate_sbm
     from trellis.train.config import TrainConfig
     from trellis.train.trainer import train

@@ -36,6 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``trellis`` parser with every subcommand module that imports (modules not built yet are skipped)."""
     parser = _Parser(prog="trellis", description="Train graph neural networks on large graphs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -73,6 +74,7 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
 
 
 def entry() -> None:
+    """Console-script entry point: run :func:`main` on ``sys.argv`` and exit with its code."""
     sys.exit(main())
 
 

@@ -102,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run (or with ``--explain`` only plan) the sweep and print its leaderboard; returns exit code 0."""
     from trellis.train.sweep import explain_sweep, format_leaderboard, run_sweep
 
     sc = config_from_args(args)

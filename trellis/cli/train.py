@@ -107,6 +107,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """Train (or with ``--explain`` only describe) the configured runs; returns 0, or 128 + signal when interrupted."""
     from trellis.train.trainer import Trainer, TrainingInterrupted
 
     cfg = config_from_args(args)
@@ -131,6 +132,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_predict(args: argparse.Namespace) -> int:
+    """Write predictions and embeddings of a trained run and report where they went; returns exit code 0."""
     from trellis.train.predict import predict
 
     info = predict(args.run_dir, args.store, args.out, run=args.run, proba=args.proba, device=args.device,

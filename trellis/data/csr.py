@@ -63,6 +63,7 @@ class EdgeCSR:
 
     @property
     def num_edges(self) -> int:
+        """Number of edges ``E`` (the length of ``indices``)."""
         return int(self.indices.shape[0])
 
     def dst(self) -> np.ndarray:
@@ -100,6 +101,7 @@ class ArrayEdgeSource:
         self.src, self.dst, self.chunk_edges, self.name = src, dst, max(1, int(chunk_edges)), name
 
     def chunks(self, num_nodes: int | None = None) -> Iterator[EdgeChunk]:
+        """Yield ``chunk_edges``-sized slices of the arrays as validated int64 node ids, in input order."""
         for start in range(0, len(self.src), self.chunk_edges):
             stop = start + self.chunk_edges
             src = as_node_ids(self.src[start:stop], f"{self.name} src", num_nodes, row_offset=start)

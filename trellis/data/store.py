@@ -319,27 +319,33 @@ class GraphStore:
     # ---- metadata -------------------------------------------------------------------------
     @property
     def name(self) -> str:
+        """Dataset name from the manifest (the directory name when none is recorded)."""
         return str(self.manifest.get("name", self.path.name))
 
     @property
     def num_nodes(self) -> int:
+        """Number of nodes ``N``."""
         return int(self.manifest["num_nodes"])
 
     @property
     def num_edges(self) -> int:
+        """Number of stored (directed) edges ``E``."""
         return int(self.manifest["num_edges"])
 
     @property
     def task(self) -> str | None:
+        """Label task recorded at import (``multiclass``, ``binary``, ``multilabel``), or None without labels."""
         return self.manifest.get("task")
 
     @property
     def num_classes(self) -> int | None:
+        """Number of classes (label columns for multilabel) recorded at import, or None without labels."""
         nc = self.manifest.get("num_classes")
         return None if nc is None else int(nc)
 
     @property
     def num_features(self) -> int:
+        """Feature width ``F`` of ``x``, or 0 for a featureless store."""
         meta = self.manifest["arrays"].get("x")
         return 0 if meta is None else int(meta["shape"][1])
 
@@ -368,6 +374,7 @@ class GraphStore:
 
     # ---- arrays ---------------------------------------------------------------------------
     def has(self, name: str) -> bool:
+        """Whether the manifest lists array ``name`` (optional arrays such as ``x`` or ``val_idx`` may be absent)."""
         return name in self.manifest["arrays"]
 
     def array(self, name: str) -> np.ndarray:
@@ -378,30 +385,37 @@ class GraphStore:
         return self._cache[name]
 
     def get(self, name: str) -> np.ndarray | None:
+        """Memory-mapped array ``name``, or None when the store does not have it."""
         return self.array(name) if self.has(name) else None
 
     @property
     def indptr(self) -> np.ndarray:
+        """``int64 [N+1]`` row pointers of the in-edge CSR (row = destination node)."""
         return self.array("indptr")
 
     @property
     def indices(self) -> np.ndarray:
+        """``int64 [E]`` source node of each in-edge, in CSR order."""
         return self.array("indices")
 
     @property
     def x(self) -> np.ndarray | None:
+        """``float32 [N, F]`` node features, or None for a featureless store."""
         return self.get("x")
 
     @property
     def y(self) -> np.ndarray | None:
+        """Labels: ``int64 [N]`` (multiclass/binary; -1 = unlabelled) or ``[N, C]`` (multilabel), or None."""
         return self.get("y")
 
     @property
     def edge_weight(self) -> np.ndarray | None:
+        """``float32 [E]`` edge weights in CSR edge order, or None when unweighted."""
         return self.get("edge_weight")
 
     @property
     def edge_feat(self) -> np.ndarray | None:
+        """``float32 [E, D]`` edge features in CSR edge order, or None."""
         return self.get("edge_feat")
 
     def split(self, name: str) -> np.ndarray | None:

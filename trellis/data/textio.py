@@ -172,9 +172,11 @@ class TextEdgeSource:
 
     @property
     def nbytes(self) -> int:
+        """Size of the file in bytes; importers stream the build above a size threshold."""
         return self.path.stat().st_size
 
     def chunks(self, num_nodes: int | None = None) -> Iterator[EdgeChunk]:
+        """Yield validated edge chunks parsed block by block, so memory stays bounded for any file size."""
         start = 0
         for block, first in iter_blocks(self.path, self.block_bytes):
             arr = parse_block(self.path, block, first, dtype=np.int64, ncols=2, delimiter=self.delimiter,  # type: ignore[arg-type]
@@ -216,9 +218,11 @@ class NpyEdgeSource:
 
     @property
     def nbytes(self) -> int:
+        """Size of the file in bytes; importers stream the build above a size threshold."""
         return self.path.stat().st_size
 
     def chunks(self, num_nodes: int | None = None) -> Iterator[EdgeChunk]:
+        """Yield ``chunk_edges`` rows at a time from the memory map as validated int64 ``src``/``dst`` chunks."""
         for start in range(0, self.array.shape[0], self.chunk_edges):
             block = np.asarray(self.array[start:start + self.chunk_edges])
             src = as_node_ids(block[:, 0], f"{self.path} (column 0)", num_nodes, row_offset=start)

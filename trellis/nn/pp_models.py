@@ -65,6 +65,7 @@ class SGC(PPModel):
 
     @staticmethod
     def hops_used(num_hops: int) -> tuple[int, ...]:
+        """Only the last hop ``R``: SGC is a linear model on ``S^R X``."""
         return (num_hops,)
 
     def forward(self, x: Tensor) -> Tensor:

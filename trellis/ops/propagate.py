@@ -50,7 +50,8 @@ DEFAULT_BLOCK_BYTES = 32 * 1024 * 1024
 class ProgressLike(Protocol):
     """What the passes need from a progress bar (``tqdm`` satisfies it)."""
 
-    def update(self, n: int = 1) -> Any: ...
+    def update(self, n: int = 1) -> Any:
+        """Advance the bar by ``n`` steps (called once per finished block)."""
 
 
 @dataclass(frozen=True)

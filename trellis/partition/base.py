@@ -80,6 +80,7 @@ class PartitionBook:
 
     @property
     def num_nodes(self) -> int:
+        """Number of nodes ``N`` (the length of ``node_parts``)."""
         return int(self.node_parts.shape[0])
 
     def part_sizes(self) -> np.ndarray:

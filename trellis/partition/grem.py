@@ -465,6 +465,7 @@ class GremPartitioner(Partitioner):
         self.passes = int(passes)
 
     def options(self) -> dict[str, Any]:
+        """Base options plus chunking, refinement, seed method and passes, so the book records how it was made."""
         return {**super().options(), "chunk_frac": self.chunk_frac, "chunk_edges": self.chunk_edges,
                 "refine": self.refine, "seed_method": self.seed_method, "passes": self.passes}
 
@@ -476,6 +477,7 @@ class GremPartitioner(Partitioner):
         return max(1, int(math.ceil(self.chunk_frac * num_edges)))
 
     def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        """Recursive bisection over shuffled edge chunks; extra params report chunk sizes, levels and nodes moved."""
         n, e = store.num_nodes, store.num_edges
         indptr, indices = np.asarray(store.indptr), np.asarray(store.indices)
         chunk = self.chunk_size(e)

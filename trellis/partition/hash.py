@@ -27,6 +27,7 @@ class RandomPartitioner(Partitioner):
     ownership = "dst"
 
     def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        """A seeded shuffled round robin of part ids, so part sizes differ by at most one; no extra params."""
         n = store.num_nodes
         parts = np.empty(n, dtype=np.int32)
         parts[np.random.default_rng(self.seed).permutation(n)] = np.arange(n, dtype=np.int64) % self.num_parts
@@ -41,6 +42,7 @@ class HashSrcPartitioner(Partitioner):
     balanced = False
 
     def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        """Seeded hash of each node id; edges are not read, so O(N) time and memory; no extra params."""
         return hash_parts(store.num_nodes, self.num_parts, self.seed), {}
 
 

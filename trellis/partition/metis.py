@@ -127,9 +127,11 @@ class MetisPartitioner(Partitioner):
         self.recursive = recursive
 
     def options(self) -> dict[str, Any]:
+        """Base options plus ``recursive`` (bisection vs k-way), recorded in the book."""
         return {**super().options(), "recursive": self.recursive}
 
     def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        """METIS on the symmetrised graph, then :func:`enforce_cap`; extra params report ``rebalanced_nodes``."""
         n = store.num_nodes
         xadj, adjncy, w = symmetric_adjacency(store.indptr, store.indices, n)
         parts = run_metis(xadj, adjncy, w, self.num_parts, imbalance=self.imbalance, seed=self.seed,

@@ -109,6 +109,7 @@ class PartitionQuality:
     params: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as a JSON-ready dict (written to the partition report and the layout manifest)."""
         return asdict(self)
 
     def table(self, max_rows: int = 32) -> str:

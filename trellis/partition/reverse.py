@@ -34,4 +34,5 @@ class ReversePartitioner(Partitioner):
     balanced = False
 
     def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        """The same node hash as ``hash``; only the ``reverse`` ownership differs, so no extra params."""
         return hash_parts(store.num_nodes, self.num_parts, self.seed), {}

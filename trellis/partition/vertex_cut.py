@@ -31,5 +31,6 @@ class VertexCutPartitioner(Partitioner):
     balanced = False
 
     def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
+        """Node masters at their grid cell; extra params record the ``[rows, cols]`` grid the edges hash onto."""
         rows, cols = grid_shape(self.num_parts)
         return grid_masters(store.num_nodes, rows, cols, self.seed), {"grid": [rows, cols]}

@@ -83,10 +83,12 @@ class NodeEmbedding(nn.Module):
 
     @property
     def convs(self) -> Any:
+        """The wrapped model's ``convs`` (None if it has none), so layer-wise inference can walk them."""
         return getattr(self.model, "convs", None)
 
     @property
     def activation(self) -> Any:
+        """The wrapped model's activation (None if it has none), used with :attr:`convs` by layer-wise inference."""
         return getattr(self.model, "activation", None)
 
     def embed_inputs(self, ids: Tensor) -> Tensor:
@@ -94,9 +96,11 @@ class NodeEmbedding(nn.Module):
         return self.table(ids[:, 0].to(device=self.table.weight.device, dtype=torch.int64))
 
     def forward(self, graph: Any, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """Look up the node-id column's table rows, then run the wrapped model on them."""
         return self.model(graph, self.embed_inputs(x), *args, **kwargs)
 
     def explain(self, graph: Any) -> str:
+        """The wrapped model's explanation, headed by the embedding table's shape."""
         inner = getattr(self.model, "explain", None)
         head = (f"input: embedding table [{self.table.num_embeddings}, {self.table.embedding_dim}] "
                 "(sparse gradients, looked up per batch)")
@@ -115,17 +119,21 @@ class SplitOptimizer:
         self.param_groups = dense.param_groups + sparse.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of both optimizers."""
         self.dense.zero_grad(set_to_none=set_to_none)
         self.sparse.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
+        """Step both optimizers: the dense one on the model, the sparse one on the embedding tables."""
         self.dense.step()
         self.sparse.step()
 
     def state_dict(self) -> dict[str, Any]:
+        """Both optimizers' states under ``dense`` and ``sparse`` (checkpoints store it as one)."""
         return {"dense": self.dense.state_dict(), "sparse": self.sparse.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore both optimizers from :meth:`state_dict`'s output."""
         self.dense.load_state_dict(state["dense"])
         self.sparse.load_state_dict(state["sparse"])
 

@@ -40,33 +40,41 @@ class RunPaths:
 
     @property
     def config(self) -> Path:
+        """``config.json``: the resolved configuration (``--resume`` and ``--config`` read it back)."""
         return self.root / "config.json"
 
     @property
     def metrics(self) -> Path:
+        """``metrics.jsonl``: one record per evaluated epoch and run."""
         return self.root / "metrics.jsonl"
 
     @property
     def summary(self) -> Path:
+        """``summary.json``: the final metrics over all runs."""
         return self.root / "summary.json"
 
     @property
     def checkpoints(self) -> Path:
+        """``checkpoints/``: the directory of resume checkpoints."""
         return self.root / "checkpoints"
 
     @property
     def checkpoint(self) -> Path:
+        """``checkpoints/last.pt``: the latest checkpoint, the one ``--resume`` continues from."""
         return self.checkpoints / "last.pt"
 
     @property
     def models(self) -> Path:
+        """``models/``: the directory of per-run best-validation weights."""
         return self.root / "models"
 
     def model(self, run: int) -> Path:
+        """``models/run-<run>.pt``: best-validation weights of run ``run`` (``trellis predict`` loads them)."""
         return self.models / f"run-{run}.pt"
 
     @property
     def curves(self) -> Path:
+        """``curves.png``: loss and metric curves per epoch."""
         return self.root / "curves.png"
 
 
@@ -114,6 +122,7 @@ def open_run_dir(path: str | os.PathLike[str]) -> RunPaths:
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
+    """Parse the JSON file at ``path``; an unreadable or malformed file is a :class:`TrellisUserError`."""
     p = Path(path)
     try:
         return json.loads(p.read_text())
@@ -143,13 +152,16 @@ class MetricsLog:
 
     @property
     def offset(self) -> int:
+        """Bytes written so far: the offset a checkpoint records so a resume truncates back to it."""
         return self._f.tell()
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one JSON line and flush, so a killed run loses no logged epoch."""
         self._f.write((json_line(record) + "\n").encode())
         self._f.flush()
 
     def close(self) -> None:
+        """Close the file."""
         self._f.close()
 
 
@@ -159,6 +171,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the records of a JSONL file lazily, skipping blank lines."""
     with open(path) as f:
         for line in f:
             if line.strip():

@@ -130,6 +130,7 @@ class MulticlassTask(Task):
 
     @classmethod
     def from_labels(cls, y: np.ndarray, num_classes: int | None) -> MulticlassTask:
+        """A multiclass task with ``num_classes`` outputs (the largest label + 1 when not recorded)."""
         if y.ndim != 1:
             raise TrellisUserError(
                 f"labels have shape {list(y.shape)} but the multiclass task needs one class id per node; "
@@ -141,6 +142,7 @@ class MulticlassTask(Task):
         return cls(num_classes)
 
     def check_labels(self, y: np.ndarray, split_ids: dict[str, np.ndarray], where: str) -> None:
+        """Refuse a split node whose label is not a class id in ``[0, num_outputs)`` (including -1)."""
         for split, ids in split_ids.items():
             labels = np.asarray(y[ids])
             bad = np.flatnonzero((labels < 0) | (labels >= self.num_outputs))
@@ -150,16 +152,20 @@ class MulticlassTask(Task):
                     f"[0, {self.num_outputs}); every split node needs a class id (re-import with a clean split)")
 
     def labels_tensor(self, y: np.ndarray) -> Tensor:
+        """``int64 [N]`` class ids, copied because store arrays are read-only memory maps."""
         return torch.from_numpy(np.array(y, dtype=np.int64))  # a copy: store arrays are read-only maps
 
     def loss(self, logits: Tensor, y: Tensor) -> Tensor:
+        """Softmax cross entropy over the class ids."""
         return F.cross_entropy(logits, y)
 
     def metrics(self, logits: Tensor, y: Tensor) -> dict[str, float]:
+        """Accuracy and macro-F1 of the argmax class."""
         pred = logits.argmax(dim=-1)
         return {"acc": M.accuracy(pred, y), "f1_macro": M.f1_macro_multiclass(pred, y, self.num_outputs)}
 
     def predict(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """``(argmax class ids [N], softmax probabilities [N, C])``."""
         return logits.argmax(dim=-1), torch.softmax(logits, dim=-1)
 
 
@@ -184,6 +190,7 @@ class BinaryTask(Task):
 
     @classmethod
     def from_labels(cls, y: np.ndarray, num_classes: int | None) -> BinaryTask:
+        """A one-output task; labels other than 0/1/-1 are refused."""
         if y.ndim != 1:
             raise TrellisUserError(
                 f"labels have shape {list(y.shape)} but the binary task needs one 0/1 label per node; "
@@ -197,6 +204,7 @@ class BinaryTask(Task):
         return cls(1)
 
     def check_labels(self, y: np.ndarray, split_ids: dict[str, np.ndarray], where: str) -> None:
+        """Refuse a split node whose label is not 0 or 1."""
         for split, ids in split_ids.items():
             labels = np.asarray(y[ids])
             bad = np.flatnonzero((labels != 0) & (labels != 1))
@@ -205,12 +213,15 @@ class BinaryTask(Task):
                                              "every split node needs a 0/1 label (re-import with a clean split)")
 
     def labels_tensor(self, y: np.ndarray) -> Tensor:
+        """``float32 [N]`` labels: BCE takes float targets (-1 never reaches it, split nodes are checked)."""
         return torch.from_numpy(np.array(y, dtype=np.float32))  # BCE takes float targets; -1 never reaches it
 
     def loss(self, logits: Tensor, y: Tensor) -> Tensor:
+        """BCE-with-logits of the single logit against the 0/1 label."""
         return F.binary_cross_entropy_with_logits(logits.reshape(-1), y.to(logits.dtype))
 
     def metrics(self, logits: Tensor, y: Tensor) -> dict[str, float]:
+        """ROC-AUC of the logit, and accuracy and positive-class F1 at logit 0 (probability 0.5)."""
         score = logits.reshape(-1)
         pred = (score > 0).to(y.dtype)
         return {"auc": M.roc_auc(score, y), "acc": M.accuracy(pred, y), "f1": M.f1_binary(pred, y)}
@@ -238,6 +249,7 @@ class MultilabelTask(Task):
 
     @classmethod
     def from_labels(cls, y: np.ndarray, num_classes: int | None) -> MultilabelTask:
+        """A task with one output per label column; refuses labels that are not an ``[N, C]`` matrix."""
         if y.ndim != 2:
             raise TrellisUserError(
                 f"--task multilabel: labels have shape {list(y.shape)} but a multilabel task needs an [N, C] "
@@ -247,6 +259,7 @@ class MultilabelTask(Task):
         return cls(int(y.shape[1]))
 
     def check_labels(self, y: np.ndarray, split_ids: dict[str, np.ndarray], where: str) -> None:
+        """Refuse a split node whose label row is unlabelled (-1) or holds values other than 0/1."""
         for split, ids in split_ids.items():
             labels = np.asarray(y[ids])
             bad_rows = np.flatnonzero(((labels != 0) & (labels != 1)).any(axis=1))
@@ -258,12 +271,15 @@ class MultilabelTask(Task):
                                              "every split node needs a 0/1 label row (re-import with clean labels)")
 
     def labels_tensor(self, y: np.ndarray) -> Tensor:
+        """``float32 [N, C]`` label matrix, the target type BCE needs."""
         return torch.from_numpy(np.array(y, dtype=np.float32))
 
     def loss(self, logits: Tensor, y: Tensor) -> Tensor:
+        """Independent BCE-with-logits per label, averaged over nodes and labels."""
         return F.binary_cross_entropy_with_logits(logits, y.to(logits.dtype))
 
     def metrics(self, logits: Tensor, y: Tensor) -> dict[str, float]:
+        """Micro/macro-F1 and exact-match accuracy at logit 0, and macro ROC-AUC of the logits."""
         pred = (logits > 0).to(y.dtype)
         return {"f1_micro": M.f1_micro(pred, y), "f1_macro": M.f1_macro_multilabel(pred, y),
                 "auc_macro": M.roc_auc_macro(logits, y), "acc": M.exact_match(pred, y)}
