@@ -11,7 +11,7 @@ What is compared -- stated exactly, since PyG's sampler does not run here:
 
 * **Trellis**: ``trellis.loader`` (numba sampler, nested blocks with reverse CSRs, feature gather into
   reused buffers) -- with 1 and with 2 numba threads -- and, for the epoch, ``--strategy mini``'s own
-  training step (:class:`trellis.train.minibatch.MiniBatch`, prefetching one batch ahead).
+  training step (:class:`trellis.train.strategies.batch.MiniBatch`, prefetching one batch ahead).
 * **PyG**: ``torch_geometric.loader.NeighborLoader`` needs ``pyg-lib`` or ``torch-sparse``; neither has a
   wheel for torch 2.13 and we do not build torch-sparse here. The benchmark first tries PyG's own
   loader; when it raises (it does here), it runs :class:`PygRefNeighborLoader`, a pure-PyTorch
@@ -227,23 +227,27 @@ def _child(args: dict) -> dict:
             import numba
 
             numba.set_num_threads(args["threads"])
+            from trellis.train.build import default_model_factory, make_model
             from trellis.train.config import TrainConfig
-            from trellis.train.minibatch import MiniBatch
-            from trellis.train.trainer import load_graph_data, make_model
+            from trellis.train.strategies.batch import MiniBatch
 
-            data = load_graph_data(args["store"], device=torch.device("cpu"), feature_norm="none")
-            if name == "computers":
-                data.splits["train"] = torch.arange(store.num_nodes)
             cfg = TrainConfig(store=args["store"], model="sage", strategy="mini", fanouts="15,10", batch_size=BATCH,
-                              hidden=HIDDEN, layers=2, dropout=0.5, lr=0.01, prefetch=args.get("prefetch", 2))
-            strat = MiniBatch(data, cfg)
+                              hidden=HIDDEN, layers=2, dropout=0.5, lr=0.01, prefetch=args.get("prefetch", 2),
+                              feature_norm="none", device="cpu")
+            strat = MiniBatch(cfg, torch.device("cpu"))
+            strat.load()
+            data = strat.data
+            if name == "computers":  # train over every node: rebuild the loader over them
+                data.splits["train"] = torch.arange(store.num_nodes)
+                strat.loader = strat.make_loader()
             torch.manual_seed(0)
-            model = make_model("sage", data.in_dim, data.task.num_outputs, hidden=HIDDEN, layers=2, dropout=0.5)
+            model = make_model(default_model_factory, "sage", data.in_dim, data.task.num_outputs, hidden=HIDDEN,
+                               layers=2, dropout=0.5)
             opt = torch.optim.Adam(model.parameters(), lr=0.01)
             times = []
-            for _ in range(args["epochs"] + 1):
+            for epoch in range(args["epochs"] + 1):
                 t0 = time.perf_counter()
-                float(strat.train_step(model, opt, data.task))
+                float(strat.train_step(model, opt, data.task, epoch))
                 times.append(time.perf_counter() - t0)
             res = {"epoch_s": float(np.median(times[1:])), "batches": len(strat.loader)}
         else:
