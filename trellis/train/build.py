@@ -61,7 +61,7 @@ def make_model(factory: ModelFactory, name: str, in_dim: int, out_dim: int, *, e
 
 def build_run_model(cfg: TrainConfig, spec: ModelSpec, factory: ModelFactory = default_model_factory) -> nn.Module:
     """A run's model: the family, ``--init``, then ``--features``' table (this order of random draws)."""
-    model = make_model(factory, str(cfg.model), spec.in_dim, spec.out_dim, edge_dim=spec.edge_dim,
+    model = make_model(factory, cfg.model, spec.in_dim, spec.out_dim, edge_dim=spec.edge_dim,
                        **cfg.model_kwargs())
     init_parameters(model, cfg.init)
     if spec.embedding_dim:
@@ -80,7 +80,7 @@ def build_run_optimizer(cfg: TrainConfig, model: nn.Module) -> Any:
     tables = [cast(nn.Parameter, m.table.weight) for m in model.modules() if isinstance(m, NodeEmbedding)]
     table_ids = {id(p) for p in tables}
     dense = [p for p in model.parameters() if id(p) not in table_ids]
-    opt = build_optimizer(cfg.optimizer, dense, lr=float(cfg.lr), weight_decay=float(cfg.weight_decay), **extra)
+    opt = build_optimizer(cfg.optimizer, dense, lr=cfg.lr, weight_decay=cfg.weight_decay, **extra)
     if not tables:
         return opt
-    return SplitOptimizer(opt, sparse_optimizer(cfg.optimizer, tables, float(cfg.lr)))
+    return SplitOptimizer(opt, sparse_optimizer(cfg.optimizer, tables, cfg.lr))

@@ -419,7 +419,7 @@ def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: s
         d = root / "configs" / e.id
         (d / "models").mkdir(parents=True, exist_ok=True)
         write_json_atomic(d / "config.json", cfg.to_dict())
-        stopper = EarlyStopping(metric, int(cfg.patience), task.higher_is_better.get(metric, True))
+        stopper = EarlyStopping(metric, cfg.patience, task.higher_is_better.get(metric, True))
         states.append(_State(e, model, opt, MetricsLog(d / "metrics.jsonl"), stopper))
     bm: nn.Module
     if batchable:
@@ -428,7 +428,7 @@ def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: s
         assert len(built) == 1
         bm = _One(*built[0])
     active: list[int] = bm.active
-    max_epochs = max(int(s.entry.cfg.epochs) for s in states)
+    max_epochs = max(s.entry.cfg.epochs for s in states)
     cuda = device.type == "cuda"
     data = strategy.data
     graph, x, y, splits = data.graph, data.x, data.y, data.splits
@@ -475,7 +475,7 @@ def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: s
                              "batch": b, "batch_size": len(run), "batch_step_time_s": step})
                 if s.stopper.should_stop:
                     s.stopped = "patience"
-                elif epoch + 1 >= int(s.entry.cfg.epochs):
+                elif epoch + 1 >= s.entry.cfg.epochs:
                     s.stopped = "epochs"
                 if s.stopped:
                     stop.append(k)
@@ -505,7 +505,7 @@ def _finish(s: _State, b: int, strategy: FullBatch, metric: str, root: Path,
     save_model(d / "models" / "run-0.pt", s.model, cfg, metric, result, strategy.model_record(cfg))
     times = s.step_times or [float("nan")]
     summary = RunSummary(
-        metric=metric, strategy="full", model=str(cfg.model), task=task.name, runs=1, seeds=[cfg.seed],
+        metric=metric, strategy="full", model=cfg.model, task=task.name, runs=1, seeds=[cfg.seed],
         best_epoch=[s.stopper.best_epoch], epochs_run=[s.epochs], best_run=0,
         split_metrics=split_metrics_of([result], task.metric_names, strategy.eval_splits),
         epoch_time_s_median=statistics.median(times), epoch_time_s_mean=statistics.fmean(times),

@@ -193,7 +193,7 @@ class Trainer:
         else:
             prog = _Progress()
         if paths is None:
-            paths = prepare_run_dir(cfg.out or default_run_dir(Path(str(cfg.store)).name, str(cfg.model)),
+            paths = prepare_run_dir(cfg.out or default_run_dir(Path(str(cfg.store)).name, cfg.model),
                                     overwrite=cfg.overwrite)
             cfg.out = str(paths.root)
             write_json_atomic(paths.config, cfg.to_dict())
@@ -265,7 +265,7 @@ class Trainer:
         model = strategy.build_model(self.model_factory).to(ctx.device)
         ctx.num_parameters = sum(p.numel() for p in model.parameters())
         optimizer = build_run_optimizer(cfg, model)
-        stopper = EarlyStopping(ctx.metric, int(cfg.patience), task.higher_is_better.get(ctx.metric, True))
+        stopper = EarlyStopping(ctx.metric, cfg.patience, task.higher_is_better.get(ctx.metric, True))
         run_time = 0.0
         start = 0
         strategy.begin_run(seed)
@@ -283,7 +283,7 @@ class Trainer:
                    file=self.err, disable=None if cfg.progress else True, dynamic_ncols=True, leave=True)
         try:
             epoch = start
-            for epoch in range(start, int(cfg.epochs)):
+            for epoch in range(start, cfg.epochs):
                 t_epoch = time.perf_counter()
                 if cuda:
                     torch.cuda.synchronize(ctx.device)
@@ -355,7 +355,7 @@ class Trainer:
         tta = summarize_time_to_accuracy(iter_jsonl(ctx.paths.metrics), ctx.metric, cfg.target_acc,
                                          higher_is_better=task.higher_is_better.get(ctx.metric, True))
         return RunSummary(
-            metric=ctx.metric, strategy=str(cfg.strategy), model=str(cfg.model), task=task.name, runs=cfg.runs,
+            metric=ctx.metric, strategy=cfg.strategy, model=cfg.model, task=task.name, runs=cfg.runs,
             seeds=[res["seed"] for res in results], best_epoch=[res["best_epoch"] for res in results],
             epochs_run=[res["epochs"] for res in results], best_run=best_run,
             split_metrics=split_metrics_of(results, task.metric_names, strategy.eval_splits),

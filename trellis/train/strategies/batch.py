@@ -30,7 +30,7 @@ from trellis.loader.inference import layerwise_inference
 from trellis.loader.sampler import NeighborLoader, NeighborSampler
 from trellis.train.build import ModelSpec
 from trellis.train.data import load_graph_data
-from trellis.train.strategies.full import GraphStrategy
+from trellis.train.strategies.full import GraphStrategy, split_metrics
 from trellis.train.strategy import register_strategy
 from trellis.train.tasks import Task
 
@@ -109,17 +109,10 @@ class BatchStrategy(GraphStrategy):
         rows = torch.cat([splits[s] for s in splits]).cpu().numpy()
         rows_u, inverse = np.unique(rows, return_inverse=True)
         logits = self._infer(model, rows_u)
-        out: dict[str, float] = {}
-        start = 0
         inv = torch.from_numpy(inverse).to(logits.device)
-        for split, idx in splits.items():
-            sel = logits.index_select(0, inv[start:start + idx.shape[0]])
-            start += idx.shape[0]
-            for name, value in task.metrics(sel, d.y[idx]).items():
-                out[f"{split}_{name}"] = value
-            if split == "val":
-                out["val_loss"] = float(task.loss(sel, d.y[idx]))
-        return out
+        ends = np.cumsum([idx.shape[0] for idx in splits.values()])
+        where = {s: inv[end - idx.shape[0]:end] for (s, idx), end in zip(splits.items(), ends)}
+        return split_metrics(task, lambda s: logits.index_select(0, where[s]), d.y, splits)
 
     @torch.no_grad()
     def predict(self, model: nn.Module) -> Tensor:
@@ -135,11 +128,11 @@ class MiniBatch(BatchStrategy):
     def make_loader(self) -> NeighborLoader:
         """A sampler over the memory-mapped CSR and a loader over the training ids."""
         cfg, d = self.cfg, self.data
-        fanouts = parse_fanouts(str(cfg.fanouts), cfg.layers)
+        fanouts = parse_fanouts(cfg.fanouts, cfg.layers)
         sampler = NeighborSampler(self.indptr, self.indices, fanouts, labor=cfg.labor)
         # The preparing thread keeps numba's thread count (all cores): measured against one thread beside the
         # trainer (benchmarks/ and docs/minibatch.md), two were faster per epoch even on a loaded 2-core machine.
-        return NeighborLoader(sampler, d.splits["train"].cpu().numpy(), int(cfg.batch_size), x=d.x, y=d.y,
+        return NeighborLoader(sampler, d.splits["train"].cpu().numpy(), cfg.batch_size, x=d.x, y=d.y,
                               device=self.device, prefetch=cfg.prefetch, edge_weight=d.edge_weight,
                               edge_feat=d.edge_feat)
 

@@ -55,8 +55,9 @@ class GraphStrategy(Strategy):
         return {"feature_norm": self.data.feature_norm, "features": self.data.features}
 
 
-def _metrics(task: Task, logits_of: Callable[[str], Tensor], y: Tensor, splits: dict[str, Tensor]) -> dict[str, float]:
-    """``<split>_<metric>`` for every split and metric, plus ``val_loss``."""
+def split_metrics(task: Task, logits_of: Callable[[str], Tensor], y: Tensor,
+                  splits: dict[str, Tensor]) -> dict[str, float]:
+    """``<split>_<metric>`` for every split and metric, plus ``val_loss``; ``logits_of(split)`` gives its rows."""
     out: dict[str, float] = {}
     for split, idx in splits.items():
         logits = logits_of(split)
@@ -69,7 +70,7 @@ def _metrics(task: Task, logits_of: Callable[[str], Tensor], y: Tensor, splits: 
 
 def evaluate_logits(task: Task, logits: Tensor, y: Tensor, splits: dict[str, Tensor]) -> dict[str, float]:
     """Every split's metrics and ``val_loss`` from the logits of all nodes (full-batch and the sweep)."""
-    return _metrics(task, lambda s: logits[splits[s]], y, splits)
+    return split_metrics(task, lambda s: logits[splits[s]], y, splits)
 
 
 @register_strategy("full")

@@ -42,8 +42,8 @@ def open_checked_cache(pp_dir: str, store: GraphStore) -> PPCache:
 
 def cache_placement(cache: PPCache, cfg: Any, device: torch.device) -> tuple[tuple[int, ...], Placement]:
     """The hops the model reads and the loader placement for them under ``--memory-budget``."""
-    hops = hops_used(str(cfg.model), cache.hops)
-    placement = plan_placement(cache, hops, int(cfg.batch_size), loader=cfg.pp_loader, chunk_size=cfg.chunk_size,
+    hops = hops_used(cfg.model, cache.hops)
+    placement = plan_placement(cache, hops, cfg.batch_size, loader=cfg.pp_loader, chunk_size=cfg.chunk_size,
                                memory_budget=cfg.memory_budget, device=device)
     return hops, placement
 
@@ -104,7 +104,7 @@ class PrePropagation(Strategy):
         self.hops, self.placement = cache_placement(cache, cfg, self.device)
         self._io0 = proc_io()
         t0 = time.perf_counter()
-        self.data = PPData(cache, self.hops, self.placement, int(cfg.batch_size), seed=cfg.seed)
+        self.data = PPData(cache, self.hops, self.placement, cfg.batch_size, seed=cfg.seed)
         self.load_time_s = time.perf_counter() - t0
 
     @property
@@ -123,7 +123,7 @@ class PrePropagation(Strategy):
 
     def build_model(self, factory: ModelFactory) -> nn.Module:
         """SGC/SIGN/HOGA for the cache's widths (the factory builds message-passing models only)."""
-        model = build_pp_model(str(self.cfg.model), self.cache.num_features, self.cache.hops, self.task.num_outputs,
+        model = build_pp_model(self.cfg.model, self.cache.num_features, self.cache.hops, self.task.num_outputs,
                                **self._model_kwargs(self.cfg))
         return init_parameters(model, self.cfg.init)
 
