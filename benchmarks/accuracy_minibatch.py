@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="override the epoch budget")
     a = ap.parse_args()
     from trellis.train.config import TrainConfig
-    from trellis.train.trainer import train
+    from trellis.train.trainer import Trainer
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +65,7 @@ def main() -> None:
                 cfg = TrainConfig(store=store, out=f"{tmp}/{ds}-{name}", runs=a.runs, progress=False,
                                   checkpoint_every=0, **CONFIGS[name], **extra)
                 t0 = time.perf_counter()
-                s = train(cfg)
+                s = Trainer(cfg).fit()
                 row = {"dataset": ds, "config": name, "test acc": f"{100 * s['test_acc_mean']:.2f} ± "
                        f"{100 * s['test_acc_std']:.2f}", "val acc": f"{100 * s['val_acc_mean']:.2f}",
                        "runs": a.runs, "epoch s (median)": s["epoch_time_s_median"],
