@@ -281,6 +281,7 @@ def print_speed(rep: dict[str, Any]) -> None:
           f"storage budget {_gib(rep['budget_storage'])}")
     if rep.get("train_run"):
         t = rep["train_run"]
+        t.setdefault("epoch_time_s_median", t.get("epoch_time_median_s"))  # reports saved before the one trainer
         print(f"one training run (SIGN, auto placement, early stopping): {t['run_time_s']:.1f} s "
               f"({t['epochs_total']} epochs, median epoch {t['epoch_time_s_median']:.2f} s, test acc "
               f"{t['test_acc_mean'] * 100:.2f}%); preprocessing / run = {pre['seconds'] / t['run_time_s']:.2f}")
