@@ -38,7 +38,7 @@ from trellis.errors import TrellisUserError
 from trellis.utils.atomic import check_output as check_output  # re-exported: importers guard --out with it
 from trellis.utils.atomic import replace_dir, temp_sibling
 from trellis.utils.csr import build_reverse_csr as build_reverse_csr  # re-exported
-from trellis.utils.manifest import ManifestFormat
+from trellis.utils.manifest import ManifestField, ManifestFormat
 
 FORMAT = "trellis-store"
 VERSION = 1
@@ -322,15 +322,8 @@ class GraphStore:
         """Dataset name from the manifest (the directory name when none is recorded)."""
         return str(self.manifest.get("name", self.path.name))
 
-    @property
-    def num_nodes(self) -> int:
-        """Number of nodes ``N``."""
-        return int(self.manifest["num_nodes"])
-
-    @property
-    def num_edges(self) -> int:
-        """Number of stored (directed) edges ``E``."""
-        return int(self.manifest["num_edges"])
+    num_nodes = ManifestField(int, "num_nodes", doc="Number of nodes ``N``.")
+    num_edges = ManifestField(int, "num_edges", doc="Number of stored (directed) edges ``E``.")
 
     @property
     def task(self) -> str | None:

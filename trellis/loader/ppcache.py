@@ -54,7 +54,7 @@ from trellis.ops.propagate import (
     l1_normalize_rows,
 )
 from trellis.utils.atomic import MANIFEST, clean_stale_temps, replace_dir, temp_sibling
-from trellis.utils.manifest import ManifestFormat
+from trellis.utils.manifest import ManifestField, ManifestFormat
 from trellis.utils.sizes import format_size
 
 FORMAT = "trellis-ppcache"
@@ -173,45 +173,22 @@ class PPCache:
         self._pos: np.ndarray | None = None
 
     # ---- metadata ---------------------------------------------------------------------------------
-    @property
-    def hops(self) -> int:
-        """``R``: the cache holds hops ``0..R``."""
-        return int(self.manifest["settings"]["hops"])
-
-    @property
-    def num_features(self) -> int:
-        """Features per row of every hop."""
-        return int(self.manifest["num_features"])
-
-    @property
-    def num_rows(self) -> int:
-        """Rows per hop (split rows first; every node unless built with split rows only)."""
-        return int(self.manifest["num_rows"])
-
-    @property
-    def num_nodes(self) -> int:
-        """Nodes of the store the cache was built from."""
-        return int(self.manifest["store"]["num_nodes"])
-
-    @property
-    def dtype(self) -> np.dtype:
-        """Element type of the hop files."""
-        return np.dtype(self.manifest["dtype"])
+    hops = ManifestField(int, "settings", "hops", doc="``R``: the cache holds hops ``0..R``.")
+    num_features = ManifestField(int, "num_features", doc="Features per row of every hop.")
+    num_rows = ManifestField(
+        int, "num_rows", doc="Rows per hop (split rows first; every node unless built with split rows only).")
+    num_nodes = ManifestField(int, "store", "num_nodes", doc="Nodes of the store the cache was built from.")
+    dtype = ManifestField(np.dtype, "dtype", doc="Element type of the hop files.")
 
     @property
     def row_bytes(self) -> int:
         """Bytes of one row of one hop."""
         return self.num_features * self.dtype.itemsize
 
-    @property
-    def split_rows_only(self) -> bool:
-        """Whether only the split rows were propagated (no rows for other nodes)."""
-        return bool(self.manifest["split_rows_only"])
-
-    @property
-    def store_checksum(self) -> str:
-        """Checksum of the store the cache was built from (reuse is keyed on it)."""
-        return str(self.manifest["store"]["checksum"])
+    split_rows_only = ManifestField(
+        bool, "split_rows_only", doc="Whether only the split rows were propagated (no rows for other nodes).")
+    store_checksum = ManifestField(
+        str, "store", "checksum", doc="Checksum of the store the cache was built from (reuse is keyed on it).")
 
     @property
     def operator(self) -> OperatorSpec:

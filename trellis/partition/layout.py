@@ -68,6 +68,7 @@ from trellis.partition.base import (
 from trellis.partition.edges import edge_ranges, row_edges
 from trellis.partition.quality import PartitionQuality, mark_parts, new_mask
 from trellis.utils import numba  # the package's one numba flag: numba.njit is its njit
+from trellis.utils.manifest import ManifestField
 
 FORMAT = "trellis-partition"
 VERSION = 1
@@ -591,25 +592,11 @@ class PartitionedGraph:
                 raise TrellisUserError(f"{self.path / rel}: sha256 does not match the manifest (modified or "
                                        "damaged); re-run `trellis partition`")
 
-    @property
-    def num_parts(self) -> int:
-        """Number of parts ``P``."""
-        return int(self.manifest["num_parts"])
-
-    @property
-    def num_nodes(self) -> int:
-        """Nodes of the whole graph."""
-        return int(self.manifest["num_nodes"])
-
-    @property
-    def num_edges(self) -> int:
-        """Edges of the whole graph."""
-        return int(self.manifest["num_edges"])
-
-    @property
-    def ownership(self) -> str:
-        """Edge ownership of the layout (see :data:`trellis.partition.base.OWNERSHIPS`)."""
-        return str(self.manifest["ownership"])
+    num_parts = ManifestField(int, "num_parts", doc="Number of parts ``P``.")
+    num_nodes = ManifestField(int, "num_nodes", doc="Nodes of the whole graph.")
+    num_edges = ManifestField(int, "num_edges", doc="Edges of the whole graph.")
+    ownership = ManifestField(
+        str, "ownership", doc="Edge ownership of the layout (see :data:`trellis.partition.base.OWNERSHIPS`).")
 
     @property
     def quality(self) -> dict[str, Any] | None:

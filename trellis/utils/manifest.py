@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from trellis.errors import TrellisUserError
 from trellis.utils.atomic import MANIFEST
 
-__all__ = ["MANIFEST", "ManifestFormat", "format_of"]
+__all__ = ["MANIFEST", "ManifestField", "ManifestFormat", "format_of"]
+
+T = TypeVar("T")
+
+
+class _HasManifest(Protocol):
+    manifest: dict[str, Any]
 
 
 def format_of(path: str | os.PathLike[str]) -> str | None:
@@ -84,3 +91,37 @@ class ManifestFormat:
             ver = None if not isinstance(manifest, dict) else manifest.get("version")
             raise TrellisUserError(f"{mpath}: format {got!r} v{ver} is not {self.name} v{self.version}; {self.fix}")
         return manifest
+
+
+class ManifestField(Generic[T]):
+    """A read-only attribute of an opened artefact: ``kind(self.manifest[key][key2]...)``.
+
+    Why: the store, the partition layout and the pp cache each exposed their manifest entries as
+    four-line properties that differed only in key, type and docstring; one line each now says all three::
+
+        num_nodes = ManifestField(int, "num_nodes", doc="Number of nodes ``N``.")
+
+    Args:
+        kind: Converts the stored JSON value (``int``, ``str``, ``bool``, ``np.dtype``).
+        *keys: The path to the value inside the manifest.
+        doc: The attribute's docstring.
+    """
+
+    def __init__(self, kind: Callable[[Any], T], *keys: str, doc: str) -> None:
+        self.kind = kind
+        self.keys = keys
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> ManifestField[T]: ...
+
+    @overload
+    def __get__(self, obj: _HasManifest, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: _HasManifest | None, owner: type | None = None) -> T | ManifestField[T]:
+        if obj is None:
+            return self
+        value: Any = obj.manifest
+        for key in self.keys:
+            value = value[key]
+        return self.kind(value)
