@@ -130,3 +130,15 @@ def test_compare_reads_every_strategy_through_one_schema(store, pp_dir, tmp_path
     result, _ = compare_runs(dirs)
     assert [r["strategy"] for r in result["rows"]] == ["full", "mini", "cluster", "pp", "full"]
     assert all(r["test_mean"] is not None and r["epoch_time_s"] > 0 for r in result["rows"])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--memory-budget", "3G"], "--memory-budget does not apply to --strategy full; it applies to --strategy pp"),
+    (["--strategy", "mini", "--clusters", "8"], "--clusters does not apply to --strategy mini"),
+    (["--strategy", "cluster", "--labor"], "--labor does not apply to --strategy cluster"),
+    (["--prefetch", "0"], "--prefetch does not apply to --strategy full; it applies to --strategy mini and cluster"),
+])
+def test_an_option_the_strategy_would_ignore_is_refused(store, tmp_path, capsys, args, message):
+    assert main(["train", str(store), *args, "--out", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

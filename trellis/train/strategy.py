@@ -15,6 +15,7 @@ it needs; nothing is loaded before the strategy exists.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import fields
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model
-from trellis.train.config import TrainConfig
+from trellis.train.config import TrainConfig, flag
 from trellis.train.tasks import Task
 
 
@@ -48,6 +49,8 @@ class Strategy(ABC):
 
     #: ``--strategy`` name (set by :func:`register_strategy`).
     name: ClassVar[str] = ""
+    #: Strategy-specific options (of :data:`STRATEGY_OPTIONS`) this strategy reads; the others are refused.
+    options: ClassVar[frozenset[str]] = frozenset()
     #: Splits :meth:`evaluate` scores each epoch (the summary reports these).
     eval_splits: ClassVar[tuple[str, ...]] = ("train", "val", "test")
 
@@ -59,6 +62,20 @@ class Strategy(ABC):
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.cfg = cfg
         self.device = device
+
+    @classmethod
+    def check_options(cls, cfg: TrainConfig) -> None:
+        """Refuse a strategy-specific option this strategy would ignore (never ignore one silently).
+
+        Raises:
+            TrellisUserError: Names the flag and the strategies it applies to.
+        """
+        defaults = {f.name: f.default for f in fields(TrainConfig)}
+        for name in sorted(STRATEGY_OPTIONS - cls.options):
+            if getattr(cfg, name) != defaults[name]:
+                users = [s for s, c in STRATEGIES.items() if name in c.options]
+                raise TrellisUserError(f"{flag(name)} does not apply to --strategy {cls.name}; it applies to "
+                                       f"--strategy {' and '.join(users)} (drop it, or choose that strategy)")
 
     # ---- data -----------------------------------------------------------------------------------
     @abstractmethod
@@ -136,6 +153,11 @@ class Strategy(ABC):
 
 #: ``--strategy`` name -> class.
 STRATEGIES: dict[str, type[Strategy]] = {}
+
+#: Options that only some strategies read (each strategy lists its own in :attr:`Strategy.options`). Options
+#: whose default depends on the model or the strategy (``--fanouts``, ``--batch-size``) are not checked.
+STRATEGY_OPTIONS = frozenset({"labor", "clusters", "clusters_per_batch", "boundary_hops", "cluster_method",
+                              "pp_dir", "pp_loader", "chunk_size", "memory_budget", "prefetch"})
 
 
 def register_strategy(name: str) -> Any:

@@ -133,7 +133,9 @@ class Trainer:
         self._stop_signal = signum
 
     def _strategy(self, device: torch.device) -> Strategy:
-        strategy = strategy_class(self.cfg.strategy)(self.cfg, device)
+        cls = strategy_class(self.cfg.strategy)
+        cls.check_options(self.cfg)
+        strategy = cls(self.cfg, device)
         strategy.load()
         return strategy
 

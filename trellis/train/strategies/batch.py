@@ -125,6 +125,8 @@ class BatchStrategy(GraphStrategy):
 class MiniBatch(BatchStrategy):
     """Neighbour-sampled mini-batches (``--strategy mini``)."""
 
+    options = frozenset({"labor", "prefetch"})
+
     def make_loader(self) -> NeighborLoader:
         """A sampler over the memory-mapped CSR and a loader over the training ids."""
         cfg, d = self.cfg, self.data
@@ -140,6 +142,8 @@ class MiniBatch(BatchStrategy):
 @register_strategy("cluster")
 class ClusterBatch(BatchStrategy):
     """Cluster-batches (``--strategy cluster``): Cluster-GCN with GraphTheta's optional boundary."""
+
+    options = frozenset({"clusters", "clusters_per_batch", "boundary_hops", "cluster_method", "prefetch"})
 
     def make_loader(self) -> ClusterLoader:
         """Cluster the graph once and load groups of clusters."""
