@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -270,6 +270,25 @@ def validate_arrays(
             )
 
 
+class _OptionalArray:
+    """An optional store array read as an attribute named like it: ``store.get(name)``, None when absent."""
+
+    def __init__(self, *, doc: str) -> None:
+        self.__doc__ = doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _OptionalArray: ...
+
+    @overload
+    def __get__(self, obj: GraphStore, owner: type | None = None) -> np.ndarray | None: ...
+
+    def __get__(self, obj: GraphStore | None, owner: type | None = None) -> np.ndarray | None | _OptionalArray:
+        return self if obj is None else obj.get(self.name)
+
+
 class GraphStore:
     """A read-only, memory-mapped view of a store directory.
 
@@ -391,25 +410,11 @@ class GraphStore:
         """``int64 [E]`` source node of each in-edge, in CSR order."""
         return self.array("indices")
 
-    @property
-    def x(self) -> np.ndarray | None:
-        """``float32 [N, F]`` node features, or None for a featureless store."""
-        return self.get("x")
-
-    @property
-    def y(self) -> np.ndarray | None:
-        """Labels: ``int64 [N]`` (multiclass/binary; -1 = unlabelled) or ``[N, C]`` (multilabel), or None."""
-        return self.get("y")
-
-    @property
-    def edge_weight(self) -> np.ndarray | None:
-        """``float32 [E]`` edge weights in CSR edge order, or None when unweighted."""
-        return self.get("edge_weight")
-
-    @property
-    def edge_feat(self) -> np.ndarray | None:
-        """``float32 [E, D]`` edge features in CSR edge order, or None."""
-        return self.get("edge_feat")
+    x = _OptionalArray(doc="``float32 [N, F]`` node features, or None for a featureless store.")
+    y = _OptionalArray(
+        doc="Labels: ``int64 [N]`` (multiclass/binary; -1 = unlabelled) or ``[N, C]`` (multilabel), or None.")
+    edge_weight = _OptionalArray(doc="``float32 [E]`` edge weights in CSR edge order, or None when unweighted.")
+    edge_feat = _OptionalArray(doc="``float32 [E, D]`` edge features in CSR edge order, or None.")
 
     def split(self, name: str) -> np.ndarray | None:
         """Node ids of split ``train|val|test`` or None when the store has no such split."""
