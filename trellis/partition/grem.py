@@ -322,6 +322,21 @@ def _bfs_order(n: int, cindptr: np.ndarray, cadj: np.ndarray, order: np.ndarray)
                     tail += 1
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _side_counts(i: int, nodes: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray,
+                 side: np.ndarray) -> tuple[float, float]:
+    """Alg. 2 ``cnt_nbrs`` of chunk node ``i``: its chunk neighbours on side 0 and on side 1."""
+    c0 = 0.0
+    c1 = 0.0
+    for k in range(cindptr[i], cindptr[i + 1]):
+        s = side[nodes[cadj[k]]]
+        if s == 0:
+            c0 += 1.0
+        elif s == 1:
+            c1 += 1.0
+    return c0, c1
+
+
 @njit(cache=True, nogil=True)
 def _seed_greedy(order: np.ndarray, nodes: np.ndarray, cgrp: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray,
                  side: np.ndarray, sizes: np.ndarray, caps: np.ndarray, kw: np.ndarray, mode: int,
@@ -330,14 +345,7 @@ def _seed_greedy(order: np.ndarray, nodes: np.ndarray, cgrp: np.ndarray, cindptr
     for i in order:
         v = nodes[i]
         g = cgrp[i]
-        c0 = 0.0
-        c1 = 0.0
-        for k in range(cindptr[i], cindptr[i + 1]):
-            s = side[nodes[cadj[k]]]
-            if s == 0:
-                c0 += 1.0
-            elif s == 1:
-                c1 += 1.0
+        c0, c1 = _side_counts(i, nodes, cindptr, cadj, side)
         half = 0.5 * (kw[g, 0] + kw[g, 1])
         best = -1
         best_score = -np.inf
@@ -362,14 +370,7 @@ def _count_chunk(n: int, nodes: np.ndarray, cindptr: np.ndarray, cadj: np.ndarra
                  counts: np.ndarray) -> None:
     """Alg. 2 ``cnt_nbrs`` for every chunk node: neighbours per side in this chunk."""
     for i in range(n):
-        c0 = 0.0
-        c1 = 0.0
-        for k in range(cindptr[i], cindptr[i + 1]):
-            s = side[nodes[cadj[k]]]
-            if s == 0:
-                c0 += 1.0
-            elif s == 1:
-                c1 += 1.0
+        c0, c1 = _side_counts(i, nodes, cindptr, cadj, side)
         counts[nodes[i], 0] = c0
         counts[nodes[i], 1] = c1
 
