@@ -81,21 +81,38 @@ def test_pp_trains_with_sgd_and_xavier(store, pp_dir, tmp_path):
     default.close()
 
 
-def test_pp_resume_is_exact(store, pp_dir, tmp_path):
-    kw = {"runs": 2, "checkpoint_every": 3}
-    train(pp_cfg(store, pp_dir, tmp_path / "full", **kw))
+#: Per strategy: options of a small run with the real models.
+RESUME = {
+    "full": {"model": "gcn", "hidden": 16},
+    "mini": {"strategy": "mini", "model": "sage", "hidden": 16, "fanouts": "4,4", "batch_size": 64},
+    "cluster": {"strategy": "cluster", "model": "gcn", "hidden": 16, "clusters": 6, "clusters_per_batch": 2,
+                "cluster_method": "hash"},
+    "pp": {},
+}
+
+
+@pytest.mark.parametrize("strategy", list(RESUME))
+def test_resume_is_exact_for_every_strategy(store, pp_dir, tmp_path, strategy):
+    kw = {"runs": 2, "checkpoint_every": 3, "epochs": 8, "dropout": 0.5}
+
+    def make(out):
+        if strategy == "pp":
+            return pp_cfg(store, pp_dir, out, **kw)
+        return TrainConfig(store=str(store), device="cpu", progress=False, out=str(out), **kw, **RESUME[strategy])
+
+    train(make(tmp_path / "full"))
 
     def stop(t, rec):
         if rec["run"] == 1 and rec["epoch"] == 4:
             t.request_stop(signal.SIGINT)
 
     with pytest.raises(TrainingInterrupted):
-        Trainer(pp_cfg(store, pp_dir, tmp_path / "cut", **kw), callbacks=[stop]).fit()
+        Trainer(make(tmp_path / "cut"), callbacks=[stop]).fit()
     resumed = TrainConfig.from_dict({**read_json(tmp_path / "cut" / "config.json"), "resume": str(tmp_path / "cut"),
                                      "progress": False})
     Trainer(resumed).fit()
     assert metrics_without_timing(tmp_path / "cut") == metrics_without_timing(tmp_path / "full")
-    # the placement's budget follows the machine's free memory at load time; load time and bytes read vary
+    # the pp placement's budget follows the machine's free memory at load time; load time and bytes read vary
     machine = ("placement", "load_time_s", "read_bytes")
     cut, full = (summary_without_timing(tmp_path / d) for d in ("cut", "full"))
     assert {k: v for k, v in cut.items() if k not in machine} == {k: v for k, v in full.items() if k not in machine}
