@@ -116,6 +116,28 @@ class Task(ABC):
         return metric
 
 
+def _need_one_label_per_node(y: np.ndarray, needs: str) -> None:
+    """Refuse a label matrix where the task ``needs`` one label per node (pointing at ``--task multilabel``)."""
+    if y.ndim != 1:
+        raise TrellisUserError(f"labels have shape {list(y.shape)} but {needs}; "
+                               "use --task multilabel for a [N, C] label matrix")
+
+
+def _first_bad_label(y: np.ndarray, split_ids: dict[str, np.ndarray],
+                     is_bad: Callable[[np.ndarray], np.ndarray]) -> tuple[str, int, np.ndarray] | None:
+    """``(split, node id, its label)`` of the first split node whose label ``is_bad`` flags, or None."""
+    for split, ids in split_ids.items():
+        labels = np.asarray(y[ids])
+        bad = np.flatnonzero(is_bad(labels))
+        if bad.size:
+            return split, int(ids[bad[0]]), labels[bad[0]]
+    return None
+
+
+def _unlabelled_split_node(where: str, split: str, node: int, what: str, fix: str) -> TrellisUserError:
+    return TrellisUserError(f"{where}: {split} node {node} {what}; {fix}")
+
+
 @register_task("multiclass")
 class MulticlassTask(Task):
     """One class per node: softmax cross entropy; accuracy (default) and macro-F1.
@@ -131,10 +153,7 @@ class MulticlassTask(Task):
     @classmethod
     def from_labels(cls, y: np.ndarray, num_classes: int | None) -> MulticlassTask:
         """A multiclass task with ``num_classes`` outputs (the largest label + 1 when not recorded)."""
-        if y.ndim != 1:
-            raise TrellisUserError(
-                f"labels have shape {list(y.shape)} but the multiclass task needs one class id per node; "
-                "use --task multilabel for a [N, C] label matrix")
+        _need_one_label_per_node(y, "the multiclass task needs one class id per node")
         if num_classes is None:
             num_classes = int(y.max()) + 1 if y.size else 0
         if num_classes < 2:
@@ -143,13 +162,11 @@ class MulticlassTask(Task):
 
     def check_labels(self, y: np.ndarray, split_ids: dict[str, np.ndarray], where: str) -> None:
         """Refuse a split node whose label is not a class id in ``[0, num_outputs)`` (including -1)."""
-        for split, ids in split_ids.items():
-            labels = np.asarray(y[ids])
-            bad = np.flatnonzero((labels < 0) | (labels >= self.num_outputs))
-            if bad.size:
-                raise TrellisUserError(
-                    f"{where}: {split} node {int(ids[bad[0]])} has label {int(labels[bad[0]])} outside "
-                    f"[0, {self.num_outputs}); every split node needs a class id (re-import with a clean split)")
+        found = _first_bad_label(y, split_ids, lambda labels: (labels < 0) | (labels >= self.num_outputs))
+        if found is not None:
+            split, node, label = found
+            raise _unlabelled_split_node(where, split, node, f"has label {int(label)} outside [0, {self.num_outputs})",
+                                         "every split node needs a class id (re-import with a clean split)")
 
     def labels_tensor(self, y: np.ndarray) -> Tensor:
         """``int64 [N]`` class ids, copied because store arrays are read-only memory maps."""
@@ -167,10 +184,6 @@ class MulticlassTask(Task):
     def predict(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """``(argmax class ids [N], softmax probabilities [N, C])``."""
         return logits.argmax(dim=-1), torch.softmax(logits, dim=-1)
-
-
-def _unlabelled_split_node(where: str, split: str, node: int, what: str, fix: str) -> TrellisUserError:
-    return TrellisUserError(f"{where}: {split} node {node} {what}; {fix}")
 
 
 @register_task("binary")
@@ -191,10 +204,7 @@ class BinaryTask(Task):
     @classmethod
     def from_labels(cls, y: np.ndarray, num_classes: int | None) -> BinaryTask:
         """A one-output task; labels other than 0/1/-1 are refused."""
-        if y.ndim != 1:
-            raise TrellisUserError(
-                f"labels have shape {list(y.shape)} but the binary task needs one 0/1 label per node; "
-                "use --task multilabel for a [N, C] label matrix")
+        _need_one_label_per_node(y, "the binary task needs one 0/1 label per node")
         values = np.unique(y[y >= 0])
         if values.size and not np.isin(values, (0, 1)).all():
             shown = ", ".join(str(int(v)) for v in values[:5]) + (", ..." if values.size > 5 else "")
@@ -205,12 +215,11 @@ class BinaryTask(Task):
 
     def check_labels(self, y: np.ndarray, split_ids: dict[str, np.ndarray], where: str) -> None:
         """Refuse a split node whose label is not 0 or 1."""
-        for split, ids in split_ids.items():
-            labels = np.asarray(y[ids])
-            bad = np.flatnonzero((labels != 0) & (labels != 1))
-            if bad.size:
-                raise _unlabelled_split_node(where, split, int(ids[bad[0]]), f"has label {int(labels[bad[0]])}",
-                                             "every split node needs a 0/1 label (re-import with a clean split)")
+        found = _first_bad_label(y, split_ids, lambda labels: (labels != 0) & (labels != 1))
+        if found is not None:
+            split, node, label = found
+            raise _unlabelled_split_node(where, split, node, f"has label {int(label)}",
+                                         "every split node needs a 0/1 label (re-import with a clean split)")
 
     def labels_tensor(self, y: np.ndarray) -> Tensor:
         """``float32 [N]`` labels: BCE takes float targets (-1 never reaches it, split nodes are checked)."""
@@ -260,15 +269,13 @@ class MultilabelTask(Task):
 
     def check_labels(self, y: np.ndarray, split_ids: dict[str, np.ndarray], where: str) -> None:
         """Refuse a split node whose label row is unlabelled (-1) or holds values other than 0/1."""
-        for split, ids in split_ids.items():
-            labels = np.asarray(y[ids])
-            bad_rows = np.flatnonzero(((labels != 0) & (labels != 1)).any(axis=1))
-            if bad_rows.size:
-                row = labels[bad_rows[0]]
-                what = ("is unlabelled (a row of -1)" if (row == -1).all()
-                        else f"has label values {sorted({float(v) for v in np.unique(row)})}")
-                raise _unlabelled_split_node(where, split, int(ids[bad_rows[0]]), what,
-                                             "every split node needs a 0/1 label row (re-import with clean labels)")
+        found = _first_bad_label(y, split_ids, lambda labels: ((labels != 0) & (labels != 1)).any(axis=1))
+        if found is not None:
+            split, node, row = found
+            what = ("is unlabelled (a row of -1)" if (row == -1).all()
+                    else f"has label values {sorted({float(v) for v in np.unique(row)})}")
+            raise _unlabelled_split_node(where, split, node, what,
+                                         "every split node needs a 0/1 label row (re-import with clean labels)")
 
     def labels_tensor(self, y: np.ndarray) -> Tensor:
         """``float32 [N, C]`` label matrix, the target type BCE needs."""
