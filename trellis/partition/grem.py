@@ -65,6 +65,21 @@ SEED_METIS_TRIES = 2
 DEFAULT_CHUNK_FRAC = 0.1
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _chunk_index(w: int, g: int, n: int, loc: np.ndarray, nodes: np.ndarray, cgrp: np.ndarray,
+                 cindptr: np.ndarray) -> tuple[int, int]:
+    """``(chunk index of node w, chunk size)``: ``w`` is appended to the chunk (group ``g``) if not in it yet."""
+    a = loc[w]
+    if a < 0:
+        a = n
+        loc[w] = n
+        nodes[n] = w
+        cgrp[n] = g
+        cindptr[n + 1] = 0
+        n += 1
+    return a, n
+
+
 @njit(cache=True, nogil=True)
 def _chunk_graph(src: np.ndarray, dst: np.ndarray, part: np.ndarray, grp_of_lo: np.ndarray, loc: np.ndarray,
                  nodes: np.ndarray, cgrp: np.ndarray, cindptr: np.ndarray, cadj: np.ndarray) -> tuple[int, int]:
@@ -91,22 +106,9 @@ def _chunk_graph(src: np.ndarray, dst: np.ndarray, part: np.ndarray, grp_of_lo: 
         g = grp_of_lo[pu]
         if g < 0:
             continue
-        a = loc[v]
-        if a < 0:  # destination first: its whole in-row is usually in this chunk
-            a = n
-            loc[v] = n
-            nodes[n] = v
-            cgrp[n] = g
-            cindptr[n + 1] = 0
-            n += 1
-        b = loc[u]
-        if b < 0:
-            b = n
-            loc[u] = n
-            nodes[n] = u
-            cgrp[n] = g
-            cindptr[n + 1] = 0
-            n += 1
+        # destination first: its whole in-row is usually in this chunk
+        a, n = _chunk_index(v, g, n, loc, nodes, cgrp, cindptr)
+        b, n = _chunk_index(u, g, n, loc, nodes, cgrp, cindptr)
         cindptr[a + 1] += 1
         cindptr[b + 1] += 1
         eu[kept] = b
