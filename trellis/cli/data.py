@@ -17,6 +17,7 @@ import argparse
 import json
 from typing import Any
 
+from trellis.cli.args import int_at_least
 from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, NODE_FEATURE_MODES, TASK_KINDS, generate
 from trellis.data.importers import FORMATS, import_graph
 from trellis.data.info import format_info, human_bytes, store_info
@@ -86,14 +87,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
+_positive_int = int_at_least(1, "{text!r} is not an integer", "{value} must be > 0")
 
 
 def register(subparsers: Any) -> None:

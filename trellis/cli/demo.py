@@ -16,17 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trellis.cli.args import int_at_least
 from trellis.errors import TrellisUserError
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+_positive_int = int_at_least(1, "expected an integer, got {text!r}", "expected an integer >= 1, got {value}")
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
+from trellis.cli.args import int_at_least
 from trellis.errors import TrellisUserError
 from trellis.train.config import SESSION_FIELDS, TrainConfig, base_type, check_keys, flag, load_config_file
 from trellis.train.strategies import STRATEGIES
@@ -146,14 +147,7 @@ def run_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a run number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a run number >= 0, got {value}")
-    return value
+_nonneg_int = int_at_least(0, "expected a run number, got {text!r}", "expected a run number >= 0, got {value}")
 
 
 def register(subparsers: Any) -> None:

@@ -1,0 +1,31 @@
+"""Argument parsing shared by the subcommands.
+
+Why: ``data``, ``demo`` and ``train`` each wrote the same ``type=`` function for a bounded integer
+option, differing only in the bound and the wording of the two errors; the wording is kept per command.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def int_at_least(minimum: int, not_int: str, too_small: str) -> Callable[[str], int]:
+    """An argparse ``type=`` for an integer ``>= minimum``.
+
+    Args:
+        minimum: The smallest accepted value.
+        not_int: Error for text that is not an integer, formatted with ``text`` (``"{text!r} is not an integer"``).
+        too_small: Error for a value below ``minimum``, formatted with ``value`` (``"{value} must be > 0"``).
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(not_int.format(text=text)) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(too_small.format(value=value))
+        return value
+
+    return parse
