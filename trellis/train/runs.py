@@ -24,12 +24,29 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from trellis.errors import TrellisUserError
 from trellis.utils.atomic import atomic_write, json_default
 from trellis.utils.atomic import torch_save_atomic as torch_save_atomic  # re-exported: callers import it from here
 from trellis.utils.atomic import write_json_atomic as write_json_atomic  # re-exported
+
+
+class _RunPath:
+    """A path inside the run directory, read as an attribute of :class:`RunPaths`: ``root / parts``."""
+
+    def __init__(self, *parts: str, doc: str) -> None:
+        self.parts = parts
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _RunPath: ...
+
+    @overload
+    def __get__(self, obj: RunPaths, owner: type | None = None) -> Path: ...
+
+    def __get__(self, obj: RunPaths | None, owner: type | None = None) -> Path | _RunPath:
+        return self if obj is None else obj.root.joinpath(*self.parts)
 
 
 @dataclass(frozen=True)
@@ -38,44 +55,19 @@ class RunPaths:
 
     root: Path
 
-    @property
-    def config(self) -> Path:
-        """``config.json``: the resolved configuration (``--resume`` and ``--config`` read it back)."""
-        return self.root / "config.json"
-
-    @property
-    def metrics(self) -> Path:
-        """``metrics.jsonl``: one record per evaluated epoch and run."""
-        return self.root / "metrics.jsonl"
-
-    @property
-    def summary(self) -> Path:
-        """``summary.json``: the final metrics over all runs."""
-        return self.root / "summary.json"
-
-    @property
-    def checkpoints(self) -> Path:
-        """``checkpoints/``: the directory of resume checkpoints."""
-        return self.root / "checkpoints"
-
-    @property
-    def checkpoint(self) -> Path:
-        """``checkpoints/last.pt``: the latest checkpoint, the one ``--resume`` continues from."""
-        return self.checkpoints / "last.pt"
-
-    @property
-    def models(self) -> Path:
-        """``models/``: the directory of per-run best-validation weights."""
-        return self.root / "models"
+    config = _RunPath("config.json", doc="``config.json``: the resolved configuration (``--resume`` and "
+                                         "``--config`` read it back).")
+    metrics = _RunPath("metrics.jsonl", doc="``metrics.jsonl``: one record per evaluated epoch and run.")
+    summary = _RunPath("summary.json", doc="``summary.json``: the final metrics over all runs.")
+    checkpoints = _RunPath("checkpoints", doc="``checkpoints/``: the directory of resume checkpoints.")
+    checkpoint = _RunPath("checkpoints", "last.pt", doc="``checkpoints/last.pt``: the latest checkpoint, the one "
+                                                        "``--resume`` continues from.")
+    models = _RunPath("models", doc="``models/``: the directory of per-run best-validation weights.")
+    curves = _RunPath("curves.png", doc="``curves.png``: loss and metric curves per epoch.")
 
     def model(self, run: int) -> Path:
         """``models/run-<run>.pt``: best-validation weights of run ``run`` (``trellis predict`` loads them)."""
         return self.models / f"run-{run}.pt"
-
-    @property
-    def curves(self) -> Path:
-        """``curves.png``: loss and metric curves per epoch."""
-        return self.root / "curves.png"
 
 
 def default_run_dir(store_name: str, model: str) -> Path:
