@@ -150,7 +150,7 @@ def test_verify_detects_a_modified_array(layouts, tmp_path):
     with pytest.raises(TrellisUserError, match="sha256"):
         open_partitioned(copy, verify=True)
     (copy / "manifest.json").write_text(json.dumps({"format": "other"}))
-    with pytest.raises(TrellisUserError, match="not a trellis-partition"):
+    with pytest.raises(TrellisUserError, match="is not trellis-partition v1; re-run `trellis partition`"):
         open_partitioned(copy)
 
 

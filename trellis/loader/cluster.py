@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numba import njit, prange
 from torch import Tensor
 
 from trellis.errors import TrellisUserError
@@ -35,6 +34,7 @@ from trellis.loader.sampler import ThreadLocalMap, as_tensor, attach_reverse, mi
 from trellis.loader.source import iter_epoch
 from trellis.ops.graph import CSRGraph
 from trellis.partition.base import partition_graph
+from trellis.utils.numba import njit, prange
 
 #: ``--cluster-method`` choices: partitioners of :mod:`trellis.partition`, plus ``hash`` (random, balanced).
 CLUSTER_METHODS = ("metis", "grem", "hash")

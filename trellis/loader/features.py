@@ -27,8 +27,9 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from numba import njit, prange
 from torch import Tensor
+
+from trellis.utils.numba import njit, prange
 
 #: Rows x (features / 32) below which the serial gather runs (a thread team costs more than the copy).
 GATHER_PARALLEL_MIN_WORK = 5_000

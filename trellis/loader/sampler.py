@@ -28,10 +28,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
-from numba import njit, prange
 from torch import Tensor
 
 from trellis.errors import TrellisUserError
@@ -40,6 +38,7 @@ from trellis.loader.features import FeatureGather, FeatureSource, gather_rows, n
 from trellis.loader.prefetch import Prefetcher
 from trellis.loader.source import iter_epoch
 from trellis.ops.graph import CSRGraph
+from trellis.utils.numba import get_num_threads, njit, prange, set_num_threads
 
 # ---- counter-based random numbers --------------------------------------------------------------------
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -555,8 +554,8 @@ class NeighborLoader:
 
     def get(self, plan: SeedPlan, index: int, *, gather: bool = True) -> Batch:
         """Build batch ``index`` of ``plan``'s epoch (sampling, then the feature and label gather)."""
-        if self.threads is not None and numba.get_num_threads() != self.threads:
-            numba.set_num_threads(self.threads)  # per calling thread: only this preparing thread changes
+        if self.threads is not None and get_num_threads() != self.threads:
+            set_num_threads(self.threads)  # per calling thread: only this preparing thread changes
         bseed = batch_seed(self.seed, plan.epoch, index)
         batch = self.sampler.sample(plan.seeds(index), bseed)
         batch.index = index

@@ -18,6 +18,7 @@ import numpy as np
 from trellis.loader.blocks import Batch
 from trellis.loader.prefetch import Prefetcher
 from trellis.loader.sampler import NeighborLoader, NeighborSampler
+from trellis.utils.numba import get_num_threads, set_num_threads
 
 
 def sampler_throughput(indptr: np.ndarray, indices: np.ndarray, ids: np.ndarray, fanouts: Sequence[int],
@@ -45,10 +46,8 @@ def sampler_throughput(indptr: np.ndarray, indices: np.ndarray, ids: np.ndarray,
         A JSON-ready dict: per-figure ``batches_per_s``, ``edges_per_s``, ``seconds``, plus the mean sampled
         edges and input nodes per batch and the settings.
     """
-    import numba
-
     if threads is not None:
-        numba.set_num_threads(int(threads))
+        set_num_threads(int(threads))
     sampler = NeighborSampler(indptr, indices, fanouts, labor=labor)
     depth = 2 * workers if prefetch is None else prefetch
     loader = NeighborLoader(sampler, ids, batch_size, x=x, seed=seed, prefetch=depth, workers=workers)
@@ -60,7 +59,7 @@ def sampler_throughput(indptr: np.ndarray, indices: np.ndarray, ids: np.ndarray,
         loader.get(p, i, gather=x is not None)
     out: dict[str, Any] = {
         "fanouts": list(fanouts), "batch_size": batch_size, "labor": labor, "workers": workers,
-        "numba_threads": numba.get_num_threads(), "batches": n, "cpu_count": os.cpu_count(),
+        "numba_threads": get_num_threads(), "batches": n, "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
     figures = [("sampling", False)] + ([("sampling_gather", True)] if x is not None else [])

@@ -43,7 +43,6 @@ under a temporary name and renamed into place only when complete, as the store i
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -68,11 +67,11 @@ from trellis.partition.base import (
 from trellis.partition.edges import edge_ranges, row_edges
 from trellis.partition.quality import PartitionQuality, mark_parts, new_mask
 from trellis.utils import numba  # the package's one numba flag: numba.njit is its njit
-from trellis.utils.manifest import ManifestField
+from trellis.utils.manifest import ManifestField, ManifestFormat
 
-FORMAT = "trellis-partition"
-VERSION = 1
-MANIFEST = "manifest.json"
+#: The layout's manifest: format ``trellis-partition`` v1.
+LAYOUT = ManifestFormat("trellis-partition", 1, "a partitioned layout", "create one with `trellis partition`",
+                        "re-run `trellis partition`")
 #: Layouts whose arrays sum to less than this are hashed in full on open (``verify="auto"``).
 AUTO_VERIFY_BYTES = 512 * 1024 * 1024
 DEFAULT_CHUNK_EDGES = 1 << 20
@@ -353,8 +352,7 @@ def write_layout(store: GraphStore, book: PartitionBook, out: str | os.PathLike[
         for p in range(book.num_parts):
             builder.write_mirrors(p)
         builder.write_buckets()
-        manifest = {
-            "format": FORMAT, "version": VERSION,
+        LAYOUT.write(tmp, {
             "num_nodes": store.num_nodes, "num_edges": store.num_edges, "num_parts": book.num_parts,
             "method": book.method, "ownership": book.ownership,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -364,8 +362,7 @@ def write_layout(store: GraphStore, book: PartitionBook, out: str | os.PathLike[
             "parts": parts_info,
             "quality": None if quality is None else quality.to_dict(),
             "arrays": w.manifest_arrays(),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        })
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -559,16 +556,7 @@ class PartitionedGraph:
 
     def __init__(self, path: str | os.PathLike[str], verify: bool | str = "auto") -> None:
         self.path = Path(path)
-        mpath = self.path / MANIFEST
-        if not mpath.is_file():
-            raise TrellisUserError(f"{self.path}: not a partitioned layout (no {MANIFEST}); create one with "
-                                   "`trellis partition`")
-        try:
-            self.manifest: dict[str, Any] = json.loads(mpath.read_text())
-        except json.JSONDecodeError as exc:
-            raise TrellisUserError(f"{mpath}: manifest is not valid JSON ({exc}); re-run `trellis partition`") from exc
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
-            raise TrellisUserError(f"{mpath}: not a {FORMAT} v{VERSION} layout; re-run `trellis partition`")
+        self.manifest: dict[str, Any] = LAYOUT.read(self.path)
         total = 0
         for rel, meta in self.manifest["arrays"].items():
             fpath = self.path / rel

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WITH_NUMBA", "njit", "prange"]
+__all__ = ["WITH_NUMBA", "get_num_threads", "njit", "prange", "set_num_threads"]
 
 
 def _disabled() -> bool:
@@ -48,3 +48,20 @@ except ImportError:  # pragma: no cover
     WITH_NUMBA = False
     njit = _identity_njit
     prange = range
+
+
+def get_num_threads() -> int:
+    """Threads numba kernels launched from this thread use (1 when numba is off)."""
+    if not WITH_NUMBA:
+        return 1
+    import numba
+
+    return int(numba.get_num_threads())
+
+
+def set_num_threads(n: int) -> None:
+    """Set the calling thread's numba thread count (a no-op when numba is off)."""
+    if WITH_NUMBA:
+        import numba
+
+        numba.set_num_threads(n)
