@@ -3,6 +3,7 @@
 ``data_dir``: the real datasets (``TRELLIS_DATA_DIR``, default ``<repo>/../shared/data``). Tests that use
 it fail, never skip, when the data is missing: a silently skipped real-data test hides a broken setup.
 ``sbm_store``: a small generated store (session-scoped) for tests that just need a graph.
+``one_thread``: one torch thread for a module (opt in with ``pytestmark``).
 ``stub_model``: the small stub model's factory (pass it as ``model_factory=``), on one thread (opt in).
 """
 
@@ -45,6 +46,20 @@ def sbm_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("stores") / "sbm"
     return generate_sbm(out, nodes=500, avg_degree=8, features=16, classes=4, seed=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``).
+
+    Tiny models and tensors: one thread avoids OpenMP spin-waits on a shared 2-core machine.
+    """
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -32,15 +32,7 @@ def make_store(path: Path, seed: int = 0, n: int = 240) -> Path:
                        splits={"train": perm[:120], "val": perm[120:180], "test": perm[180:]})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a shared 2-core machine."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

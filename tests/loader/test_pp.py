@@ -72,13 +72,7 @@ def cache(store_path, tmp_path_factory):
     return c
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: one intra-op thread avoids OpenMP spin-waits on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def settings(**kw) -> PPSettings:

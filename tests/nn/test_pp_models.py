@@ -11,13 +11,7 @@ from trellis.nn.pp_models import HOGA, PP_MODELS, SGC, SIGN, build_pp_model, hop
 R, F, C, B = 3, 12, 5, 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def stack(b: int = B, h: int = R + 1, seed: int = 0) -> torch.Tensor:

@@ -27,13 +27,7 @@ from trellis.train.runs import read_json, read_jsonl
 from trellis.train.strategies.full import FullBatch
 from trellis.train.trainer import Trainer, TrainingInterrupted, train
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def loaded(c: TrainConfig) -> FullBatch:

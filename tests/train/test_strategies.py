@@ -32,12 +32,7 @@ def pp_dir(store, tmp_path_factory):
     return out
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def pp_cfg(store, pp_dir, out, **kw) -> TrainConfig:

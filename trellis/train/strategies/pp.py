@@ -40,7 +40,7 @@ def open_checked_cache(pp_dir: str, store: GraphStore) -> PPCache:
     return cache
 
 
-def cache_placement(cache: PPCache, cfg: Any, device: torch.device) -> tuple[tuple[int, ...], Placement]:
+def cache_placement(cache: PPCache, cfg: TrainConfig, device: torch.device) -> tuple[tuple[int, ...], Placement]:
     """The hops the model reads and the loader placement for them under ``--memory-budget``."""
     hops = hops_used(cfg.model, cache.hops)
     placement = plan_placement(cache, hops, cfg.batch_size, loader=cfg.pp_loader, chunk_size=cfg.chunk_size,
@@ -107,11 +107,6 @@ class PrePropagation(Strategy):
         t0 = time.perf_counter()
         self.data = PPData(cache, self.hops, self.placement, cfg.batch_size, seed=cfg.seed)
         self.load_time_s = time.perf_counter() - t0
-
-    @property
-    def num_edges(self) -> int:
-        """Edges of the graph the cache was propagated over."""
-        return int(self.store.num_edges)
 
     def banner(self) -> str:
         """The placement decision, printed when the run starts."""
