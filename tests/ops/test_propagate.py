@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trellis.errors import TrellisUserError
-from trellis.ops.propagate import HAS_NUMBA, OperatorSpec, degrees, iter_hops, propagate
+from trellis.ops.propagate import OperatorSpec, degrees, iter_hops, propagate
+from trellis.utils.numba import WITH_NUMBA
 
-KERNELS = ["scipy"] + (["numba"] if HAS_NUMBA else [])
+KERNELS = ["scipy"] + (["numba"] if WITH_NUMBA else [])
 
 
 def random_graph(n: int, p: float, seed: int, weighted: bool = False, directed: bool = True):

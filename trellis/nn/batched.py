@@ -164,8 +164,10 @@ class BatchedGNN(nn.Module):
         graphs = per_layer(graph, self.depth)
         models = [self._gnns[k] for k in self.active]
         gens = [self.generators[k] for k in self.active]
-        plans = self._layer_plans(graphs, x.requires_grad)
-        fuse = FUSE in self.plan(graphs[0], self.training, x.requires_grad).rewrites
+        # One model plan per distinct graph; layer i runs layer i of its graph's plan.
+        by_graph = {g: self.plan(g, self.training, x.requires_grad) for g in dict.fromkeys(graphs)}
+        plans = [by_graph[g].layers[i] for i, g in enumerate(graphs)]
+        fuse = FUSE in by_graph[graphs[0]].rewrites
         hs, wide0 = self._first_inputs(x, models, gens, plans[0], fuse)
         for i, (g, lp) in enumerate(zip(graphs, plans)):
             convs = [cast(PushdownConv, m.convs[i]) for m in models]
@@ -183,16 +185,6 @@ class BatchedGNN(nn.Module):
                     b = c.output_bias()
                     hs.append(dropout(F.relu(o + b if b is not None else o), m.dropout, self.training, gen))
         raise AssertionError("unreachable")
-
-    def _layer_plans(self, graphs: list[CSRGraph], input_grad: bool) -> list[LayerPlan]:
-        """Each layer's plan, taken from the model plan of that layer's graph (one plan for one graph)."""
-        plans: dict[int, ModelPlan] = {}
-        out = []
-        for i, g in enumerate(graphs):
-            if id(g) not in plans:
-                plans[id(g)] = self.plan(g, self.training, input_grad)
-            out.append(plans[id(g)].layers[i])
-        return out
 
     def _first_inputs(self, x: Tensor, models: list[GNN], gens: list[torch.Generator | None],
                       lp: LayerPlan, fuse: bool) -> tuple[list[Tensor], Tensor | None]:

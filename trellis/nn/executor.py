@@ -169,4 +169,4 @@ def _cached_aggregation(conv: PushdownLayer, graph: CSRGraph, h: Tensor, agg: Ag
     if cache is None:
         with torch.no_grad():
             return compute()
-    return cache.get(graph, h, f"{conv.declare().name}:{agg.reduce}", compute)
+    return cache.get(graph, h, f"{type(conv).__name__}:{agg.reduce}", compute)

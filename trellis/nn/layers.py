@@ -247,12 +247,11 @@ class GATConv(MessagePassing):
     def forward(self, graph: CSRGraph, x: Tensor, plan: LayerPlan | None = None) -> Tensor:
         """``[graph.num_dst, heads * out]`` (or ``[.., out]`` averaged over heads) from ``[graph.num_src, in]``.
 
-        Attention is a parameterized message, so this layer runs its own ops; ``plan`` (or the planner's
-        plan of the graph with self loops) only describes them.
+        Attention is a parameterized message, so this layer runs its own ops; ``plan`` is accepted for the
+        common ``layer(graph, x, plan=...)`` call and not read (:meth:`plan` of the graph with self loops
+        describes these ops, and is what ``explain`` prints).
         """
         g = graph.with_self_loops()
-        if plan is None:
-            self.plan(g)
         h, d = self.heads, self.out_dim
         z = self.lin(x).view(-1, h, d)
         logits = sddmm(g, (z * self.att_src).sum(-1), (z[: g.num_dst] * self.att_dst).sum(-1), op="add")

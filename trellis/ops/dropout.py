@@ -11,9 +11,9 @@ Used for every dropout of the models on CPU: node features before each layer (:c
 :class:`~trellis.nn.models.MLP`) and attention coefficients (``[E, heads]``). A mask depends only on the seed
 and the shape, so model batching reproduces a solo run bit for bit by drawing each configuration's seeds
 from its own generator, started in the solo run's state (:mod:`trellis.nn.batched`), whether it applies
-the mask alone, fused with bias and ReLU (:mod:`trellis.plan.rewrites`) or straight into the columns of a
-wide SpMM input (:func:`apply_into`). Measured on Coauthor CS (GCN, 18k x 6805 input features, 2 cores):
-``bernoulli_`` was 65% of a training step.
+the mask alone, fused with bias and ReLU (:func:`trellis.nn.runtime.bias_act_dropout`) or straight into
+the columns of a wide SpMM input (:func:`apply_into`). Measured on Coauthor CS (GCN, 18k x 6805 input
+features, 2 cores): ``bernoulli_`` was 65% of a training step.
 """
 
 from __future__ import annotations

@@ -36,9 +36,6 @@ from trellis.errors import TrellisUserError
 from trellis.utils.csr import row_ranges
 from trellis.utils.numba import WITH_NUMBA, njit, prange
 
-#: Whether the numba kernels are active (the package's one flag, :data:`trellis.utils.numba.WITH_NUMBA`).
-HAS_NUMBA = WITH_NUMBA
-
 #: Operator names accepted by :class:`OperatorSpec` (and ``trellis preprocess --operator``).
 OPERATORS = ("sym", "rw", "ppr", "heat")
 #: Default power iterations (ppr) / Taylor terms (heat) when ``iters`` is not given.
@@ -104,7 +101,7 @@ class OperatorSpec:
 # kernels
 # ---------------------------------------------------------------------------------------------------
 
-if HAS_NUMBA:
+if WITH_NUMBA:
 
     @njit(parallel=True, cache=True, nogil=True)
     def _spmm_block_numba(indptr, indices, weights, has_w, row0, x, dst_scale, src_scale, out):  # noqa: ANN001
@@ -144,7 +141,7 @@ if HAS_NUMBA:
                 out[k, c] = x[j, c]
 
 
-KERNEL = "numba" if HAS_NUMBA else "scipy"
+KERNEL = "numba" if WITH_NUMBA else "scipy"
 
 
 def _spmm_block_scipy(indptr: np.ndarray, indices: np.ndarray, weights: np.ndarray | None, row0: int,
@@ -183,7 +180,7 @@ def spmm_block(indptr: np.ndarray, indices: np.ndarray, weights: np.ndarray | No
         ``out``.
     """
     kernel = kernel or KERNEL
-    if kernel == "numba" and HAS_NUMBA:
+    if kernel == "numba" and WITH_NUMBA:
         w = weights if weights is not None else _NO_WEIGHTS
         _spmm_block_numba(_ro(indptr, np.int64), _ro(indices, np.int64), _ro(w, np.float32), weights is not None,
                           row0, _ro(x, np.float32), _ro(dst_scale, np.float64), _ro(src_scale, np.float64), out)
@@ -208,7 +205,7 @@ _NO_WEIGHTS = np.empty(0, dtype=np.float32)
 
 def gather_rows(x: np.ndarray, idx: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[:] = x[idx]`` without a temporary (parallel when numba is present)."""
-    if HAS_NUMBA and out.dtype == np.float32 and out.flags.c_contiguous:
+    if WITH_NUMBA and out.dtype == np.float32 and out.flags.c_contiguous:
         _gather_rows_numba(_ro(x, np.float32), _ro(idx, np.int64), out)
     else:
         np.take(x, idx, axis=0, out=out)

@@ -12,7 +12,7 @@ messages with ``index_select`` and scatters with ``index_add_`` / ``scatter_redu
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -201,7 +201,12 @@ def _as3(t: Tensor) -> Tensor:
     return t if t.dim() == 3 else t.view(t.shape[0], 1, t.shape[1])
 
 
+@overload
+def _w2(w: Tensor) -> Tensor: ...
+@overload
+def _w2(w: None) -> None: ...
 def _w2(w: Tensor | None) -> Tensor | None:
+    """``[E]`` weights as ``[E, 1]`` (``[E, H]`` and None unchanged)."""
     return w if w is None or w.dim() == 2 else w.view(-1, 1)
 
 
@@ -243,8 +248,7 @@ class _SpMM(torch.autograd.Function):
             invdeg = inv_degree(graph, g.dtype) if mean else None
             if need_x and need_w and K.wants_numba(g):
                 assert w is not None  # need_w: the SpMM was weighted
-                gx, gw = prim_spmm_bwd_fused(graph, _as3(g), _as3(x), w if w.dim() == 2 else w.view(-1, 1), invdeg,
-                                             sw)
+                gx, gw = prim_spmm_bwd_fused(graph, _as3(g), _as3(x), _w2(w), invdeg, sw)
                 gx = gx.view(ctx.x_shape)
             else:
                 if need_x:
