@@ -4,7 +4,8 @@ import torch
 
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import check_nested, parse_fanouts
-from trellis.loader.sampler import FeatureGather, NeighborLoader, NeighborSampler, reverse_csr
+from trellis.loader.features import FeatureGather
+from trellis.loader.sampler import NeighborLoader, NeighborSampler, reverse_csr
 
 from .conftest import random_csr
 

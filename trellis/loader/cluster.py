@@ -336,5 +336,4 @@ class ClusterLoader:
 
     def epoch(self, epoch: int, *, gather: bool = True) -> Prefetcher[Batch]:
         """Iterate the batches of ``epoch`` in order, prepared ``prefetch`` ahead on ``workers`` threads."""
-        return iter_epoch(self, epoch, prefetch=self.prefetch, workers=self.workers,
-                          get=lambda plan, i: self.get(plan, i, gather=gather))
+        return iter_epoch(self, epoch, get=lambda plan, i: self.get(plan, i, gather=gather))

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from trellis.loader.blocks import attach_edge_data
-from trellis.loader.sampler import NeighborSampler, _np_int64
+from trellis.loader.features import np_int64
+from trellis.loader.sampler import NeighborSampler
 from trellis.ops.graph import CSRGraph
 
 #: Default edges per chunk: bounds a chunk's gathered input rows and per-edge work.
@@ -71,11 +72,11 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
     model.eval()
     try:
         dev = torch.device(device) if device is not None else x.device
-        indptr_np = _np_int64(indptr)
-        indices_np = _np_int64(indices)
+        indptr_np = np_int64(indptr)
+        indices_np = np_int64(indices)
         n = indptr_np.shape[0] - 1
         sampler = NeighborSampler(indptr_np, indices_np, [-1])
-        rows_np = None if rows is None else _np_int64(rows)
+        rows_np = None if rows is None else np_int64(rows)
         stack = _layers(model)
         if stack is None:
             return _rowwise(model, x, rows_np, dev, chunk_edges)
@@ -98,7 +99,7 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
                 batch = sampler.sample(seeds, 0)
                 block = batch.blocks[0]
                 attach_edge_data([block], edge_weight, edge_feat)
-                block = _to(block, dev)
+                block = block.to(dev)  # a no-op when already there
                 h_in = h.index_select(0, batch.node_ids.to(h.device)).to(dev)
                 y = conv(block, h_in)
                 if not last:
@@ -117,12 +118,6 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
 def _avg_degree(indptr: np.ndarray) -> int:
     n = indptr.shape[0] - 1
     return max(1, int(indptr[-1]) // max(1, n))
-
-
-def _to(block: CSRGraph, device: torch.device) -> CSRGraph:
-    if block.device == device:
-        return block
-    return block.to(device)  # the typed fields (degrees, edge ids) move with it
 
 
 def _rowwise(model: nn.Module, x: Tensor, rows: np.ndarray | None, device: torch.device,

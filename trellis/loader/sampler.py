@@ -34,7 +34,7 @@ from torch import Tensor
 
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import Batch, attach_edge_data, parse_fanouts
-from trellis.loader.features import FeatureGather, FeatureSource, gather_rows, np_int64
+from trellis.loader.features import FeatureGather, FeatureSource, np_int64
 from trellis.loader.prefetch import Prefetcher
 from trellis.loader.source import iter_epoch
 from trellis.ops.graph import CSRGraph
@@ -294,9 +294,6 @@ def as_tensor(a: np.ndarray | Tensor | None) -> Tensor | None:
     return torch.from_numpy(np.array(a, copy=True))
 
 
-_np_int64 = np_int64
-
-
 class ThreadLocalMap:
     """A scratch ``[N]`` global -> local id map per thread (all -1 between uses).
 
@@ -346,8 +343,8 @@ class NeighborSampler:
 
     def __init__(self, indptr: np.ndarray, indices: np.ndarray, fanouts: Sequence[int], *, labor: bool = False,
                  reverse: bool = True, degrees: bool = True) -> None:
-        self.indptr = _np_int64(indptr)
-        self.indices = _np_int64(indices)
+        self.indptr = np_int64(indptr)
+        self.indices = np_int64(indices)
         self.num_nodes = int(self.indptr.shape[0] - 1)
         self.fanouts = parse_fanouts(fanouts)
         self.labor = bool(labor)
@@ -367,10 +364,6 @@ class NeighborSampler:
         """Number of sampled layers (blocks per batch)."""
         return len(self.fanouts)
 
-    def _map(self) -> np.ndarray:
-        """This thread's ``int32 [N]`` global -> local map (all -1 between batches)."""
-        return self._scratch.get()
-
     def sample(self, seeds: np.ndarray | Tensor, seed: int = 0) -> Batch:
         """Sample the blocks of one batch.
 
@@ -381,10 +374,10 @@ class NeighborSampler:
         Returns:
             A :class:`Batch` without features (see :class:`NeighborLoader` for the gather).
         """
-        seeds = _np_int64(seeds)
+        seeds = np_int64(seeds)
         if seeds.size and (seeds.min() < 0 or seeds.max() >= self.num_nodes):
             raise ValueError(f"seed ids must lie in [0, {self.num_nodes})")
-        local_of = self._map()
+        local_of = self._scratch.get()  # this thread's global -> local map
         node_ids = np.empty(seeds.shape[0], dtype=np.int64)
         n = _assign_seeds(seeds, local_of, node_ids)
         if n != seeds.shape[0]:
@@ -522,7 +515,7 @@ class NeighborLoader:
         if int(batch_size) <= 0:
             raise TrellisUserError(f"--batch-size must be a positive integer (got {batch_size})")
         self.sampler = sampler
-        self.ids = _np_int64(ids)
+        self.ids = np_int64(ids)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.shuffle = shuffle
@@ -576,10 +569,9 @@ class NeighborLoader:
 
     def epoch(self, epoch: int, *, gather: bool = True) -> Prefetcher[Batch]:
         """Iterate the batches of ``epoch`` in order, prepared ``prefetch`` ahead by background workers."""
-        return iter_epoch(self, epoch, prefetch=self.prefetch, workers=self.workers,
-                          get=lambda plan, i: self.get(plan, i, gather=gather))
+        return iter_epoch(self, epoch, get=lambda plan, i: self.get(plan, i, gather=gather))
 
 
-__all__ = ["FeatureGather", "NeighborLoader", "NeighborSampler", "SeedPlan", "ThreadLocalMap", "attach_reverse",
-           "batch_seed", "gather_rows", "mix64", "parse_fanouts", "reverse_csr"]
+__all__ = ["NeighborLoader", "NeighborSampler", "SeedPlan", "ThreadLocalMap", "attach_reverse", "batch_seed", "mix64",
+           "parse_fanouts", "reverse_csr"]
 
