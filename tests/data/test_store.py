@@ -8,14 +8,9 @@ import pytest
 
 from trellis.data import store as store_mod
 from trellis.data.csr import edges_to_csr
-from trellis.data.store import (
-    StoreWriter,
-    build_reverse_csr,
-    open_store,
-    store_writer,
-    write_store,
-)
+from trellis.data.store import StoreWriter, open_store, store_writer, write_store
 from trellis.errors import TrellisUserError
+from trellis.utils.csr import build_reverse_csr
 
 
 def small_graph():

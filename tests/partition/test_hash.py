@@ -1,7 +1,7 @@
 import numpy as np
 
 from trellis.partition import partition_graph
-from trellis.partition.hash import hash_parts, mix64
+from trellis.partition.hashing import hash_parts, mix64
 
 from .conftest import cut_frac
 

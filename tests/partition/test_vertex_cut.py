@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from trellis.partition import evaluate, partition_graph
-from trellis.partition.vertex_cut import grid_edge_parts, grid_masters, grid_shape
+from trellis.partition.hashing import grid_edge_parts, grid_masters, grid_shape
 
 from .conftest import edge_dst
 

@@ -37,7 +37,7 @@ import numpy as np
 from trellis.errors import TrellisUserError
 from trellis.utils.atomic import check_output as check_output  # re-exported: importers guard --out with it
 from trellis.utils.atomic import replace_dir, temp_sibling
-from trellis.utils.csr import build_reverse_csr as build_reverse_csr  # re-exported
+from trellis.utils.csr import build_reverse_csr
 from trellis.utils.manifest import ManifestField, ManifestFormat
 
 FORMAT = "trellis-store"
@@ -176,8 +176,6 @@ def write_store(
     with store_writer(out, overwrite=overwrite) as w:
         w.add("indptr", indptr)
         w.add("indices", indices)
-        for key, arr in zip(("rev_indptr", "rev_indices", "rev_perm"), build_reverse_csr(indptr, indices, n)):
-            w.add(key, arr)
         if edge_weight is not None:
             w.add("edge_weight", np.asarray(edge_weight, dtype=np.float32))
         if edge_feat is not None:

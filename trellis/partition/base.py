@@ -18,6 +18,7 @@ import json
 import math
 import os
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,8 +30,6 @@ from trellis.errors import TrellisUserError
 from trellis.partition.hashing import grid_edge_parts
 from trellis.partition.memory import PeakMemory
 from trellis.utils.atomic import MANIFEST, atomic_dir, check_output
-from trellis.utils.atomic import replace_dir as replace_dir  # re-exported: the layout writer uses it
-from trellis.utils.atomic import temp_sibling as temp_sibling  # re-exported
 
 #: Where edges live. ``dst``: with their destination's part (a part holds its nodes' in-edges; METIS,
 #: GREM, LDG/Fennel, random, hash by destination). ``src``: with their source's part (hash by source,
@@ -112,7 +111,7 @@ class PartitionBook:
     def save(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write ``node_parts.npy`` and ``book.json`` into directory ``path`` atomically (temp dir + rename)."""
         out = Path(path)
-        with atomic_dir(out, overwrite=overwrite, owned=is_partition_output, what=_WHAT) as tmp:
+        with partition_dir(out, overwrite=overwrite) as tmp:
             self.write_into(tmp)
         return out
 
@@ -155,6 +154,11 @@ def check_out_dir(out: str | os.PathLike[str], *, overwrite: bool = False) -> No
     still not delete the user's files.
     """
     check_output(out, overwrite=overwrite, owned=is_partition_output, what=_WHAT)
+
+
+def partition_dir(out: str | os.PathLike[str], *, overwrite: bool = False) -> AbstractContextManager[Path]:
+    """:func:`trellis.utils.atomic.atomic_dir` under :func:`check_out_dir`'s rule (the book and layout writers)."""
+    return atomic_dir(out, overwrite=overwrite, owned=is_partition_output, what=_WHAT)
 
 
 def _json_default(obj: Any) -> Any:

@@ -16,8 +16,7 @@ import numpy as np
 
 from trellis.data.store import GraphStore
 from trellis.partition.base import Partitioner, register
-from trellis.partition.hashing import hash_parts as hash_parts  # re-exported
-from trellis.partition.hashing import mix64 as mix64  # re-exported
+from trellis.partition.hashing import hash_parts
 
 
 @register("random")

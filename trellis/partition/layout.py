@@ -44,7 +44,6 @@ under a temporary name and renamed into place only when complete, as the store i
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,18 +55,12 @@ from tqdm import tqdm
 
 from trellis.data.store import SPLITS, GraphStore, sha256_file
 from trellis.errors import TrellisUserError
-from trellis.partition.base import (
-    BOOK_FILE,
-    NODE_PARTS_FILE,
-    PartitionBook,
-    check_out_dir,
-    replace_dir,
-    temp_sibling,
-)
+from trellis.partition.base import BOOK_FILE, NODE_PARTS_FILE, PartitionBook, partition_dir
 from trellis.partition.edges import edge_ranges, row_edges
 from trellis.partition.quality import PartitionQuality, mark_parts, new_mask
-from trellis.utils import numba  # the package's one numba flag: numba.njit is its njit
+from trellis.utils.csr import build_reverse_csr
 from trellis.utils.manifest import ManifestField, ManifestFormat
+from trellis.utils.numba import njit
 
 #: The layout's manifest: format ``trellis-partition`` v1.
 LAYOUT = ManifestFormat("trellis-partition", 1, "a partitioned layout", "create one with `trellis partition`",
@@ -85,7 +78,7 @@ def part_dir_name(part: int) -> str:
     return f"part-{part:05d}"
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _scatter(rows: np.ndarray, cols: np.ndarray, eids: np.ndarray, cursor: np.ndarray, out_cols: np.ndarray,
              out_eids: np.ndarray) -> None:
     """Counting-sort placement: edge ``k`` goes to ``cursor[rows[k]]`` (then the cursor advances)."""
@@ -97,7 +90,7 @@ def _scatter(rows: np.ndarray, cols: np.ndarray, eids: np.ndarray, cursor: np.nd
         cursor[r] = at + 1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _scatter_pairs(keys: np.ndarray, src: np.ndarray, dst: np.ndarray, eids: np.ndarray, cursor: np.ndarray,
                    out_edges: np.ndarray, out_eids: np.ndarray) -> None:
     """Counting-sort placement of ``(src, dst)`` rows by bucket key."""
@@ -109,7 +102,7 @@ def _scatter_pairs(keys: np.ndarray, src: np.ndarray, dst: np.ndarray, eids: np.
         cursor[keys[k]] = at + 1
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _mirror_lists(mask: np.ndarray, nodes: np.ndarray, num_parts: int) -> tuple[np.ndarray, np.ndarray]:
     """CSR of the parts whose bit is set in ``mask[v]`` for each node of ``nodes``."""
     indptr = np.zeros(nodes.shape[0] + 1, dtype=np.int64)
@@ -339,9 +332,7 @@ def write_layout(store: GraphStore, book: PartitionBook, out: str | os.PathLike[
     out = Path(out)
     if book.num_nodes != store.num_nodes:
         raise TrellisUserError(f"the partition has {book.num_nodes} nodes but {store.path} has {store.num_nodes}")
-    check_out_dir(out, overwrite=overwrite)
-    tmp = temp_sibling(out)
-    try:
+    with partition_dir(out, overwrite=overwrite) as tmp:
         w = _ArrayWriter(tmp)
         w.files += book.write_into(tmp)[:1]  # node_parts.npy is hashed; book.json is described below
         builder = _LayoutBuilder(store, book, w, chunk_edges)
@@ -363,10 +354,6 @@ def write_layout(store: GraphStore, book: PartitionBook, out: str | os.PathLike[
             "quality": None if quality is None else quality.to_dict(),
             "arrays": w.manifest_arrays(),
         })
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -478,17 +465,15 @@ class LocalGraph:
             if self.rev is None:
                 raise TrellisUserError(f"part {self.part}: a reverse-owned layout without rev_* arrays; re-run "
                                        "`trellis partition`")
-            rev_indptr, rev_indices, rev_eids = (np.asarray(a) for a in self.rev)
-            cols = np.asarray(rev_indices)  # owned destination of each reversed edge
+            # cols: the owned destination of each reversed edge
+            rev_indptr, cols, rev_eids = (np.asarray(a) for a in self.rev)
             if cols.size and int(cols.max()) >= num_local:
                 raise TrellisUserError(f"part {self.part}: reversed edges point at halo rows; re-run "
                                        "`trellis partition`")
-            order = np.argsort(cols, kind="stable")  # rev rows are sources: a row's edges by source id
-            src = np.repeat(np.arange(rev_indptr.shape[0] - 1, dtype=np.int64), np.diff(rev_indptr))
-            indptr = np.zeros(num_local + 1, dtype=np.int64)
-            np.cumsum(np.bincount(cols, minlength=num_local), out=indptr[1:])
+            # rev rows are sources: transposing them back (a stable sort) orders a row's edges by source id
+            indptr, src, order = build_reverse_csr(rev_indptr, cols, num_local)
             ew, ef = self.rev_edge_weight, self.rev_edge_feat
-            return PullCSR(indptr, src[order], self.local_to_global, np.asarray(self.in_degree), rev_eids[order],
+            return PullCSR(indptr, src, self.local_to_global, np.asarray(self.in_degree), rev_eids[order],
                            None if ew is None else np.asarray(ew)[order],
                            None if ef is None else np.asarray(ef)[order], num_local)
         raise TrellisUserError(

@@ -23,7 +23,7 @@ import numpy as np
 
 from trellis.data.store import GraphStore
 from trellis.partition.base import Partitioner, register
-from trellis.partition.hash import hash_parts
+from trellis.partition.hashing import hash_parts
 
 
 @register("reverse")

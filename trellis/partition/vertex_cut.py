@@ -19,7 +19,6 @@ import numpy as np
 
 from trellis.data.store import GraphStore
 from trellis.partition.base import Partitioner, register
-from trellis.partition.hashing import grid_edge_parts as grid_edge_parts  # re-exported
 from trellis.partition.hashing import grid_masters, grid_shape
 
 
