@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from trellis.data.store import GraphStore, open_store
 from trellis.errors import TrellisUserError
-from trellis.loader.pp import Placement, PPData, plan_placement
+from trellis.loader.pp import PPData, plan_placement
 from trellis.loader.ppcache import PPCache, open_pp
 from trellis.nn.init import init_parameters
 from trellis.nn.pp_models import build_pp_model, hops_used
@@ -40,20 +40,6 @@ def open_checked_cache(pp_dir: str, store: GraphStore) -> PPCache:
     return cache
 
 
-def cache_placement(cache: PPCache, cfg: TrainConfig, device: torch.device) -> tuple[tuple[int, ...], Placement]:
-    """The hops the model reads and the loader placement for them under ``--memory-budget``."""
-    hops = hops_used(cfg.model, cache.hops)
-    placement = plan_placement(cache, hops, cfg.batch_size, loader=cfg.pp_loader, chunk_size=cfg.chunk_size,
-                               memory_budget=cfg.memory_budget, device=device)
-    return hops, placement
-
-
-def build_model_from_record(record: dict[str, Any]) -> nn.Module:
-    """A pre-propagation model with the widths recorded in its model file (weights not loaded)."""
-    return build_pp_model(record["model"], record["num_features"], record["hops"], record["out_dim"],
-                          **record["kwargs"])
-
-
 @torch.no_grad()
 def predict_pp(record: dict[str, Any], store: GraphStore, device: torch.device, batch_rows: int = 65536) -> Tensor:
     """Logits ``[N, C]`` of every node of ``store`` from a saved pre-propagation model and its cache.
@@ -66,7 +52,8 @@ def predict_pp(record: dict[str, Any], store: GraphStore, device: torch.device, 
         raise TrellisUserError(
             f"{cache.path}: built with --split-rows-only, so it holds only train/val/test rows; predicting every "
             "node needs all rows: `trellis preprocess STORE --all-rows --out PP_DIR --overwrite`")
-    model = build_model_from_record(record)
+    model = build_pp_model(record["model"], record["num_features"], record["hops"], record["out_dim"],
+                           **record["kwargs"])
     model.load_state_dict(record["state_dict"])
     model.to(device).eval()
     arrays = [cache.hop(r) for r in hops_used(record["model"], cache.hops)]
@@ -102,7 +89,10 @@ class PrePropagation(Strategy):
             raise TrellisUserError(f"{self.store.path}: the pp strategy trains {' or '.join(PP_TASKS)} node "
                                    f"classification; this store's task is {self.task.name!r}")
         self.spec = ModelSpec(cache.num_features, self.task.num_outputs)
-        self.hops, self.placement = cache_placement(cache, cfg, self.device)
+        self.hops = hops_used(cfg.model, cache.hops)
+        self.placement = plan_placement(cache, self.hops, cfg.batch_size, loader=cfg.pp_loader,
+                                        chunk_size=cfg.chunk_size, memory_budget=cfg.memory_budget,
+                                        device=self.device)
         self._io0 = proc_io()
         t0 = time.perf_counter()
         self.data = PPData(cache, self.hops, self.placement, cfg.batch_size, seed=cfg.seed)
