@@ -132,14 +132,14 @@ class _BiasActDropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, bias: Tensor | None, p: float,
-                generator: torch.Generator | None) -> Tensor:
+                generator: torch.Generator | None, seed: int | None) -> Tensor:
         y = x + bias if bias is not None else x.clone()
         y.relu_()
         scale = None
         if p > 0.0:
             # The counter-based mask the unfused chain's dropout draws (same seed draw, same shape), applied
             # in place: values equal the unfused chain's bit for bit.
-            hash_dropout.apply_(y, p, generator)
+            hash_dropout.apply_(y, p, generator, seed)
             scale = torch.ones((), dtype=y.dtype, device=y.device).div_(1.0 - p)
         ctx.save_for_backward(y)
         ctx.scale, ctx.has_bias = scale, bias is not None
@@ -153,11 +153,11 @@ class _BiasActDropout(torch.autograd.Function):
         # 0 (relu) or 0 * grad (dropped).
         g = g.masked_fill(y <= 0, 0.0)
         gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
-        return g, gb, None, None
+        return g, gb, None, None, None
 
 
 def bias_act_dropout(x: Tensor, bias: Tensor | None, *, act: bool, p: float, training: bool,
-                     generator: torch.Generator | None = None) -> Tensor:
+                     generator: torch.Generator | None = None, seed: int | None = None) -> Tensor:
     """``dropout(relu(x + bias), p)`` fused into one pass that keeps one tensor for backward.
 
     Equal in values and gradients to the unfused chain ``F.dropout(F.relu(x + bias), p)`` drawing from the
@@ -171,9 +171,13 @@ def bias_act_dropout(x: Tensor, bias: Tensor | None, *, act: bool, p: float, tra
         p: Dropout rate of the next layer's input.
         training: Dropout only in training.
         generator: The configuration's generator (None: the default one).
+        seed: The mask's seed instead of a draw from ``generator`` (CPU only): a row tile of a larger
+            output passes :func:`trellis.ops.dropout.tile_seed` of the whole output's seed.
     """
     p = p if training else 0.0
     if not act or p >= 1.0 or (p > 0.0 and not hash_dropout.applies(x)):
+        if seed is not None:
+            raise ValueError("an explicit dropout seed needs the fused CPU path (ReLU, p < 1, a CPU float tensor)")
         y = x + bias if bias is not None else x
         return dropout(F.relu(y) if act else y, p, True, generator)
-    return _BiasActDropout.apply(x, bias, p, generator)
+    return _BiasActDropout.apply(x, bias, p, generator, seed)

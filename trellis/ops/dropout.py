@@ -72,9 +72,23 @@ def draw_seed(generator: torch.Generator | None = None) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=generator).item())
 
 
-def apply_(y: Tensor, p: float, generator: torch.Generator | None = None) -> Tensor:
-    """In-place dropout of a contiguous CPU tensor (no autograd): the mask :func:`dropout` would draw."""
-    return _run(y, draw_seed(generator), p, out=y)
+def apply_(y: Tensor, p: float, generator: torch.Generator | None = None, seed: int | None = None) -> Tensor:
+    """In-place dropout of a contiguous CPU tensor (no autograd): the mask :func:`dropout` would draw.
+
+    ``seed`` (default: drawn from ``generator``) gives the mask explicitly: a row tile of a larger tensor
+    passes :func:`tile_seed` of the whole tensor's seed and gets its part of the whole tensor's mask.
+    """
+    return _run(y, draw_seed(generator) if seed is None else seed, p, out=y)
+
+
+def tile_seed(seed: int, offset: int) -> int:
+    """The seed whose mask on a slice starting at flat element ``offset`` equals that slice of ``seed``'s mask.
+
+    Element ``i`` of the whole tensor hashes ``seed + i * M1`` (mod 2^64), so element ``j`` of a slice that
+    starts at ``offset`` hashes ``(seed + offset * M1) + j * M1``: the out-of-core engine draws one seed per
+    tensor, as the in-memory run does, and applies it tile by tile.
+    """
+    return (int(seed) + int(offset) * int(_M1)) % (1 << 64)
 
 
 def apply_into(x: Tensor, p: float, out: Tensor, generator: torch.Generator | None = None) -> Tensor:

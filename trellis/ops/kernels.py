@@ -189,14 +189,15 @@ def empty(dtype: Any, ndim: int = 1) -> np.ndarray:
 # SpMM: sum / mean
 # ---------------------------------------------------------------------------------------------------------
 @njit(**_JIT)
-def spmm_sum_1(lo, hi, bounds, indptr, indices, w, x, rscale, sw, out):  # pragma: no cover
-    """``out[i] = rscale[i] * sum_k w[k] x[indices[k]] + sw[i] x[i]`` with one scalar per CSR position.
+def spmm_sum_1(lo, hi, bounds, indptr, indices, w, x, rscale, sw, soff, out):  # pragma: no cover
+    """``out[i] = rscale[i] * sum_k w[k] x[indices[k]] + sw[i] x[soff + i]`` with one scalar per CSR position.
 
     ``w`` is empty for an unweighted sum (a separate loop without multiplies); ``x``/``out`` are ``[N, F]``.
     Edges are taken four at a time: four independent row streams keep more loads in flight, which is what
     a gather-bound loop needs (measured ~10-20% over one edge at a time at F = 64..256). Coefficients are
     precomputed per CSR position by the caller (weights permuted to the reverse graph, mean's scaling), so
-    the hot loop carries no optional factors.
+    the hot loop carries no optional factors. ``soff`` is the source row of output row 0's self term: 0 for
+    a whole graph or block, the tile's first row for a row tile of a larger CSR (:mod:`trellis.ops.tiled`).
     """
     F = x.shape[1]
     has_w = w.shape[0] > 0
@@ -248,7 +249,7 @@ def spmm_sum_1(lo, hi, bounds, indptr, indices, w, x, rscale, sw, out):  # pragm
             if i < nself:
                 a = sw[i]
                 for f in range(F):
-                    out[i, f] += a * x[i, f]
+                    out[i, f] += a * x[soff + i, f]
 
 
 @njit(**_JIT)

@@ -85,7 +85,7 @@ def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tens
         out = x.new_empty((n, *x.shape[1:]))
         if x.dim() == 2:
             K.launch(K.spmm_sum_1, graph, graph.num_edges, x, K.np_(graph.indptr), K.np_(graph.indices),
-                     opt(_coefficients(graph, w, eid, nscale), dt), K.np_(x), opt(rscale, dt), opt(sw, dt),
+                     opt(_coefficients(graph, w, eid, nscale), dt), K.np_(x), opt(rscale, dt), opt(sw, dt), 0,
                      out.numpy())
         else:  # per-head weights are read through eid inside the kernel; nscale is folded in beforehand
             if nscale is not None:

@@ -167,8 +167,12 @@ class TrainConfig:
                                 "(default: auto)", choices=PP_LOADERS)
     chunk_size: int | None = _f(None, "pp: chunk reshuffling chunk in rows, 1 = exact reshuffling (default: the "
                                       "placement's choice)")
-    memory_budget: str | None = _f(None, "pp: memory for the data, e.g. 4G or 512MiB (default: 80%% of available "
-                                         "RAM)", metavar="SIZE")
+    memory_budget: str | None = _f(None, "full: cap on the process's peak memory (RssAnon), e.g. 3G; the graph "
+                                         "is trained out of core in row tiles with spill files, exactly as in "
+                                         "memory (default: none, all in memory). pp: memory for the data "
+                                         "placement (default: 80%% of available RAM)", metavar="SIZE")
+    spill_dir: str | None = _f(None, "full with --memory-budget: where spill files go; they are removed when the "
+                                     "run ends (default: RUN_DIR/spill)", metavar="DIR")
     prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
     deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
                                     "(default: off)")
@@ -246,6 +250,11 @@ class TrainConfig:
                 f"--model {self.model} trains on the pre-propagation strategy only: add --strategy pp --pp-dir "
                 "PP_DIR" if self.model in PP_MODELS else
                 f"--strategy pp trains {', '.join(PP_MODELS)} (got --model {self.model})")
+        if self.memory_budget is not None:
+            try:
+                parse_size(self.memory_budget)
+            except TrellisUserError as exc:
+                raise TrellisUserError(f"--memory-budget: {exc}") from None
         if self.strategy == "pp":
             if self.features != "store":
                 raise TrellisUserError(f"--features {self.features} does not apply to --strategy pp: it trains on the "
@@ -255,11 +264,6 @@ class TrainConfig:
                                        "STORE --out PP_DIR`)")
             if self.chunk_size is not None:
                 _check_range("chunk_size", self.chunk_size, 1)
-            if self.memory_budget is not None:
-                try:
-                    parse_size(self.memory_budget)
-                except TrellisUserError as exc:
-                    raise TrellisUserError(f"--memory-budget: {exc}") from None
         if self.strategy == "mini":
             parse_fanouts(self.fanouts or "", self.layers)
         for name in ("optimizer", "task", "feature_norm", "cluster_method", "pp_loader", "init"):

@@ -129,24 +129,34 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
     splits: dict[str, Tensor] = {}
     task_obj: Task | None = None
     if need_labels:
-        y = store.y
-        if y is None:
-            raise TrellisUserError(f"{where}: the store has no labels (y.npy); training needs labels — re-import "
-                                   "it with labels")
-        split_ids: dict[str, np.ndarray] = {}
-        for s in SPLITS:
-            ids = store.split(s)
-            if ids is None or ids.size == 0:
-                raise TrellisUserError(f"{where}: the store has no {s} split ({s}_idx.npy); re-import it with "
-                                       "train/val/test node ids (the npz importer makes a random split)")
-            split_ids[s] = np.array(ids, dtype=np.int64)  # a copy: torch warns on read-only store maps
-        y_np = np.asarray(y)
-        task_obj = resolve_task(task, store.task, y_np, store.num_classes)
-        task_obj.check_labels(y_np, split_ids, where)
-        y_t = task_obj.labels_tensor(y_np).to(device)
-        splits = {s: torch.from_numpy(ids).to(device) for s, ids in split_ids.items()}
+        y_t, splits, task_obj = load_labels(store, task, device)
     return GraphData(store=store, graph=graph, x=x.to(device), y=y_t, splits=splits, task=task_obj,
                      feature_norm=resolved_norm, features=features, embedding_dim=emb_dim,
                      edge_weight=ew, edge_feat=ef)
 
 
+
+
+def load_labels(store: GraphStore, task: str, device: torch.device) -> tuple[Tensor, dict[str, Tensor], Task]:
+    """The store's labels and train/val/test ids on ``device``, and the task that reads them.
+
+    Raises:
+        TrellisUserError: The store has no labels or lacks a split, or the labels do not fit the task.
+    """
+    where = str(store.path)
+    y = store.y
+    if y is None:
+        raise TrellisUserError(f"{where}: the store has no labels (y.npy); training needs labels — re-import "
+                               "it with labels")
+    split_ids: dict[str, np.ndarray] = {}
+    for s in SPLITS:
+        ids = store.split(s)
+        if ids is None or ids.size == 0:
+            raise TrellisUserError(f"{where}: the store has no {s} split ({s}_idx.npy); re-import it with "
+                                   "train/val/test node ids (the npz importer makes a random split)")
+        split_ids[s] = np.array(ids, dtype=np.int64)  # a copy: torch warns on read-only store maps
+    y_np = np.asarray(y)
+    task_obj = resolve_task(task, store.task, y_np, store.num_classes)
+    task_obj.check_labels(y_np, split_ids, where)
+    y_t = task_obj.labels_tensor(y_np).to(device)
+    return y_t, {s: torch.from_numpy(ids).to(device) for s, ids in split_ids.items()}, task_obj

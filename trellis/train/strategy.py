@@ -64,6 +64,11 @@ class Strategy(ABC):
         self.device = device
 
     @classmethod
+    def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
+        """The class that runs ``cfg`` under this strategy's name (a variant chosen by its options)."""
+        return cls
+
+    @classmethod
     def check_options(cls, cfg: TrainConfig) -> None:
         """Refuse a strategy-specific option this strategy would ignore (never ignore one silently).
 
@@ -147,6 +152,10 @@ class Strategy(ABC):
         """Fields only this strategy reports in ``summary.json``."""
         return {}
 
+    def epoch_info(self) -> dict[str, Any]:
+        """Fields only this strategy adds to each epoch's record in ``metrics.jsonl`` (e.g. spill traffic)."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files and threads."""
 
@@ -157,7 +166,8 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 #: Options that only some strategies read (each strategy lists its own in :attr:`Strategy.options`). Options
 #: whose default depends on the model or the strategy (``--fanouts``, ``--batch-size``) are not checked.
 STRATEGY_OPTIONS = frozenset({"labor", "clusters", "clusters_per_batch", "boundary_hops", "cluster_method",
-                              "pp_dir", "pp_loader", "chunk_size", "memory_budget", "prefetch"})
+                              "pp_dir", "pp_loader", "chunk_size", "memory_budget", "spill_dir",
+                              "prefetch"})
 
 
 def register_strategy(name: str) -> Any:

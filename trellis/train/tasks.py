@@ -337,3 +337,21 @@ def resolve_task(name: str, store_task: str | None, y: np.ndarray, num_classes: 
         raise TrellisUserError(
             f"--task {name}: unknown task (available: {', '.join(sorted(TASKS))}); pass --task explicitly")
     return TASKS[name].from_labels(y, num_classes)
+
+
+def split_metrics(task: Task, logits_of: Callable[[str], Tensor], y: Tensor,
+                  splits: dict[str, Tensor]) -> dict[str, float]:
+    """``<split>_<metric>`` for every split and metric, plus ``val_loss``; ``logits_of(split)`` gives its rows."""
+    out: dict[str, float] = {}
+    for split, idx in splits.items():
+        logits = logits_of(split)
+        for name, value in task.metrics(logits, y[idx]).items():
+            out[f"{split}_{name}"] = value
+        if split == "val":
+            out["val_loss"] = float(task.loss(logits, y[idx]))
+    return out
+
+
+def evaluate_logits(task: Task, logits: Tensor, y: Tensor, splits: dict[str, Tensor]) -> dict[str, float]:
+    """Every split's metrics and ``val_loss`` from the logits of all nodes (full-batch and the sweep)."""
+    return split_metrics(task, lambda s: logits[splits[s]], y, splits)

@@ -133,7 +133,7 @@ class Trainer:
         self._stop_signal = signum
 
     def _strategy(self, device: torch.device) -> Strategy:
-        cls = strategy_class(self.cfg.strategy)
+        cls = strategy_class(self.cfg.strategy).for_config(self.cfg)
         cls.check_options(self.cfg)
         strategy = cls(self.cfg, device)
         strategy.load()
@@ -305,7 +305,7 @@ class Trainer:
                 # setup and checkpoint writes are left out, and it continues from the checkpoint on
                 # --resume, so time to a target does not depend on checkpoint frequency or on downtime.
                 record = {"run": r, "seed": seed, "epoch": epoch, "loss": loss, **ev, "best_epoch": stopper.best_epoch,
-                          "step_time_s": step, "time_s": run_time}
+                          "step_time_s": step, "time_s": run_time, **strategy.epoch_info()}
                 ctx.log.write(record)
                 for cb in self.callbacks:
                     cb(self, record)

@@ -30,9 +30,9 @@ from trellis.loader.inference import layerwise_inference
 from trellis.loader.sampler import NeighborLoader, NeighborSampler
 from trellis.train.build import ModelSpec
 from trellis.train.data import load_graph_data
-from trellis.train.strategies.full import GraphStrategy, split_metrics
+from trellis.train.strategies.full import GraphStrategy
 from trellis.train.strategy import register_strategy
-from trellis.train.tasks import Task
+from trellis.train.tasks import Task, split_metrics
 
 
 def _epoch_seed() -> int:

@@ -16,8 +16,9 @@ from trellis.plan.planner import plan_model
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_graph_data
+from trellis.train.strategies.outofcore import OutOfCoreFull
 from trellis.train.strategy import Strategy, register_strategy
-from trellis.train.tasks import Task
+from trellis.train.tasks import Task, evaluate_logits
 
 
 class GraphStrategy(Strategy):
@@ -55,24 +56,6 @@ class GraphStrategy(Strategy):
         return {"feature_norm": self.data.feature_norm, "features": self.data.features}
 
 
-def split_metrics(task: Task, logits_of: Callable[[str], Tensor], y: Tensor,
-                  splits: dict[str, Tensor]) -> dict[str, float]:
-    """``<split>_<metric>`` for every split and metric, plus ``val_loss``; ``logits_of(split)`` gives its rows."""
-    out: dict[str, float] = {}
-    for split, idx in splits.items():
-        logits = logits_of(split)
-        for name, value in task.metrics(logits, y[idx]).items():
-            out[f"{split}_{name}"] = value
-        if split == "val":
-            out["val_loss"] = float(task.loss(logits, y[idx]))
-    return out
-
-
-def evaluate_logits(task: Task, logits: Tensor, y: Tensor, splits: dict[str, Tensor]) -> dict[str, float]:
-    """Every split's metrics and ``val_loss`` from the logits of all nodes (full-batch and the sweep)."""
-    return split_metrics(task, lambda s: logits[splits[s]], y, splits)
-
-
 @register_strategy("full")
 class FullBatch(GraphStrategy):
     """Full-batch training: the loss over the training nodes of one forward pass over the whole graph.
@@ -84,7 +67,18 @@ class FullBatch(GraphStrategy):
     last-bit differences of tiny gradients into ``±lr`` updates). Other models run as they are.
     """
 
+    options = frozenset({"memory_budget", "spill_dir"})
     _runner: tuple[nn.Module, Callable[..., Tensor]] | None = None
+
+    @classmethod
+    def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
+        """:class:`~trellis.train.strategies.outofcore.OutOfCoreFull` under ``--memory-budget``, else this class."""
+        if cfg.memory_budget is not None:
+            return OutOfCoreFull
+        if cfg.spill_dir is not None:
+            raise TrellisUserError("--spill-dir applies to --strategy full with --memory-budget only; add "
+                                   "--memory-budget SIZE or drop --spill-dir")
+        return cls
 
     def forward(self, model: nn.Module) -> Tensor:
         """The model's logits on the whole graph (through planner v2 where the family allows)."""

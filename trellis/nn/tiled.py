@@ -1,0 +1,313 @@
+"""The out-of-core executor: a GCN / SAGE / GIN model run layer by layer over row tiles, with spill files.
+
+Why layer by layer: a full-batch step needs every node's row of layer ``l`` before any row of layer
+``l + 1`` (each destination reads arbitrary sources), so the unit that can leave memory is a layer's
+``[N, d]`` tensor, not a batch. Forward runs each layer over destination tiles of the in-edge CSR; the
+aggregation reads source rows from a memory map (features or the previous layer's spill), the layer's own
+epilogue (:meth:`~trellis.nn.layers.PushdownConv.epilogue`, bias, fused ReLU and dropout) runs on the
+tile, and the tile's output and aggregation are written to spill files. Backward walks the layers in
+reverse: the dense epilogue of every destination tile is recomputed under autograd from its spilled
+inputs (parameter gradients accumulate tile by tile), and the aggregation's gradient runs over *source*
+tiles of the reverse CSR, reading the spilled gradient rows.
+
+Exactness: the same layer objects, the same plan (the in-memory run's per-layer order from
+:func:`trellis.plan.planner.plan_model`), the same aggregation kernel over rows of the same CSRs
+(:mod:`trellis.ops.tiled`), and the same dropout masks — one seed drawn per tensor in the in-memory order,
+applied per tile with :func:`trellis.ops.dropout.tile_seed`. Each row is computed by the same operations
+as in memory; only sums over all rows (weight and bias gradients) are accumulated tile by tile, which
+moves their last bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from trellis.errors import TrellisUserError
+from trellis.nn.batched import family_of, model_decl
+from trellis.nn.layers import PushdownConv
+from trellis.nn.models import GNN
+from trellis.nn.runtime import bias_act_dropout
+from trellis.ops import dropout as hash_dropout
+from trellis.ops.tiled import MappedCSR, iter_tiles
+from trellis.plan.cost import GraphStats
+from trellis.plan.decl import LayerDecl
+from trellis.plan.ir import ModelPlan
+from trellis.plan.outofcore import LayerShape
+from trellis.plan.planner import plan_model
+from trellis.utils.spill import SpillDir, prefetch_rows
+
+
+def aggregation_kind(decl: LayerDecl) -> str:
+    """The tiled aggregation of a pushed-down layer: ``gcn``, ``mean`` or ``sum``.
+
+    Raises:
+        TrellisUserError: A reduce the tiled engine does not run (max needs argmax routing).
+    """
+    if decl.root == "self_loop" and decl.message == "weighted" and decl.aggregate == "sum":
+        return "gcn"
+    if decl.message == "copy" and decl.aggregate in ("mean", "sum"):
+        return decl.aggregate
+    raise TrellisUserError(f"{decl.name} with {decl.aggregate} aggregation cannot run out of core (tiled "
+                           "engine: GCN, SAGE mean, GIN); drop --memory-budget")
+
+
+def layer_shapes(model: nn.Module, stats: GraphStats) -> list[LayerShape]:
+    """The memory plan's view of a batchable model's layers (training order)."""
+    plan = plan_model([model_decl(model)], stats, training=True, input_grad=False)
+    gnn = cast(GNN, model)
+    out = []
+    for conv, lp in zip(gnn.convs, plan.layers):
+        d = cast(PushdownConv, conv).declare()
+        out.append(LayerShape(d.in_dim, d.out_dim, lp.order(0), d.root in ("linear", "eps")))
+    return out
+
+
+@dataclass
+class EpochIO:
+    """Spill traffic of one pass (bytes)."""
+
+    written: int = 0
+    read: int = 0
+    gathered: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _t(a: np.ndarray) -> Tensor:
+    """A tensor over a tile's rows of a memory map, copied (the map may be read-only; tiles are small)."""
+    return torch.from_numpy(np.array(a, dtype=np.float32))
+
+
+class TiledGNN:
+    """Runs a batchable GNN (GCN, SAGE mean, GIN) out of core: forward, backward, inference.
+
+    Args:
+        model: The model (its layers and parameters are used; nothing is copied).
+        graph: The memory-mapped CSR and its reverse.
+        x: The first layer's input ``[N, F]`` float32 (a memory map, or an array in RAM).
+        spill: Where ``[N, d]`` tensors are written.
+        bounds: Row boundaries of the tiles (:meth:`MappedCSR.tile_bounds`).
+    """
+
+    def __init__(self, model: nn.Module, graph: MappedCSR, x: np.ndarray, spill: SpillDir,
+                 bounds: np.ndarray) -> None:
+        family_of(model)  # refuses a model that cannot run from its plan
+        self.model = cast(GNN, model)
+        self.convs = [cast(PushdownConv, c) for c in self.model.convs]
+        self.decls = [c.declare() for c in self.convs]
+        self.kinds = [aggregation_kind(d) for d in self.decls]
+        self.roots = [d.root for d in self.decls]
+        self.graph, self.x, self.spill, self.bounds = graph, x, spill, bounds
+        self.stats = GraphStats(graph.num_nodes, graph.num_nodes, graph.num_edges)
+        self._plans: dict[bool, ModelPlan] = {}
+        self.io = EpochIO()
+
+    def plan(self, training: bool) -> ModelPlan:
+        """The in-memory run's plan (per-layer order, cached first aggregation) for this mode."""
+        if training not in self._plans:
+            self._plans[training] = plan_model([model_decl(self.model)], self.stats, training=training,
+                                               input_grad=False)
+        return self._plans[training]
+
+    def _reads(self, i: int, aggregate_first: bool) -> tuple[bool, bool]:
+        """Whether layer ``i``'s epilogue reads its input rows, and whether it reads the transformed rows.
+
+        SAGE's root reads the input rows, as does GIN aggregating first; GIN transforming first reads the
+        transformed rows instead.
+        """
+        uses_z = self.roots[i] == "eps" and not aggregate_first
+        return self.roots[i] in ("linear", "eps") and not uses_z, uses_z
+
+    # ---- tiles and spills --------------------------------------------------------------------------
+    def _tiles(self) -> list[tuple[int, int]]:
+        return list(iter_tiles(self.bounds))
+
+    def _each(self, arrays: Sequence[np.ndarray | None]) -> list[tuple[int, int]]:
+        """The tiles, with the kernel asked to read ahead the next tile's rows of ``arrays``."""
+        tiles = self._tiles()
+        self._ahead = (arrays, tiles)
+        return tiles
+
+    def _prefetch(self, k: int) -> None:
+        arrays, tiles = self._ahead
+        if k + 1 < len(tiles):
+            r0, r1 = tiles[k + 1]
+            for a in arrays:
+                if a is not None:
+                    prefetch_rows(a, r0, r1)
+
+    def _read(self, arr: np.ndarray, r0: int, r1: int) -> Tensor:
+        t = _t(arr[r0:r1])
+        self.io.read += t.numel() * 4
+        return t
+
+    def _write(self, arr: np.ndarray, r0: int, r1: int, t: Tensor) -> None:
+        arr[r0:r1] = t.detach().numpy()
+        self.io.written += t.numel() * 4
+
+    def _aggregate(self, kind: str, r0: int, r1: int, src: np.ndarray, reverse: bool = False) -> Tensor:
+        tile = self.graph.tile(r0, r1, reverse=reverse)
+        self.io.gathered += tile.num_edges * src.shape[1] * 4
+        return self.graph.aggregate(kind, tile, src, reverse=reverse)
+
+    # ---- the dense part of a layer -------------------------------------------------------------------
+    def _dense(self, i: int, a: Tensor, h: Tensor | None, z: Tensor | None, *, aggregate_first: bool,
+               p: float, seed: int | None, r0: int) -> Tensor:
+        """Layer ``i``'s output rows from its aggregation rows: epilogue, bias, ReLU and the next dropout."""
+        conv = self.convs[i]
+        n = a.shape[0]
+        o = conv.epilogue(a, h if h is not None else a[:0], z, aggregate_first, n)
+        bias = conv.output_bias()
+        if i == len(self.convs) - 1:
+            return o if bias is None else o + bias
+        tile_seed = None if seed is None else hash_dropout.tile_seed(seed, r0 * o.shape[1])
+        return bias_act_dropout(o, bias, act=True, p=p, training=p > 0.0, seed=tile_seed)
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def forward(self, training: bool, rows: np.ndarray) -> Tensor:
+        """Logits of the sorted node ids ``rows`` after a forward pass over every tile (no autograd).
+
+        In training every layer's aggregation and output are left in spill files for :meth:`backward`,
+        and the dropout seeds are drawn from torch's generator in the in-memory run's order.
+        """
+        plan = self.plan(training)
+        p = float(self.model.dropout) if training else 0.0
+        L = len(self.convs)
+        self._seeds: list[int | None] = []
+        h: np.ndarray = self.x
+        if p > 0.0:
+            seed = hash_dropout.draw_seed()
+            h0 = self.spill.array("h0", self.x.shape)
+            for r0, r1 in self._tiles():
+                t = _t(self.x[r0:r1])
+                hash_dropout.apply_(t, p, seed=hash_dropout.tile_seed(seed, r0 * t.shape[1]))
+                self._write(h0, r0, r1, t)
+            h = h0
+        self._inputs = [h]
+        out_rows: list[Tensor] = []
+        with torch.no_grad():
+            for i, conv in enumerate(self.convs):
+                lp = plan.layers[i]
+                af, cached, last = lp.order(0), lp.is_cached(0), i == L - 1
+                seed_i = hash_dropout.draw_seed() if (p > 0.0 and not last) else None
+                self._seeds.append(seed_i)
+                z = None
+                if not af:
+                    w = conv.transform_weight()
+                    z = self.spill.array(f"z{i}", (h.shape[0], w.shape[0]))
+                    for k, (r0, r1) in enumerate(self._each([h])):
+                        self._prefetch(k)
+                        self._write(z, r0, r1, F.linear(self._read(h, r0, r1), w))
+                src = h if af else z
+                assert src is not None
+                name = "a0c" if cached else f"a{i}"
+                fresh = not (cached and self.spill.has(name))
+                a = self.spill.array(name, (h.shape[0], src.shape[1]))
+                nxt = None if last else self.spill.array(f"h{i + 1}", (h.shape[0], self.decls[i].out_dim))
+                for k, (r0, r1) in enumerate(self._each([a, h, z])):
+                    self._prefetch(k)
+                    if fresh:
+                        a_t = self._aggregate(self.kinds[i], r0, r1, src)
+                        self._write(a, r0, r1, a_t)
+                    else:
+                        a_t = self._read(a, r0, r1)
+                    uses_h, uses_z = self._reads(i, af)
+                    h_t = self._read(h, r0, r1) if uses_h else None
+                    z_t = self._read(z, r0, r1) if (z is not None and uses_z) else None
+                    y = self._dense(i, a_t, h_t, z_t, aggregate_first=af, p=p, seed=seed_i, r0=r0)
+                    if nxt is not None:
+                        self._write(nxt, r0, r1, y)
+                    else:
+                        lo, hi = np.searchsorted(rows, [r0, r1])
+                        if hi > lo:
+                            out_rows.append(y[torch.from_numpy(rows[lo:hi] - r0)])
+                if nxt is not None:
+                    h = nxt
+                    self._inputs.append(h)
+        width = self.decls[-1].out_dim
+        return torch.cat(out_rows) if out_rows else torch.empty((0, width))
+
+    # ---- backward ------------------------------------------------------------------------------------
+    def backward(self, rows: np.ndarray, grad_rows: Tensor) -> None:
+        """Accumulate parameter gradients given the loss gradient of the logits of the sorted ids ``rows``.
+
+        Must follow a training :meth:`forward` (it reads that pass's spills and dropout seeds).
+        """
+        plan = self.plan(True)
+        p = float(self.model.dropout)
+        L = len(self.convs)
+        n = self.graph.num_nodes
+        g_out = self.spill.array(f"g{L}", (n, self.decls[-1].out_dim))  # a new spill: zeros
+        g_out[rows] = grad_rows.numpy()
+        self.io.written += grad_rows.numel() * 4
+        for i in reversed(range(L)):
+            lp = plan.layers[i]
+            af, cached = lp.order(0), lp.is_cached(0)
+            h = self._inputs[i]
+            a = self.spill.get("a0c" if cached else f"a{i}")
+            z = self.spill.get(f"z{i}") if not af else None
+            need_in = i > 0  # the features need no gradient
+            need_a = need_in or not af  # transform first: the weight's gradient runs through the aggregation
+            uses_h, uses_z = self._reads(i, af)
+            ga = self.spill.array("ga", a.shape) if need_a else None
+            gh_root = self.spill.array("gh_root", h.shape) if (uses_h and need_in) else None
+            gz_root = self.spill.array("gz_root", (n, self.decls[i].out_dim)) if uses_z else None
+            for k, (r0, r1) in enumerate(self._each([a, h, z, g_out])):
+                self._prefetch(k)
+                a_t = self._read(a, r0, r1).requires_grad_(need_a)
+                h_t = self._read(h, r0, r1).requires_grad_(need_in) if uses_h else None
+                z_t = self._read(z, r0, r1).requires_grad_(True) if (uses_z and z is not None) else None
+                with torch.enable_grad():
+                    y = self._dense(i, a_t, h_t, z_t, aggregate_first=af, p=p, seed=self._seeds[i], r0=r0)
+                    y.backward(self._read(g_out, r0, r1))
+                if ga is not None:
+                    self._write(ga, r0, r1, _grad(a_t))
+                if gh_root is not None:
+                    self._write(gh_root, r0, r1, _grad(h_t))
+                if gz_root is not None:
+                    self._write(gz_root, r0, r1, _grad(z_t))
+            self.spill.delete(f"g{i + 1}")
+            if ga is None:
+                continue
+            g_in = self.spill.array(f"g{i}", h.shape) if need_in else None
+            w = None if af else self.convs[i].transform_weight()
+            for k, (r0, r1) in enumerate(self._each([h, gh_root, gz_root])):
+                self._prefetch(k)
+                gs = self._aggregate(self.kinds[i], r0, r1, ga, reverse=True)
+                if af:
+                    gh = gs
+                else:
+                    gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)
+                    h_t = self._read(h, r0, r1).requires_grad_(need_in)
+                    with torch.enable_grad():
+                        F.linear(h_t, w).backward(gz)
+                    gh = h_t.grad
+                if g_in is not None:
+                    assert gh is not None
+                    if gh_root is not None:
+                        gh = gh + self._read(gh_root, r0, r1)
+                    self._write(g_in, r0, r1, gh)
+            for name in ("ga", "gh_root", "gz_root"):
+                self.spill.delete(name)
+            g_out = g_in if g_in is not None else g_out
+        self.spill.delete("g0")
+
+
+def _grad(t: Tensor | None) -> Tensor:
+    assert t is not None
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def gather_positions(rows: np.ndarray, ids: np.ndarray) -> Tensor:
+    """Positions in the sorted ``rows`` of every id of ``ids`` (each must be present), as an index tensor."""
+    pos = np.searchsorted(rows, ids)
+    return torch.from_numpy(pos.astype(np.int64))
+
+
+TiledCall = Callable[[bool, np.ndarray], Tensor]

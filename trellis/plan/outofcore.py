@@ -1,0 +1,178 @@
+"""The memory plan of out-of-core full-batch training: what is resident, spilled or recomputed, and tile sizes.
+
+Lotan spills because its graph engine runs out of memory; its planner never sees the spills (§6). Here the
+budget is an input of the plan: given the process's own baseline (the interpreter, torch and the compiled
+kernels, measured at start), the ``O(N)`` vectors that stay resident (degrees, labels, split ids), the
+parameters with their gradients and optimizer state, the plan sizes the row tiles so that the largest
+pass's tile — its inputs, outputs, autograd intermediates and one coefficient per edge — fits in what is
+left. Every ``[N, d]`` tensor of the model (layer inputs and outputs, aggregations, their gradients) is
+spilled to a memory-mapped file; per-tile intermediates of the dense epilogue are recomputed in backward
+instead of stored. The per-layer order (aggregate or transform first) is the in-memory plan's, so the
+arithmetic is the same and only where the rows live changes.
+
+The storage term: bytes written and read per epoch, and the time they cost at the storage's measured
+sequential read rate when they do not stay in the page cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Bytes per float32 element.
+F32 = 4
+#: Bytes per edge a tile allocates (one float32 coefficient; the CSR itself is a memory map).
+EDGE_BYTES = 8.0
+#: Fixed head-room for allocator slack and small temporaries, plus a fraction of the budget.
+MARGIN_BYTES = 48 * 2**20
+MARGIN_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer as the memory plan sees it.
+
+    Attributes:
+        w_in: Input width.
+        w_out: Output width.
+        aggregate_first: The training plan's order (the aggregation reads ``w_in`` columns, else ``w_out``).
+        root: The epilogue reads the layer's input rows (SAGE's ``W_r x_i``, GIN's ``(1 + eps) x_i``).
+    """
+
+    w_in: int
+    w_out: int
+    aggregate_first: bool
+    root: bool
+
+    @property
+    def w_agg(self) -> int:
+        """Width of the aggregated tensor."""
+        return self.w_in if self.aggregate_first else self.w_out
+
+    @property
+    def row_floats(self) -> int:
+        """Float32 values per tile row in this layer's busiest pass (forward, dense backward, source backward).
+
+        Dense backward holds the leaves (aggregation, input rows, pre-transformed rows), their gradients,
+        the epilogue's saved intermediates and their gradients (about five output-wide rows) and the
+        incoming gradient; the source pass holds the aggregated gradient, the recomputed transform and the
+        input gradient.
+        """
+        leaves = self.w_agg + (self.w_in if self.root else 0) + (self.w_out if self.root else 0)
+        return 2 * leaves + 8 * self.w_out + 2 * self.w_in
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one tensor lives: ``resident`` (RAM), ``spilled`` (file), ``recomputed`` (per tile, in backward)."""
+
+    name: str
+    shape: tuple[int, int]
+    where: str
+    note: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        return self.shape[0] * self.shape[1] * F32
+
+
+@dataclass(frozen=True)
+class OutOfCorePlan:
+    """The plan (see the module docstring); sizes in bytes."""
+
+    budget: int
+    baseline: int
+    resident: int
+    margin: int
+    row_bytes: float
+    edge_bytes: float
+    min_budget: int
+    placements: tuple[Placement, ...]
+    spill_bytes: int
+    written_per_epoch: int
+    read_per_epoch: int
+
+    @property
+    def tile_bytes(self) -> int:
+        """What one tile may allocate."""
+        return max(0, self.budget - self.baseline - self.resident - self.margin)
+
+    def format(self, tiles: int, rows: tuple[int, int], edges: int, bandwidth: float | None = None) -> str:
+        """The plan as ``--explain`` prints it."""
+        mib = 2.0**20
+        lines = [
+            f"out-of-core plan: budget {self.budget / mib:.0f} MiB = baseline {self.baseline / mib:.0f} "
+            f"+ resident {self.resident / mib:.0f} + margin {self.margin / mib:.0f} + tile {self.tile_bytes / mib:.0f}"
+            f" MiB (smallest budget that runs: {self.min_budget / mib:.0f} MiB)",
+            f"tiles: {tiles} row tiles of {rows[0]}..{rows[1]} rows (largest {edges} edges); "
+            f"{self.row_bytes:.0f} B per row, {self.edge_bytes:.0f} B per edge",
+            "tensors:",
+        ]
+        for p in self.placements:
+            note = f"  ({p.note})" if p.note else ""
+            lines.append(f"  {p.name:<14} [{p.shape[0]} x {p.shape[1]}]  {p.where:<10} "
+                         f"{p.nbytes / mib:>9.1f} MiB{note}")
+        io = (f"per epoch: spill writes {self.written_per_epoch / mib:.0f} MiB, reads {self.read_per_epoch / mib:.0f}"
+              f" MiB (peak disk {self.spill_bytes / mib:.0f} MiB)")
+        if bandwidth:
+            io += (f"; {self.read_per_epoch / bandwidth:.1f} s of reads at the storage's "
+                   f"{bandwidth / mib:.0f} MiB/s when the page cache does not hold them")
+        lines.append(io)
+        return "\n".join(lines)
+
+
+def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerShape], params: int,
+                     budget: int, baseline: int, resident_vectors: int, input_spilled: bool,
+                     dropout: bool) -> OutOfCorePlan:
+    """Size the tiles of a model under ``budget`` (see the module docstring).
+
+    Args:
+        num_nodes: Rows of every ``[N, d]`` tensor.
+        max_degree: Largest in- or out-degree (a one-row tile must hold that many coefficients).
+        layers: The model's layers in order.
+        params: Number of parameters (resident with gradient and two optimizer moments).
+        budget: The cap on peak ``RssAnon``.
+        baseline: The process's ``RssAnon`` before loading (interpreter, torch, kernels).
+        resident_vectors: Bytes of the ``O(N)`` vectors kept in RAM (degrees, labels, splits, gathered logits).
+        input_spilled: The first layer's input is a spill (normalized features) rather than the store's map.
+        dropout: The first layer's input is dropped out during training (a spilled copy per epoch).
+    """
+    n = num_nodes
+    row_bytes = float(max(layer.row_floats for layer in layers) * F32)
+    resident = resident_vectors + 4 * params * F32
+    margin = MARGIN_BYTES + int(MARGIN_FRACTION * budget)
+    one_row = row_bytes + max_degree * EDGE_BYTES
+    min_budget = int(baseline + resident + MARGIN_BYTES + one_row) + 1
+    min_budget = int(min_budget / (1 - MARGIN_FRACTION)) + 1
+    placements: list[Placement] = []
+    if input_spilled:
+        placements.append(Placement("x", (n, layers[0].w_in), "spilled", "normalized features, written once"))
+    if dropout:
+        placements.append(Placement("h0", (n, layers[0].w_in), "spilled", "dropped-out input, every epoch"))
+    written = read = 0
+    peak_disk = sum(p.nbytes for p in placements)
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        if not layer.aggregate_first:
+            placements.append(Placement(f"z{i}", (n, layer.w_out), "spilled", "transformed input (transform first)"))
+        placements.append(Placement(f"a{i}", (n, layer.w_agg), "spilled", "aggregation, read by backward"))
+        if not last:
+            placements.append(Placement(f"h{i + 1}", (n, layer.w_out), "spilled", "layer output after ReLU/dropout"))
+        placements.append(Placement(f"epilogue{i}", (n, layer.w_out), "recomputed", "per tile in backward"))
+    fwd = [p for p in placements if p.where == "spilled"]
+    written += sum(p.nbytes for p in fwd if p.name != "x")
+    read += sum(p.nbytes for p in fwd if p.name != "x")
+    peak_disk = sum(p.nbytes for p in fwd)
+    grads = []
+    for i, layer in reversed(list(enumerate(layers))):
+        grads.append(Placement(f"grad a{i}", (n, layer.w_agg), "spilled", "aggregation gradient"))
+        if i > 0:
+            grads.append(Placement(f"grad h{i}", (n, layer.w_in), "spilled", "layer input gradient"))
+    placements.extend(grads)
+    written += sum(p.nbytes for p in grads)
+    read += 2 * sum(p.nbytes for p in grads)
+    peak_disk += 3 * max(p.nbytes for p in grads)
+    return OutOfCorePlan(budget=budget, baseline=baseline, resident=resident, margin=margin, row_bytes=row_bytes,
+                         edge_bytes=EDGE_BYTES, min_budget=min_budget, placements=tuple(placements),
+                         spill_bytes=int(peak_disk), written_per_epoch=int(written), read_per_epoch=int(read))

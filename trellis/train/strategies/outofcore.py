@@ -1,0 +1,272 @@
+"""Full-batch training out of core: ``--strategy full --memory-budget SIZE`` (Lotan's disk-awareness, planned).
+
+The same full-batch step as in memory — one forward over the whole graph, the loss over the training
+nodes, one backward, one optimizer step — run by :class:`trellis.nn.tiled.TiledGNN` over row tiles sized
+by :func:`trellis.plan.outofcore.plan_out_of_core` so that the process's peak ``RssAnon`` stays within
+the budget. Nothing of size ``N x F`` or ``E`` is loaded: the features, the CSR and the store's reverse
+CSR stay memory-mapped, row normalization is written once to a spill file, and per-edge weights are
+computed per tile from the ``O(N)`` degree vectors.
+
+Spill files live under ``--spill-dir`` (default ``RUN_DIR/spill``) and are removed when the run ends,
+on SIGINT/SIGTERM (through :meth:`close`) and, after a ``kill -9``, by the next run that opens the same
+spill root (``--resume`` does).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from trellis.data.store import GraphStore
+from trellis.errors import TrellisUserError
+from trellis.nn.batched import family_of
+from trellis.nn.tiled import TiledGNN, gather_positions, layer_shapes
+from trellis.ops.tiled import MappedCSR, iter_tiles
+from trellis.plan.cost import GraphStats
+from trellis.plan.outofcore import OutOfCorePlan, plan_out_of_core
+from trellis.train.build import ModelFactory, ModelSpec, build_run_model
+from trellis.train.config import TrainConfig
+from trellis.train.data import load_labels, normalize_features
+from trellis.train.features import node_inputs, parse_features
+from trellis.train.runs import default_run_dir
+from trellis.train.strategy import Strategy
+from trellis.train.tasks import Task, split_metrics
+from trellis.utils.memory import proc_io, proc_status
+from trellis.utils.sizes import format_size, parse_size
+from trellis.utils.spill import SpillDir, check_spill_root
+
+
+def _warm_kernels() -> None:
+    """Compile (or load from numba's cache) the tiled kernels before the baseline is measured."""
+    ip = np.array([0, 1, 2], dtype=np.int64)
+    ix = np.array([1, 0], dtype=np.int64)
+    g = MappedCSR(ip, ix, ip, ix)
+    x = np.ones((2, 2), dtype=np.float32)
+    for kind in ("gcn", "mean", "sum"):
+        for rev in (False, True):
+            g.aggregate(kind, g.tile(0, 2, reverse=rev), x, reverse=rev)
+
+
+class OutOfCoreFull(Strategy):
+    """``--strategy full`` under ``--memory-budget`` (see the module docstring)."""
+
+    name = "full"
+    options = frozenset({"memory_budget", "spill_dir"})
+
+    plan: OutOfCorePlan | None = None
+    bounds: np.ndarray
+    spill: SpillDir | None = None
+
+    def load(self) -> None:
+        """Open the store memory-mapped; load only labels, split ids and the ``O(N)`` degree vectors."""
+        cfg = self.cfg
+        if self.device.type != "cpu":
+            raise TrellisUserError(f"--memory-budget with --device {self.device}: the out-of-core engine runs on "
+                                   "the CPU only so far; use --device cpu, or drop --memory-budget")
+        assert cfg.memory_budget is not None
+        self.budget = parse_size(cfg.memory_budget, flag="--memory-budget")
+        _warm_kernels()
+        self.baseline = proc_status().get("RssAnon", 0)
+        self.store = store = GraphStore(str(cfg.store))
+        kind, _ = parse_features(cfg.features)
+        self.features = cfg.features
+        self._x_raw: np.ndarray | None = None
+        if kind == "embedding":
+            raise TrellisUserError(f"--features {cfg.features} does not run under --memory-budget (a trainable "
+                                   "[N, D] table would be resident); use --features store, degree or none")
+        if kind == "store":
+            if store.x is None:
+                raise TrellisUserError(f"{store.path}: the store has no node features (x.npy); train with --features "
+                                       "none or degree, or re-import it with features")
+            self._x_raw = store.x
+            norm = store.preferred_feature_norm if cfg.feature_norm == "auto" else cfg.feature_norm
+            self.feature_norm = norm
+            self.x: np.ndarray | None = None
+            if norm == "none" and store.x.dtype == np.float32 and store.x.ndim == 2:
+                self.x = store.x  # read in place: the kernels gather straight from the map
+            in_dim = int(store.x.shape[1]) if store.x.ndim == 2 else 1
+        else:
+            self.feature_norm = "none"
+            self.x = node_inputs(kind, store.num_nodes, np.asarray(store.indptr),
+                                 np.asarray(store.indices)).numpy()
+            in_dim = int(self.x.shape[1])
+        self.y, self.splits, self.task = load_labels(store, cfg.task, self.device)
+        rev_indptr, rev_indices, _ = store.reverse_csr()
+        self.graph = MappedCSR(store.indptr, store.indices, rev_indptr, rev_indices)
+        ef = store.edge_feat
+        edge_dim = 0 if ef is None else int(np.prod(ef.shape[1:])) if ef.ndim > 1 else 1
+        self.spec = ModelSpec(in_dim, self.task.num_outputs, edge_dim, store.num_nodes, 0)
+        # Sorted ids of the training rows and of every scored row, and where each split's ids sit in them.
+        self.train_rows = np.sort(self.splits["train"].numpy())
+        self.train_pos = gather_positions(self.train_rows, self.splits["train"].numpy())
+        self.eval_rows = np.unique(np.concatenate([self.splits[s].numpy() for s in self.eval_splits]))
+        self.eval_pos = {s: gather_positions(self.eval_rows, self.splits[s].numpy()) for s in self.eval_splits}
+        self._engine: tuple[nn.Module, TiledGNN] | None = None
+        self._io = {"spill_written_bytes": 0, "spill_read_bytes": 0, "spill_gathered_bytes": 0}
+        self._disk0 = proc_io().get("read_bytes", 0)
+
+    # ---- the model and the plan ------------------------------------------------------------------------
+    def build_model(self, factory: ModelFactory) -> nn.Module:
+        """This run's model; the first call plans the tiles under the budget (and refuses what cannot run)."""
+        model = build_run_model(self.cfg, self.spec, factory)
+        try:
+            family_of(model)
+        except TrellisUserError:
+            need = self._in_memory_estimate(model)
+            raise TrellisUserError(
+                f"--model {self.cfg.model} cannot train under --memory-budget: the out-of-core engine tiles GCN, "
+                f"SAGE (mean) and GIN; in memory it needs about {format_size(need)} — drop --memory-budget (a "
+                f"budget of at least {format_size(need)} of free RAM runs it in memory)") from None
+        if self.plan is None:
+            self._plan(model)
+        return model
+
+    def _resident_vectors(self) -> int:
+        n = self.store.num_nodes
+        ids = sum(int(t.numel()) for t in self.splits.values())
+        out_w = self.task.num_outputs
+        vectors = self.graph.nbytes_resident + self.y.numel() * self.y.element_size() + 3 * 8 * ids
+        gathered = 4 * out_w * (2 * len(self.train_rows) + 2 * len(self.eval_rows))
+        transient = 24 * (n + 1)  # cost arrays of the tile planner
+        in_ram_x = self.x.nbytes if (self.x is not None and not isinstance(self.x, np.memmap)) else 0
+        return int(vectors + gathered + transient + in_ram_x)
+
+    def _plan(self, model: nn.Module) -> None:
+        cfg, g = self.cfg, self.graph
+        stats = GraphStats(g.num_nodes, g.num_nodes, g.num_edges)
+        params = sum(p.numel() for p in model.parameters())
+        self.plan = plan = plan_out_of_core(
+            num_nodes=g.num_nodes, max_degree=max(g.max_degree, g.max_out_degree), layers=layer_shapes(model, stats),
+            params=params, budget=self.budget, baseline=self.baseline, resident_vectors=self._resident_vectors(),
+            input_spilled=self.x is None, dropout=float(cfg.dropout) > 0.0)
+        if self.budget < plan.min_budget:
+            raise TrellisUserError(f"--memory-budget {cfg.memory_budget} is below the smallest budget that trains "
+                                   f"this model on this graph, {format_size(plan.min_budget)} (the process itself "
+                                   f"takes {format_size(self.baseline)}); raise it to at least "
+                                   f"{format_size(plan.min_budget)}")
+        self.bounds = g.tile_bounds(plan.row_bytes, plan.edge_bytes, plan.tile_bytes)
+        root = self._spill_root()
+        check_spill_root(root, plan.spill_bytes, flag="--spill-dir" if cfg.spill_dir else "spill directory")
+
+    def _spill_root(self) -> Path:
+        cfg = self.cfg
+        if cfg.spill_dir:
+            return Path(cfg.spill_dir)
+        return Path(cfg.out or default_run_dir(Path(str(cfg.store)).name, str(cfg.model))) / "spill"
+
+    def _input(self) -> np.ndarray:
+        """The first layer's input rows: the store's map, or a spill of the normalized features (written once)."""
+        if self.x is not None:
+            return self.x
+        assert self.spill is not None and self._x_raw is not None
+        raw = self._x_raw
+        n = self.store.num_nodes
+        width = self.spec.in_dim
+        x = self.spill.array("x", (n, width))
+        for r0, r1 in iter_tiles(self.bounds):
+            t = torch.from_numpy(np.array(raw[r0:r1], dtype=np.float32).reshape(r1 - r0, width))
+            normalize_features(t, self.feature_norm)
+            x[r0:r1] = t.numpy()
+        self.x = x
+        return x
+
+    def _engine_for(self, model: nn.Module) -> TiledGNN:
+        if self._engine is None or self._engine[0] is not model:
+            if self.spill is None:
+                self.spill = SpillDir(self._spill_root())
+            self._engine = (model, TiledGNN(model, self.graph, self._input(), self.spill, self.bounds))
+        return self._engine[1]
+
+    # ---- training -----------------------------------------------------------------------------------
+    def train_step(self, model: nn.Module, optimizer: Any, task: Task, epoch: int) -> Tensor:
+        """One full-batch step over tiles: forward, loss on the training rows, backward, optimizer step."""
+        eng = self._engine_for(model)
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        logits = eng.forward(True, self.train_rows)
+        leaf = logits[self.train_pos].requires_grad_()  # the in-memory run's logits[train_idx], in its order
+        loss = task.loss(leaf, self.y[self.splits["train"]])
+        loss.backward()
+        assert leaf.grad is not None
+        grad = torch.zeros_like(logits)
+        grad[self.train_pos] = leaf.grad
+        eng.backward(self.train_rows, grad)
+        optimizer.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
+        """Tiled inference of the scored rows; every split's metrics and ``val_loss``."""
+        eng = self._engine_for(model)
+        model.eval()
+        logits = eng.forward(False, self.eval_rows)
+        return split_metrics(task, lambda s: logits[self.eval_pos[s]], self.y,
+                             {s: self.splits[s] for s in self.eval_splits})
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module) -> Tensor:
+        """Logits of every node, by tiled inference."""
+        eng = self._engine_for(model)
+        model.eval()
+        return eng.forward(False, np.arange(self.store.num_nodes, dtype=np.int64))
+
+    def epoch_info(self) -> dict[str, Any]:
+        """Spill traffic since the last epoch and what the process read from storage.
+
+        Bytes written and read as tiles, bytes the kernels gathered as source rows from spill maps, and
+        ``/proc/self/io`` ``read_bytes`` (what did not come from the page cache).
+        """
+        if self._engine is None:
+            return {}
+        io = self._engine[1].io
+        disk = proc_io().get("read_bytes", 0)
+        out = {"spill_written_bytes": io.written, "spill_read_bytes": io.read, "spill_gathered_bytes": io.gathered,
+               "storage_read_bytes": disk - self._disk0}
+        io.written = io.read = io.gathered = 0
+        self._disk0 = disk
+        return out
+
+    # ---- explain, records, teardown ------------------------------------------------------------------
+    def explain(self, model: nn.Module) -> str:
+        """The tiles, each tensor's placement and the spill traffic per epoch."""
+        assert self.plan is not None
+        rows = np.diff(self.bounds)
+        edges = max((self.graph.tile(a, b).num_edges for a, b in iter_tiles(self.bounds)), default=0)
+        return self.plan.format(len(rows), (int(rows.min()), int(rows.max())), edges)
+
+    def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
+        """Widths, task and inputs ``trellis predict`` rebuilds the model from."""
+        return {"in_dim": self.spec.in_dim, "out_dim": self.task.num_outputs, "edge_dim": self.spec.edge_dim,
+                "kwargs": cfg.model_kwargs(), "task": self.task.name, "feature_norm": self.feature_norm,
+                "features": self.features, "num_nodes": self.store.num_nodes}
+
+    def summary_info(self) -> dict[str, Any]:
+        """Inputs as resolved, and the plan's tiles."""
+        info: dict[str, Any] = {"feature_norm": self.feature_norm, "features": self.features}
+        if self.plan is not None:
+            info.update({"memory_budget_bytes": self.budget, "tiles": int(len(self.bounds) - 1),
+                         "baseline_rss_anon_bytes": self.baseline})
+        return info
+
+    def close(self) -> None:
+        """Remove the spill files."""
+        self._engine = None
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+
+    def _in_memory_estimate(self, model: nn.Module) -> int:
+        """About the peak of the in-memory run of ``model`` (what a budget would have to cover)."""
+        n, e = self.store.num_nodes, self.graph.num_edges
+        width = max((p.shape[0] for p in model.parameters() if p.dim() == 2), default=1)
+        heads = int(getattr(self.cfg, "heads", 1) or 1)
+        layers = int(self.cfg.layers)
+        graph = 8 * (2 * e + 2 * n) + 8 * e  # CSR, reverse CSR and its permutation
+        edge_tensors = 4 * e * heads * 6 * layers  # logits, softmax, dropout, saved for backward
+        acts = 4 * n * width * 4 * layers
+        return int(self.baseline + 4 * n * self.spec.in_dim + graph + edge_tensors + acts + math.ceil(n / 8))

@@ -1,0 +1,201 @@
+"""Spill files: ``[N, F]`` float32 arrays on disk, memory-mapped, owned by one process and removed with it.
+
+Why memory maps: a tile read from a spill file is a view of the page cache, so it never counts in the
+process's ``RssAnon`` (the memory a ``--memory-budget`` caps), and a tile written to one is written back
+by the kernel behind the computation. Where RAM is free the page cache keeps the spills and re-reads cost
+nothing; where it is not, they come from storage — the out-of-core engine accounts for both (bytes
+written and read here, ``/proc/self/io`` for what actually came from storage).
+
+Lifetime: a :class:`SpillDir` is one directory ``trellis-spill-<pid>-<n>`` under a spill root, holding an
+``owner`` file with the pid. :meth:`SpillDir.close` removes it (end of a run, SIGINT/SIGTERM through the
+trainer's ``finally``); a run killed with ``kill -9`` leaves it, and the next process that opens a spill
+root (``--resume``, or any run using that root) removes spill directories whose owner is dead
+(:func:`clean_stale_spills`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from trellis.errors import TrellisUserError
+
+PREFIX = "trellis-spill-"
+_counter = itertools.count()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_spills(root: str | os.PathLike[str]) -> list[Path]:
+    """Remove spill directories under ``root`` whose owning process is gone; returns what was removed."""
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for d in root.glob(PREFIX + "*"):
+        try:
+            pid = int((d / "owner").read_text().strip())
+        except (OSError, ValueError):
+            pid = -1
+        if pid == os.getpid() or (pid > 0 and _pid_alive(pid)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def check_spill_root(root: str | os.PathLike[str], need_bytes: int, flag: str = "--spill-dir") -> Path:
+    """Refuse a spill root that cannot be created, is not writable or lacks ``need_bytes`` of free space.
+
+    Nothing is left behind: directories this check had to create to probe the root are removed again.
+    """
+    root = Path(root)
+    existing = root
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise TrellisUserError(f"{flag} {root}: {existing} is not a directory; pick a directory for spill files")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TrellisUserError(f"{flag} {root}: {existing} is not writable; pick a writable directory for spill "
+                               "files")
+    free = shutil.disk_usage(existing).free
+    if free < need_bytes:
+        raise TrellisUserError(f"{flag} {root}: the plan spills {need_bytes / 2**30:.2f} GiB but only "
+                               f"{free / 2**30:.2f} GiB are free there; free space or pick another --spill-dir")
+    return root
+
+
+class SpillDir:
+    """One process's spill files under ``root`` (see the module docstring).
+
+    Args:
+        root: Directory that holds spill directories (created if missing; stale ones are removed).
+
+    Attributes:
+        path: This process's spill directory.
+        bytes_written: Bytes the engine wrote into spill files (counted by :meth:`wrote`).
+        bytes_read: Bytes the engine read from spill files (counted by :meth:`read`).
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        clean_stale_spills(self.root)
+        self.path = self.root / f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        self.path.mkdir()
+        (self.path / "owner").write_text(str(os.getpid()))
+        self._arrays: dict[str, np.memmap] = {}
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def array(self, name: str, shape: tuple[int, int]) -> np.memmap:
+        """The float32 spill ``name`` of ``shape`` (created zero-filled and sparse, or the existing one)."""
+        arr = self._arrays.get(name)
+        if arr is not None and arr.shape == tuple(shape):
+            return arr
+        if arr is not None:
+            self.delete(name)
+        path = self.path / f"{name}.f32"
+        arr = np.memmap(path, dtype=np.float32, mode="w+", shape=tuple(shape))
+        self._arrays[name] = arr
+        return arr
+
+    def get(self, name: str) -> np.memmap:
+        """The existing spill ``name`` (KeyError when there is none)."""
+        return self._arrays[name]
+
+    def has(self, name: str) -> bool:
+        """Whether spill ``name`` exists."""
+        return name in self._arrays
+
+    def delete(self, name: str) -> None:
+        """Drop spill ``name`` and its file (its pages are released once no view of it is left)."""
+        arr = self._arrays.pop(name, None)
+        if arr is not None:
+            path = self.path / f"{name}.f32"
+            del arr
+            path.unlink(missing_ok=True)
+
+    def wrote(self, nbytes: int) -> None:
+        """Count ``nbytes`` written into spill files."""
+        self.bytes_written += int(nbytes)
+
+    def read(self, nbytes: int) -> None:
+        """Count ``nbytes`` read from spill files."""
+        self.bytes_read += int(nbytes)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the spill files occupy on disk now (sparse files count only written blocks)."""
+        total = 0
+        for name in self._arrays:
+            try:
+                total += os.stat(self.path / f"{name}.f32").st_blocks * 512
+            except OSError:
+                pass
+        return total
+
+    def drop_cache(self) -> None:
+        """Flush and drop the spill files' pages from the page cache (benchmarks: read from storage)."""
+        for name, arr in self._arrays.items():
+            arr.flush()
+            drop_file_cache(self.path / f"{name}.f32")
+
+    def close(self) -> None:
+        """Remove every spill file and the directory (and the root, when this left it empty)."""
+        self._arrays.clear()
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self.root.rmdir()  # only succeeds when empty: another process's spills keep it
+        except OSError:
+            pass
+
+
+def drop_file_cache(path: str | os.PathLike[str]) -> None:
+    """Ask the kernel to drop ``path``'s clean pages from the page cache (``POSIX_FADV_DONTNEED``; no root)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prefetch_rows(arr: np.ndarray, r0: int, r1: int) -> None:
+    """Ask the kernel to read rows ``[r0, r1)`` of a memory-mapped 2-D array ahead (``POSIX_FADV_WILLNEED``).
+
+    The read-ahead runs in the kernel, so the next tile's contiguous rows arrive while the current tile
+    computes, without copying them into the process's memory. A no-op for arrays that are not file maps.
+    """
+    name = getattr(arr, "filename", None)
+    if name is None or r1 <= r0:
+        return
+    row = int(arr.strides[0])
+    base = int(getattr(arr, "offset", 0))
+    try:
+        fd = os.open(name, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, base + r0 * row, (r1 - r0) * row, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
