@@ -20,6 +20,7 @@ moves their last bits.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -41,7 +42,7 @@ from trellis.plan.decl import LayerDecl
 from trellis.plan.ir import ModelPlan
 from trellis.plan.outofcore import LayerShape
 from trellis.plan.planner import plan_model
-from trellis.utils.spill import SpillDir, prefetch_rows
+from trellis.utils.spill import SpillDir, drop_file_cache, prefetch_rows
 
 
 def aggregation_kind(decl: LayerDecl) -> str:
@@ -93,10 +94,14 @@ class TiledGNN:
         x: The first layer's input ``[N, F]`` float32 (a memory map, or an array in RAM).
         spill: Where ``[N, d]`` tensors are written.
         bounds: Row boundaries of the tiles (:meth:`MappedCSR.tile_bounds`).
+        cold_files: With ``cold``, files whose page cache is dropped after every pass (the store's arrays).
+        cold: Drop the page cache of the spills and ``cold_files`` after every pass, so that each pass reads
+            from storage (benchmarks: what an epoch costs when the spills do not fit the page cache).
     """
 
     def __init__(self, model: nn.Module, graph: MappedCSR, x: np.ndarray, spill: SpillDir,
-                 bounds: np.ndarray) -> None:
+                 bounds: np.ndarray, *, cold_files: Sequence[str | os.PathLike[str]] = (),
+                 cold: bool = False) -> None:
         family_of(model)  # refuses a model that cannot run from its plan
         self.model = cast(GNN, model)
         self.convs = [cast(PushdownConv, c) for c in self.model.convs]
@@ -107,6 +112,7 @@ class TiledGNN:
         self.stats = GraphStats(graph.num_nodes, graph.num_nodes, graph.num_edges)
         self._plans: dict[bool, ModelPlan] = {}
         self.io = EpochIO()
+        self.cold, self.cold_files = cold, list(cold_files)
 
     def plan(self, training: bool) -> ModelPlan:
         """The in-memory run's plan (per-layer order, cached first aggregation) for this mode."""
@@ -126,7 +132,15 @@ class TiledGNN:
 
     # ---- tiles and spills --------------------------------------------------------------------------
     def _tiles(self) -> list[tuple[int, int]]:
+        self._cool()
         return list(iter_tiles(self.bounds))
+
+    def _cool(self) -> None:
+        """With ``cold``: drop the page cache of the spills and the store before a pass."""
+        if self.cold:
+            self.spill.drop_cache()
+            for f in self.cold_files:
+                drop_file_cache(f)
 
     def _each(self, arrays: Sequence[np.ndarray | None]) -> list[tuple[int, int]]:
         """The tiles, with the kernel asked to read ahead the next tile's rows of ``arrays``."""

@@ -15,6 +15,7 @@ spill root (``--resume`` does).
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,10 @@ from trellis.train.tasks import Task, split_metrics
 from trellis.utils.memory import proc_io, proc_status
 from trellis.utils.sizes import format_size, parse_size
 from trellis.utils.spill import SpillDir, check_spill_root
+
+#: Benchmarks set this environment variable to ``1`` to drop the page cache of the spills and the store before
+#: every pass of the tiled engine, so that reads come from storage (see :class:`~trellis.nn.tiled.TiledGNN`).
+COLD_ENV = "TRELLIS_OOC_COLD"
 
 
 def _warm_kernels() -> None:
@@ -179,7 +184,9 @@ class OutOfCoreFull(Strategy):
         if self._engine is None or self._engine[0] is not model:
             if self.spill is None:
                 self.spill = SpillDir(self._spill_root())
-            self._engine = (model, TiledGNN(model, self.graph, self._input(), self.spill, self.bounds))
+            store_files = [self.store.path / m["file"] for m in self.store.manifest["arrays"].values()]
+            self._engine = (model, TiledGNN(model, self.graph, self._input(), self.spill, self.bounds,
+                                            cold_files=store_files, cold=os.environ.get(COLD_ENV) == "1"))
         return self._engine[1]
 
     # ---- training -----------------------------------------------------------------------------------
