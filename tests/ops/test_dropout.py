@@ -24,3 +24,14 @@ def test_dropout_is_reproducible_from_torch_seed_and_identity_in_eval():
     torch.testing.assert_close(a, b)
     assert not torch.equal(a, dropout(x, 0.5, True))
     assert dropout(x, 0.5, False) is x
+
+
+def test_tile_seed_gives_each_slice_its_part_of_the_whole_mask():
+    from trellis.ops.dropout import apply_, tile_seed
+
+    x = torch.randn(37, 5)
+    seed = 2**62 - 17
+    whole = apply_(x.clone(), 0.4, seed=seed)
+    for r0, r1 in ((0, 1), (1, 8), (8, 30), (30, 37)):
+        part = apply_(x[r0:r1].clone(), 0.4, seed=tile_seed(seed, r0 * 5))
+        assert torch.equal(part, whole[r0:r1])

@@ -79,6 +79,7 @@ def test_pp_trains_with_sgd_and_xavier(store, pp_dir, tmp_path):
 #: Per strategy: options of a small run with the real models.
 RESUME = {
     "full": {"model": "gcn", "hidden": 16},
+    "full-out-of-core": {"model": "sage", "hidden": 16, "memory_budget": "2G"},
     "mini": {"strategy": "mini", "model": "sage", "hidden": 16, "fanouts": "4,4", "batch_size": 64},
     "cluster": {"strategy": "cluster", "model": "gcn", "hidden": 16, "clusters": 6, "clusters_per_batch": 2,
                 "cluster_method": "hash"},
@@ -145,7 +146,10 @@ def test_compare_reads_every_strategy_through_one_schema(store, pp_dir, tmp_path
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--memory-budget", "3G"], "--memory-budget does not apply to --strategy full; it applies to --strategy pp"),
+    (["--strategy", "mini", "--memory-budget", "3G"],
+     "--memory-budget does not apply to --strategy mini; it applies to --strategy full and pp"),
+    (["--strategy", "cluster", "--spill-dir", "/tmp"], "--spill-dir does not apply to --strategy cluster"),
+    (["--spill-dir", "/tmp"], "--spill-dir applies to --strategy full with --memory-budget only"),
     (["--strategy", "mini", "--clusters", "8"], "--clusters does not apply to --strategy mini"),
     (["--strategy", "cluster", "--labor"], "--labor does not apply to --strategy cluster"),
     (["--prefetch", "0"], "--prefetch does not apply to --strategy full; it applies to --strategy mini and cluster"),

@@ -134,3 +134,27 @@ class PeakMemory:
         if self.device is not None:
             out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(self.device) / _MIB
         return out
+
+
+def return_freed_memory(threshold: int = 1 << 20) -> bool:
+    """Make glibc serve allocations of ``threshold`` bytes or more with ``mmap``, so freeing them unmaps them.
+
+    Why: glibc raises its mmap threshold dynamically (up to 32 MiB) after the first large block is freed,
+    after which tile-sized tensors come from the heap and stay in ``RssAnon`` after they are freed, as
+    fragments. A memory budget is about live memory; with the threshold fixed, every tile's buffers go back
+    to the kernel when freed. Returns False where glibc's ``mallopt`` is not available (other C libraries).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, int(threshold)) == 1
+        ok = libc.mallopt(m_trim_threshold, int(threshold)) == 1 and ok
+        return ok
+    except (OSError, AttributeError):
+        return False

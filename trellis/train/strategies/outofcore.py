@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ from trellis.train.features import node_inputs, parse_features
 from trellis.train.runs import default_run_dir
 from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task, split_metrics
-from trellis.utils.memory import proc_io, proc_status
+from trellis.utils.memory import proc_io, proc_status, return_freed_memory
 from trellis.utils.sizes import format_size, parse_size
 from trellis.utils.spill import SpillDir, check_spill_root
 
@@ -63,6 +63,8 @@ class OutOfCoreFull(Strategy):
     name = "full"
     options = frozenset({"memory_budget", "spill_dir"})
 
+    #: Cap on the rows of a tile (None: the plan's); tests force one-row and seven-row tiles with it.
+    max_tile_rows: ClassVar[int | None] = None
     plan: OutOfCorePlan | None = None
     bounds: np.ndarray
     spill: SpillDir | None = None
@@ -75,6 +77,7 @@ class OutOfCoreFull(Strategy):
                                    "the CPU only so far; use --device cpu, or drop --memory-budget")
         assert cfg.memory_budget is not None
         self.budget = parse_size(cfg.memory_budget, flag="--memory-budget")
+        return_freed_memory()
         _warm_kernels()
         self.baseline = proc_status().get("RssAnon", 0)
         self.store = store = GraphStore(str(cfg.store))
@@ -154,7 +157,7 @@ class OutOfCoreFull(Strategy):
                                    f"this model on this graph, {format_size(plan.min_budget)} (the process itself "
                                    f"takes {format_size(self.baseline)}); raise it to at least "
                                    f"{format_size(plan.min_budget)}")
-        self.bounds = g.tile_bounds(plan.row_bytes, plan.edge_bytes, plan.tile_bytes)
+        self.bounds = g.tile_bounds(plan.row_bytes, plan.edge_bytes, plan.tile_bytes, max_rows=self.max_tile_rows)
         root = self._spill_root()
         check_spill_root(root, plan.spill_bytes, flag="--spill-dir" if cfg.spill_dir else "spill directory")
 

@@ -1,0 +1,156 @@
+"""``--strategy full --memory-budget``: the same losses as in memory, spills removed, bad input refused (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.helpers import metrics_without_timing
+from tests.train.stubmodel import make_sbm_store
+from trellis.cli.main import main
+from trellis.train.config import TrainConfig
+from trellis.train.runs import read_json, read_jsonl
+from trellis.train.strategies.outofcore import OutOfCoreFull
+from trellis.train.trainer import Trainer, TrainingInterrupted, train
+from trellis.utils.spill import PREFIX
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return make_sbm_store(tmp_path_factory.mktemp("ooc") / "sbm", n=400, features=10)
+
+
+def _cfg(store: Path, out: Path, **kw) -> TrainConfig:
+    values = {"store": str(store), "device": "cpu", "progress": False, "out": str(out), "epochs": 6, "hidden": 16,
+              "dropout": 0.5, **kw}
+    return TrainConfig(**values)
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage", "gin"])
+@pytest.mark.parametrize("rows", [1, 7, None])
+def test_budgeted_run_trains_what_the_in_memory_run_trains(store, tmp_path, monkeypatch, model, rows):
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", rows)
+    kw = {"model": model, "layers": 3 if rows == 7 else 2, "feature_norm": "row" if model == "gin" else "none"}
+    train(_cfg(store, tmp_path / "mem", **kw))
+    train(_cfg(store, tmp_path / "ooc", memory_budget="3G", **kw))
+    mem, ooc = _losses(tmp_path / "mem"), _losses(tmp_path / "ooc")
+    assert max(abs(a - b) for a, b in zip(mem, ooc)) <= 1e-6 and len(mem) == len(ooc) == 6
+    recs = read_jsonl(tmp_path / "ooc" / "metrics.jsonl")
+    for a, b in zip(read_jsonl(tmp_path / "mem" / "metrics.jsonl"), recs):
+        assert a["val_acc"] == b["val_acc"] and abs(a["val_loss"] - b["val_loss"]) <= 1e-6
+    assert all(r["spill_written_bytes"] > 0 and r["spill_read_bytes"] > 0 for r in recs)
+    summary = read_json(tmp_path / "ooc" / "summary.json")
+    assert summary["tiles"] >= (400 // rows if rows else 1) and summary["memory_budget_bytes"] == 3 * 10**9
+    assert not (tmp_path / "ooc" / "spill").exists()  # removed with the run
+
+
+def test_spill_dir_flag_and_explain(store, tmp_path, capsys):
+    spill = tmp_path / "spills"
+    assert main(["train", str(store), "--memory-budget", "2G", "--spill-dir", str(spill), "--epochs", "2",
+                 "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    assert not spill.exists()
+    assert main(["train", str(store), "--memory-budget", "2G", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "out-of-core plan: budget" in out and "row tiles" in out and "spilled" in out and "recomputed" in out
+
+
+def test_interrupt_removes_the_spills_and_resume_is_exact(store, tmp_path):
+    kw = {"model": "gcn", "memory_budget": "2G", "checkpoint_every": 2}
+    train(_cfg(store, tmp_path / "whole", **kw))
+
+    def stop(t, rec):
+        if rec["epoch"] == 2:
+            t.request_stop(signal.SIGTERM)
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(_cfg(store, tmp_path / "cut", **kw), callbacks=[stop]).fit()
+    assert not (tmp_path / "cut" / "spill").exists()
+    resumed = TrainConfig.from_dict({**read_json(tmp_path / "cut" / "config.json"), "resume": str(tmp_path / "cut")})
+    Trainer(resumed).fit()
+    assert metrics_without_timing(tmp_path / "cut") == metrics_without_timing(tmp_path / "whole")
+
+
+def _spawn(store: Path, out: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(store), "--memory-budget", "2G",
+                             "--epochs", "400", "--hidden", "16", "--checkpoint-every", "1", "--no-progress",
+                             "--out", str(out), *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_for_epochs(out: Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = out / "metrics.jsonl"
+        if m.is_file() and len(m.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} epochs: {proc.stderr.read().decode() if proc.stderr else ''}")
+
+
+def _spill_dirs(root: Path) -> list[Path]:
+    return list(root.glob(f"{PREFIX}*")) if root.is_dir() else []
+
+
+def test_sigterm_removes_the_spills(store, tmp_path):
+    out = tmp_path / "run"
+    proc = _spawn(store, out)
+    _wait_for_epochs(out, proc, 2)
+    assert _spill_dirs(out / "spill")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    assert not (out / "spill").exists()
+    assert (out / "checkpoints").is_dir()
+
+
+def test_kill_9_leaves_spills_that_resume_removes(store, tmp_path):
+    out, spill = tmp_path / "run", tmp_path / "spill"
+    proc = _spawn(store, out, "--spill-dir", str(spill), "--epochs", "400")
+    _wait_for_epochs(out, proc, 3)
+    proc.kill()
+    proc.wait(timeout=60)
+    stale = _spill_dirs(spill)
+    assert stale  # kill -9 runs no cleanup
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update({"resume": str(out), "epochs": len(read_jsonl(out / "metrics.jsonl")) + 1, "progress": False})
+    Trainer(TrainConfig.from_dict(cfg)).fit()
+    assert not any(d.exists() for d in stale) and not spill.exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--memory-budget", "lots"], "--memory-budget"),
+    (["--memory-budget", "20M"], "is below the smallest budget that trains this model on this graph"),
+    (["--memory-budget", "2G", "--model", "gat"], "cannot train under --memory-budget"),
+    (["--memory-budget", "2G", "--features", "embedding:8"], "does not run under --memory-budget"),
+    (["--memory-budget", "2G", "--spill-dir", "/proc/version/spill"], "--spill-dir /proc/version/spill"),
+    (["--memory-budget", "2G", "--device", "cuda"], "--device"),
+])
+def test_bad_input_exits_2_and_leaves_nothing(store, tmp_path, capsys, args, message):
+    assert main(["train", str(store), *args, "--epochs", "2", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_spill_dir_without_room_is_refused(store, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from trellis.utils import spill
+
+    monkeypatch.setattr(spill.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    assert main(["train", str(store), "--memory-budget", "2G", "--spill-dir", str(tmp_path / "s"), "--epochs", "2",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "GiB are free there" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "s").exists()
