@@ -20,7 +20,6 @@ moves their last bits.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -42,7 +41,7 @@ from trellis.plan.decl import LayerDecl
 from trellis.plan.ir import ModelPlan
 from trellis.plan.outofcore import LayerShape
 from trellis.plan.planner import plan_model
-from trellis.utils.spill import SpillDir, drop_file_cache, prefetch_rows
+from trellis.utils.spill import SpillDir, drop_map_cache, prefetch_rows
 
 
 def aggregation_kind(decl: LayerDecl) -> str:
@@ -94,14 +93,13 @@ class TiledGNN:
         x: The first layer's input ``[N, F]`` float32 (a memory map, or an array in RAM).
         spill: Where ``[N, d]`` tensors are written.
         bounds: Row boundaries of the tiles (:meth:`MappedCSR.tile_bounds`).
-        cold_files: With ``cold``, files whose page cache is dropped after every pass (the store's arrays).
+        cold_maps: With ``cold``, memory maps whose pages are dropped before every pass (the store's arrays).
         cold: Drop the page cache of the spills and ``cold_files`` after every pass, so that each pass reads
             from storage (benchmarks: what an epoch costs when the spills do not fit the page cache).
     """
 
     def __init__(self, model: nn.Module, graph: MappedCSR, x: np.ndarray, spill: SpillDir,
-                 bounds: np.ndarray, *, cold_files: Sequence[str | os.PathLike[str]] = (),
-                 cold: bool = False) -> None:
+                 bounds: np.ndarray, *, cold_maps: Sequence[np.ndarray] = (), cold: bool = False) -> None:
         family_of(model)  # refuses a model that cannot run from its plan
         self.model = cast(GNN, model)
         self.convs = [cast(PushdownConv, c) for c in self.model.convs]
@@ -112,7 +110,8 @@ class TiledGNN:
         self.stats = GraphStats(graph.num_nodes, graph.num_nodes, graph.num_edges)
         self._plans: dict[bool, ModelPlan] = {}
         self.io = EpochIO()
-        self.cold, self.cold_files = cold, list(cold_files)
+        self.cold = cold
+        self.cold_maps = [*cold_maps, graph.indptr, graph.indices, graph.rev_indptr, graph.rev_indices, x]
 
     def plan(self, training: bool) -> ModelPlan:
         """The in-memory run's plan (per-layer order, cached first aggregation) for this mode."""
@@ -139,8 +138,8 @@ class TiledGNN:
         """With ``cold``: drop the page cache of the spills and the store before a pass."""
         if self.cold:
             self.spill.drop_cache()
-            for f in self.cold_files:
-                drop_file_cache(f)
+            for m in self.cold_maps:
+                drop_map_cache(m)
 
     def _each(self, arrays: Sequence[np.ndarray | None]) -> list[tuple[int, int]]:
         """The tiles, with the kernel asked to read ahead the next tile's rows of ``arrays``."""
@@ -157,7 +156,8 @@ class TiledGNN:
                     prefetch_rows(a, r0, r1)
 
     def _read(self, arr: np.ndarray, r0: int, r1: int) -> Tensor:
-        t = _t(arr[r0:r1])
+        """Rows ``[r0, r1)`` of ``arr``: a view of a (writable) spill map, a copy of a read-only store map."""
+        t = torch.from_numpy(arr[r0:r1]) if arr.flags.writeable else _t(arr[r0:r1])
         self.io.read += t.numel() * 4
         return t
 
@@ -257,7 +257,8 @@ class TiledGNN:
         p = float(self.model.dropout)
         L = len(self.convs)
         n = self.graph.num_nodes
-        g_out = self.spill.array(f"g{L}", (n, self.decls[-1].out_dim))  # a new spill: zeros
+        g_out = self.spill.array(f"g{L}", (n, self.decls[-1].out_dim))
+        g_out[:] = 0.0
         g_out[rows] = grad_rows.numpy()
         self.io.written += grad_rows.numel() * 4
         for i in reversed(range(L)):
@@ -269,9 +270,10 @@ class TiledGNN:
             need_in = i > 0  # the features need no gradient
             need_a = need_in or not af  # transform first: the weight's gradient runs through the aggregation
             uses_h, uses_z = self._reads(i, af)
-            ga = self.spill.array("ga", a.shape) if need_a else None
-            gh_root = self.spill.array("gh_root", h.shape) if (uses_h and need_in) else None
-            gz_root = self.spill.array("gz_root", (n, self.decls[i].out_dim)) if uses_z else None
+            # Gradient spills keep their files from epoch to epoch: rewriting mapped pages costs no faults.
+            ga = self.spill.array(f"ga{i}", a.shape) if need_a else None
+            gh_root = self.spill.array(f"gh_root{i}", h.shape) if (uses_h and need_in) else None
+            gz_root = self.spill.array(f"gz_root{i}", (n, self.decls[i].out_dim)) if uses_z else None
             for k, (r0, r1) in enumerate(self._each([a, h, z, g_out])):
                 self._prefetch(k)
                 a_t = self._read(a, r0, r1).requires_grad_(need_a)
@@ -286,7 +288,6 @@ class TiledGNN:
                     self._write(gh_root, r0, r1, _grad(h_t))
                 if gz_root is not None:
                     self._write(gz_root, r0, r1, _grad(z_t))
-            self.spill.delete(f"g{i + 1}")
             if ga is None:
                 continue
             g_in = self.spill.array(f"g{i}", h.shape) if need_in else None
@@ -307,10 +308,7 @@ class TiledGNN:
                     if gh_root is not None:
                         gh = gh + self._read(gh_root, r0, r1)
                     self._write(g_in, r0, r1, gh)
-            for name in ("ga", "gh_root", "gz_root"):
-                self.spill.delete(name)
             g_out = g_in if g_in is not None else g_out
-        self.spill.delete("g0")
 
 
 def _grad(t: Tensor | None) -> Tensor:

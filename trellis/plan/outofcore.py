@@ -172,7 +172,7 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
     placements.extend(grads)
     written += sum(p.nbytes for p in grads)
     read += 2 * sum(p.nbytes for p in grads)
-    peak_disk += 3 * max(p.nbytes for p in grads)
+    peak_disk += sum(p.nbytes for p in grads)  # gradient spills keep their files across epochs
     return OutOfCorePlan(budget=budget, baseline=baseline, resident=resident, margin=margin, row_bytes=row_bytes,
                          edge_bytes=EDGE_BYTES, min_budget=min_budget, placements=tuple(placements),
                          spill_bytes=int(peak_disk), written_per_epoch=int(written), read_per_epoch=int(read))

@@ -16,6 +16,7 @@ root (``--resume``, or any run using that root) removes spill directories whose 
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -149,9 +150,8 @@ class SpillDir:
 
     def drop_cache(self) -> None:
         """Flush and drop the spill files' pages from the page cache (benchmarks: read from storage)."""
-        for name, arr in self._arrays.items():
-            arr.flush()
-            drop_file_cache(self.path / f"{name}.f32")
+        for arr in self._arrays.values():
+            drop_map_cache(arr)
 
     def close(self) -> None:
         """Remove every spill file and the directory (and the root, when this left it empty)."""
@@ -176,6 +176,25 @@ def drop_file_cache(path: str | os.PathLike[str]) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def drop_map_cache(arr: np.ndarray) -> None:
+    """Drop a memory-mapped array's pages: unmap them from this process, then drop them from the page cache.
+
+    ``POSIX_FADV_DONTNEED`` alone leaves pages that are still mapped; ``MADV_DONTNEED`` on the mapping
+    first releases this process's hold (a shared file mapping re-reads them from the file on next access).
+    """
+    mm = getattr(arr, "_mmap", None)
+    name = getattr(arr, "filename", None)
+    if mm is None or name is None:
+        return
+    if arr.flags.writeable:
+        arr.flush()
+    try:
+        mm.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError, AttributeError):
+        pass
+    drop_file_cache(name)
 
 
 def prefetch_rows(arr: np.ndarray, r0: int, r1: int) -> None:
