@@ -154,3 +154,13 @@ def test_a_spill_dir_without_room_is_refused(store, tmp_path, capsys, monkeypatc
                  "--out", str(tmp_path / "run")]) == 2
     assert "GiB are free there" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not (tmp_path / "s").exists()
+
+
+def test_an_in_memory_run_that_will_not_fit_names_a_budget(store, tmp_path, capsys, monkeypatch):
+    import psutil
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=100 * 2**20))
+    assert main(["train", str(store), "--epochs", "1", "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "full-batch in memory needs about" in err and "--memory-budget 80.00 MiB" in err

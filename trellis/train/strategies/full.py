@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of, model_decl
 from trellis.ops.graph import CSRGraph
 from trellis.plan.cost import GraphStats
+from trellis.plan.outofcore import in_memory_estimate
 from trellis.plan.planner import plan_model
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
@@ -19,6 +22,7 @@ from trellis.train.data import GraphData, load_graph_data
 from trellis.train.strategies.outofcore import OutOfCoreFull
 from trellis.train.strategy import Strategy, register_strategy
 from trellis.train.tasks import Task, evaluate_logits
+from trellis.utils.sizes import format_size
 
 
 class GraphStrategy(Strategy):
@@ -56,6 +60,24 @@ class GraphStrategy(Strategy):
         return {"feature_norm": self.data.feature_norm, "features": self.data.features}
 
 
+def fit_warning(cfg: TrainConfig) -> str:
+    """A message when the in-memory run is estimated not to fit in the memory available now (else empty)."""
+    import psutil
+
+    try:
+        store = GraphStore(str(cfg.store), verify=False)
+    except TrellisUserError:
+        return ""  # load() reports the store's problem
+    classes = int(store.num_classes or 2)
+    widths = [max(1, store.num_features)] + [int(cfg.hidden)] * (int(cfg.layers) - 1) + [classes]
+    need = in_memory_estimate(store.num_nodes, store.num_edges, widths)
+    avail = int(psutil.virtual_memory().available)
+    if need <= avail:
+        return ""
+    return (f"warning: full-batch in memory needs about {format_size(need)} here but {format_size(avail)} is "
+            f"available; train out of core with --memory-budget {format_size(int(0.8 * avail))} (80% of it)")
+
+
 @register_strategy("full")
 class FullBatch(GraphStrategy):
     """Full-batch training: the loss over the training nodes of one forward pass over the whole graph.
@@ -79,6 +101,13 @@ class FullBatch(GraphStrategy):
             raise TrellisUserError("--spill-dir applies to --strategy full with --memory-budget only; add "
                                    "--memory-budget SIZE or drop --spill-dir")
         return cls
+
+    def load(self) -> None:
+        """Say when the in-memory run will not fit (and which budget would), then load as every graph strategy."""
+        warning = fit_warning(self.cfg)
+        if warning:
+            print(warning, file=sys.stderr)
+        super().load()
 
     def forward(self, model: nn.Module) -> Tensor:
         """The model's logits on the whole graph (through planner v2 where the family allows)."""

@@ -14,7 +14,6 @@ spill root (``--resume`` does).
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,7 +28,7 @@ from trellis.nn.batched import family_of
 from trellis.nn.tiled import TiledGNN, gather_positions, layer_shapes
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
-from trellis.plan.outofcore import OutOfCorePlan, plan_out_of_core
+from trellis.plan.outofcore import OutOfCorePlan, in_memory_estimate, plan_out_of_core
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import load_labels, normalize_features
@@ -271,12 +270,9 @@ class OutOfCoreFull(Strategy):
             self.spill = None
 
     def _in_memory_estimate(self, model: nn.Module) -> int:
-        """About the peak of the in-memory run of ``model`` (what a budget would have to cover)."""
-        n, e = self.store.num_nodes, self.graph.num_edges
-        width = max((p.shape[0] for p in model.parameters() if p.dim() == 2), default=1)
-        heads = int(getattr(self.cfg, "heads", 1) or 1)
-        layers = int(self.cfg.layers)
-        graph = 8 * (2 * e + 2 * n) + 8 * e  # CSR, reverse CSR and its permutation
-        edge_tensors = 4 * e * heads * 6 * layers  # logits, softmax, dropout, saved for backward
-        acts = 4 * n * width * 4 * layers
-        return int(self.baseline + 4 * n * self.spec.in_dim + graph + edge_tensors + acts + math.ceil(n / 8))
+        """About the peak of the in-memory run of ``model`` (what a refusal names)."""
+        cfg = self.cfg
+        heads = int(getattr(cfg, "heads", 1) or 1)
+        widths = [self.spec.in_dim] + [int(cfg.hidden) * heads] * (int(cfg.layers) - 1) + [self.spec.out_dim]
+        return in_memory_estimate(self.store.num_nodes, self.graph.num_edges, widths,
+                                  edge_floats=6 * heads * int(cfg.layers))
