@@ -164,3 +164,19 @@ def test_an_in_memory_run_that_will_not_fit_names_a_budget(store, tmp_path, caps
     assert main(["train", str(store), "--epochs", "1", "--no-progress", "--out", str(tmp_path / "run")]) == 0
     err = capsys.readouterr().err
     assert "full-batch in memory needs about" in err and "--memory-budget 80.00 MiB" in err
+
+
+def test_predict_keeps_the_runs_budget_and_equals_the_in_memory_prediction(store, tmp_path, capsys):
+    import numpy as np
+
+    for name, extra in (("mem", []), ("ooc", ["--memory-budget", "2G"])):
+        assert main(["train", str(store), "--epochs", "3", "--layers", "3", "--no-progress", "--out",
+                     str(tmp_path / name), *extra]) == 0
+        assert main(["predict", str(tmp_path / name), str(store), "--out", str(tmp_path / f"{name}.npy"),
+                     "--proba", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["embedding_source"] == "penultimate" and info["num_nodes"] == 400
+    for suffix in (".npy", "_emb.npy"):
+        a, b = (np.load(tmp_path / f"{name}{suffix}") for name in ("mem", "ooc"))
+        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
+    assert not (tmp_path / "ooc" / "spill").exists() and not list(tmp_path.glob("*.tmp.npy"))

@@ -137,7 +137,8 @@ def run_predict(args: argparse.Namespace) -> int:
     from trellis.train.predict import predict
 
     info = predict(args.run_dir, args.store, args.out, run=args.run, proba=args.proba, device=args.device,
-                   model_factory=getattr(args, "model_factory", None))
+                   model_factory=getattr(args, "model_factory", None), memory_budget=args.memory_budget,
+                   spill_dir=args.spill_dir)
     if args.json:
         print(json.dumps(info))
     else:
@@ -174,5 +175,10 @@ def register(subparsers: Any) -> None:
                    help="write probabilities instead: [N, C] softmax (multiclass), [N] of the positive class "
                         "(binary), [N, C] per label (multilabel)")
     q.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}", help="(default: auto)")
+    q.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="cap on peak memory (RssAnon): tiled inference with spill files (default: the run's own "
+                        "--memory-budget when it trained full-batch under one, else in memory)")
+    q.add_argument("--spill-dir", default=None, metavar="DIR",
+                   help="with a memory budget: where spill files go (default: the run's, else RUN_DIR/spill)")
     q.add_argument("--json", action="store_true", help="print what was written as one JSON line")
     q.set_defaults(func=run_predict)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from trellis.data.store import open_store
 from trellis.errors import TrellisUserError
 from trellis.train.build import ModelFactory, default_model_factory, make_model
+from trellis.train.config import TrainConfig
 from trellis.train.data import load_graph_data, resolve_device
 from trellis.train.features import NodeEmbedding
 from trellis.train.runs import open_run_dir, read_json
@@ -73,7 +74,8 @@ def choose_run(run_dir: Path, run: int | None) -> int:
 @torch.no_grad()
 def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out: str | os.PathLike[str], *,
             run: int | None = None, proba: bool = False, device: str = "auto",
-            model_factory: ModelFactory | None = None) -> dict[str, Any]:
+            model_factory: ModelFactory | None = None, memory_budget: str | None = None,
+            spill_dir: str | None = None) -> dict[str, Any]:
     """Write predictions and embeddings of every node of ``store``.
 
     Args:
@@ -86,6 +88,9 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
             probability ``[N]``; multilabel: a 0/1 ``uint8 [N, C]`` matrix or per-label probabilities.
         device: ``auto|cpu|cuda[:N]`` (default: auto).
         model_factory: Builds message-passing models by name (default: :func:`trellis.nn.build_model`).
+        memory_budget: Cap on peak ``RssAnon``: tiled inference with spill files (default: the run's own
+            ``--memory-budget`` when it trained full-batch under one, else in memory).
+        spill_dir: Where spill files go (default: the run's ``--spill-dir``, else ``RUN_DIR/spill``).
 
     Returns:
         A JSON-ready description of what was written.
@@ -105,6 +110,12 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
         return _write(out_path, pp_logits, pp_logits, "logits", pp_task, proba, r, saved["model"], run_dir)
     if saved.get("format") != MODEL_FORMAT:
         raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
+    run_cfg = read_json(open_run_dir(run_dir).config)
+    if memory_budget is None and run_cfg.get("strategy", "full") == "full":
+        memory_budget = run_cfg.get("memory_budget")
+    if memory_budget is not None:
+        return _predict_out_of_core(saved, run_dir, run_cfg, store, out_path, r, proba, memory_budget,
+                                    spill_dir or run_cfg.get("spill_dir"), model_factory)
     dev = resolve_device(device)
     features = saved.get("features", "store")
     data = load_graph_data(store, device=dev, feature_norm=saved["feature_norm"], need_labels=False,
@@ -133,14 +144,39 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     return _write(out_path, logits, emb, emb_source, task, proba, r, saved["model"], run_dir)
 
 
-def _write(out_path: Path, logits: Tensor, emb: Tensor, emb_source: str, task: Any, proba: bool, r: int,
-           model: str, run_dir: Path) -> dict[str, Any]:
-    """Write the predictions (or probabilities) and the embeddings; return what was written."""
+def _predict_out_of_core(saved: dict[str, Any], run_dir: Path, run_cfg: dict[str, Any],
+                         store: str | os.PathLike[str], out_path: Path, r: int, proba: bool, memory_budget: str,
+                         spill_dir: str | None, model_factory: ModelFactory | None) -> dict[str, Any]:
+    """``predict`` by tiled inference under ``memory_budget`` (see :func:`predict`)."""
+    from trellis.train.strategies.outofcore import predict_out_of_core
+
+    if saved.get("features", "store") not in ("store", "none", "degree"):
+        raise TrellisUserError(f"--memory-budget: a model trained with --features {saved['features']} predicts in "
+                               "memory only; drop --memory-budget")
+    cfg = TrainConfig(store=str(store), model=saved["model"], device="cpu", memory_budget=memory_budget,
+                      spill_dir=spill_dir or str(run_dir / "spill"), feature_norm=saved["feature_norm"],
+                      features=saved.get("features", "store"), progress=False)
+    model = make_model(model_factory or default_model_factory, saved["model"], saved["in_dim"], saved["out_dim"],
+                       edge_dim=saved["edge_dim"], **saved["kwargs"])
+    model.load_state_dict(saved["state_dict"])
+    model.eval()
+    task = TASKS[saved["task"]](saved["out_dim"])
+    emb_path = embedding_path(out_path)
+    logits, emb_dim = predict_out_of_core(cfg, model, task, emb_path)
+    source = "penultimate" if len(getattr(model, "convs", ())) > 1 else "features"
+    return _write(out_path, logits, None, source, task, proba, r, saved["model"], run_dir, emb_dim=emb_dim)
+
+
+def _write(out_path: Path, logits: Tensor, emb: Tensor | None, emb_source: str, task: Any, proba: bool, r: int,
+           model: str, run_dir: Path, emb_dim: int = 0) -> dict[str, Any]:
+    """Write the predictions (or probabilities) and the embeddings (unless already written); return what was."""
     pred, prob = task.predict(logits)
     _save_npy_atomic(out_path, (prob.float() if proba else pred).cpu().numpy())
     emb_path = embedding_path(out_path)
-    _save_npy_atomic(emb_path, emb.float().cpu().numpy())
+    if emb is not None:
+        _save_npy_atomic(emb_path, emb.float().cpu().numpy())
+        emb_dim = int(emb.shape[1])
     return {"predictions": str(out_path), "kind": "probabilities" if proba else task.prediction_kind,
             "task": task.name,
-            "embeddings": str(emb_path), "embedding_source": emb_source, "embedding_dim": int(emb.shape[1]),
+            "embeddings": str(emb_path), "embedding_source": emb_source, "embedding_dim": emb_dim,
             "num_nodes": int(logits.shape[0]), "run": r, "model": model, "run_dir": str(run_dir)}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -25,13 +25,14 @@ from torch import Tensor, nn
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import family_of
+from trellis.nn.models import GNN
 from trellis.nn.tiled import TiledGNN, gather_positions, layer_shapes
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
 from trellis.plan.outofcore import OutOfCorePlan, in_memory_estimate, plan_out_of_core
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig
-from trellis.train.data import load_labels, normalize_features
+from trellis.train.data import SPLITS, load_labels, normalize_features
 from trellis.train.features import node_inputs, parse_features
 from trellis.train.runs import default_run_dir
 from trellis.train.strategy import Strategy
@@ -65,6 +66,8 @@ class OutOfCoreFull(Strategy):
     #: Cap on the rows of a tile (None: the plan's); tests force one-row and seven-row tiles with it.
     max_tile_rows: ClassVar[int | None] = None
     plan: OutOfCorePlan | None = None
+    #: Set before :meth:`load` to predict without labels (``trellis predict``): the trained model's task.
+    predict_task: Task | None = None
     bounds: np.ndarray
     spill: SpillDir | None = None
 
@@ -103,11 +106,15 @@ class OutOfCoreFull(Strategy):
             self.x = node_inputs(kind, store.num_nodes, np.asarray(store.indptr),
                                  np.asarray(store.indices)).numpy()
             in_dim = int(self.x.shape[1])
-        self.y, self.splits, self.task = load_labels(store, cfg.task, self.device)
         rev_indptr, rev_indices, _ = store.reverse_csr()
         self.graph = MappedCSR(store.indptr, store.indices, rev_indptr, rev_indices)
         ef = store.edge_feat
         edge_dim = 0 if ef is None else int(np.prod(ef.shape[1:])) if ef.ndim > 1 else 1
+        if self.predict_task is None:
+            self.y, self.splits, self.task = load_labels(store, cfg.task, self.device)
+        else:  # prediction: no labels needed; the task is the trained model's
+            self.y, self.splits, self.task = torch.empty(0), {s: torch.empty(0, dtype=torch.int64) for s in SPLITS}, \
+                self.predict_task
         self.spec = ModelSpec(in_dim, self.task.num_outputs, edge_dim, store.num_nodes, 0)
         # Sorted ids of the training rows and of every scored row, and where each split's ids sit in them.
         self.train_rows = np.sort(self.splits["train"].numpy())
@@ -131,7 +138,7 @@ class OutOfCoreFull(Strategy):
                 f"SAGE (mean) and GIN; in memory it needs about {format_size(need)} — drop --memory-budget (a "
                 f"budget of at least {format_size(need)} of free RAM runs it in memory)") from None
         if self.plan is None:
-            self._plan(model)
+            self.plan_for(model)
         return model
 
     def _resident_vectors(self) -> int:
@@ -144,7 +151,8 @@ class OutOfCoreFull(Strategy):
         in_ram_x = self.x.nbytes if (self.x is not None and not isinstance(self.x, np.memmap)) else 0
         return int(vectors + gathered + transient + in_ram_x)
 
-    def _plan(self, model: nn.Module) -> None:
+    def plan_for(self, model: nn.Module) -> None:
+        """Plan the tiles of ``model`` under the budget; refuse a budget below the plan's minimum."""
         cfg, g = self.cfg, self.graph
         stats = GraphStats(g.num_nodes, g.num_nodes, g.num_edges)
         params = sum(p.numel() for p in model.parameters())
@@ -276,3 +284,42 @@ class OutOfCoreFull(Strategy):
         widths = [self.spec.in_dim] + [int(cfg.hidden) * heads] * (int(cfg.layers) - 1) + [self.spec.out_dim]
         return in_memory_estimate(self.store.num_nodes, self.graph.num_edges, widths,
                                   edge_floats=6 * heads * int(cfg.layers))
+
+
+def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task, emb_path: Path) -> tuple[Tensor, int]:
+    """Logits of every node by tiled inference under ``cfg.memory_budget``; the embeddings go to ``emb_path``.
+
+    The embeddings (the last layer's input: the penultimate layer's ReLU output, or the features of a
+    one-layer model) are copied tile by tile from their spill into a ``.npy`` file (written to a temporary
+    name and renamed), so they never sit in memory whole. Returns the logits and the embedding width.
+    """
+    strategy = OutOfCoreFull(cfg, torch.device("cpu"))
+    strategy.predict_task = task
+    try:
+        strategy.load()
+        if strategy.spec.in_dim != next(p for p in model.parameters() if p.dim() == 2).shape[1]:
+            raise TrellisUserError(f"{cfg.store}: features have width {strategy.spec.in_dim}, not the model's; "
+                                   "predict on a store with the same features")
+        try:
+            family_of(model)
+        except TrellisUserError:
+            raise TrellisUserError(f"--memory-budget: --model {cfg.model} cannot run out of core (GCN, SAGE and "
+                                   "GIN tile); drop --memory-budget") from None
+        strategy.plan_for(model)
+        logits = strategy.predict(model)
+        assert strategy.spill is not None
+        layers = len(cast(GNN, model).convs)
+        src = strategy.spill.get(f"h{layers - 1}") if layers > 1 else strategy._input()
+        tmp = emb_path.with_name(emb_path.name + ".tmp.npy")
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=src.shape)
+        try:
+            for r0, r1 in iter_tiles(strategy.bounds):
+                out[r0:r1] = src[r0:r1]
+            out.flush()
+            del out
+            os.replace(tmp, emb_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return logits, int(src.shape[1])
+    finally:
+        strategy.close()
