@@ -20,7 +20,7 @@ moves their last bits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -93,13 +93,12 @@ class TiledGNN:
         x: The first layer's input ``[N, F]`` float32 (a memory map, or an array in RAM).
         spill: Where ``[N, d]`` tensors are written.
         bounds: Row boundaries of the tiles (:meth:`MappedCSR.tile_bounds`).
-        cold_maps: With ``cold``, memory maps whose pages are dropped before every pass (the store's arrays).
-        cold: Drop the page cache of the spills and ``cold_files`` after every pass, so that each pass reads
-            from storage (benchmarks: what an epoch costs when the spills do not fit the page cache).
+        cold: Drop the page cache of the spills, the CSRs and the input before every pass, so that each pass
+            reads from storage (benchmarks: what an epoch costs when the spills do not fit the page cache).
     """
 
     def __init__(self, model: nn.Module, graph: MappedCSR, x: np.ndarray, spill: SpillDir,
-                 bounds: np.ndarray, *, cold_maps: Sequence[np.ndarray] = (), cold: bool = False) -> None:
+                 bounds: np.ndarray, *, cold: bool = False) -> None:
         family_of(model)  # refuses a model that cannot run from its plan
         self.model = cast(GNN, model)
         self.convs = [cast(PushdownConv, c) for c in self.model.convs]
@@ -111,7 +110,7 @@ class TiledGNN:
         self._plans: dict[bool, ModelPlan] = {}
         self.io = EpochIO()
         self.cold = cold
-        self.cold_maps = [*cold_maps, graph.indptr, graph.indices, graph.rev_indptr, graph.rev_indices, x]
+        self._maps = [graph.indptr, graph.indices, graph.rev_indptr, graph.rev_indices, x]
 
     def plan(self, training: bool) -> ModelPlan:
         """The in-memory run's plan (per-layer order, cached first aggregation) for this mode."""
@@ -130,30 +129,22 @@ class TiledGNN:
         return self.roots[i] in ("linear", "eps") and not uses_z, uses_z
 
     # ---- tiles and spills --------------------------------------------------------------------------
-    def _tiles(self) -> list[tuple[int, int]]:
-        self._cool()
-        return list(iter_tiles(self.bounds))
+    def _pass(self, arrays: Sequence[np.ndarray | None]) -> Iterator[tuple[int, int]]:
+        """The tiles ``(r0, r1)`` of one pass; the kernel reads the next tile's rows of ``arrays`` ahead.
 
-    def _cool(self) -> None:
-        """With ``cold``: drop the page cache of the spills and the store before a pass."""
+        With ``cold``, the page cache of the spills, the CSRs and the input is dropped first.
+        """
         if self.cold:
             self.spill.drop_cache()
-            for m in self.cold_maps:
+            for m in self._maps:
                 drop_map_cache(m)
-
-    def _each(self, arrays: Sequence[np.ndarray | None]) -> list[tuple[int, int]]:
-        """The tiles, with the kernel asked to read ahead the next tile's rows of ``arrays``."""
-        tiles = self._tiles()
-        self._ahead = (arrays, tiles)
-        return tiles
-
-    def _prefetch(self, k: int) -> None:
-        arrays, tiles = self._ahead
-        if k + 1 < len(tiles):
-            r0, r1 = tiles[k + 1]
-            for a in arrays:
-                if a is not None:
-                    prefetch_rows(a, r0, r1)
+        tiles = list(iter_tiles(self.bounds))
+        for k, (r0, r1) in enumerate(tiles):
+            if k + 1 < len(tiles):
+                for a in arrays:
+                    if a is not None:
+                        prefetch_rows(a, *tiles[k + 1])
+            yield r0, r1
 
     def _read(self, arr: np.ndarray, r0: int, r1: int) -> Tensor:
         """Rows ``[r0, r1)`` of ``arr``: a view of a (writable) spill map, a copy of a read-only store map."""
@@ -198,7 +189,7 @@ class TiledGNN:
         if p > 0.0:
             seed = hash_dropout.draw_seed()
             h0 = self.spill.array("h0", self.x.shape)
-            for r0, r1 in self._tiles():
+            for r0, r1 in self._pass([self.x]):
                 t = _t(self.x[r0:r1])
                 hash_dropout.apply_(t, p, seed=hash_dropout.tile_seed(seed, r0 * t.shape[1]))
                 self._write(h0, r0, r1, t)
@@ -215,8 +206,7 @@ class TiledGNN:
                 if not af:
                     w = conv.transform_weight()
                     z = self.spill.array(f"z{i}", (h.shape[0], w.shape[0]))
-                    for k, (r0, r1) in enumerate(self._each([h])):
-                        self._prefetch(k)
+                    for r0, r1 in self._pass([h]):
                         self._write(z, r0, r1, F.linear(self._read(h, r0, r1), w))
                 src = h if af else z
                 assert src is not None
@@ -224,8 +214,7 @@ class TiledGNN:
                 fresh = not (cached and self.spill.has(name))
                 a = self.spill.array(name, (h.shape[0], src.shape[1]))
                 nxt = None if last else self.spill.array(f"h{i + 1}", (h.shape[0], self.decls[i].out_dim))
-                for k, (r0, r1) in enumerate(self._each([a, h, z])):
-                    self._prefetch(k)
+                for r0, r1 in self._pass([a, h, z]):
                     if fresh:
                         a_t = self._aggregate(self.kinds[i], r0, r1, src)
                         self._write(a, r0, r1, a_t)
@@ -274,8 +263,7 @@ class TiledGNN:
             ga = self.spill.array(f"ga{i}", a.shape) if need_a else None
             gh_root = self.spill.array(f"gh_root{i}", h.shape) if (uses_h and need_in) else None
             gz_root = self.spill.array(f"gz_root{i}", (n, self.decls[i].out_dim)) if uses_z else None
-            for k, (r0, r1) in enumerate(self._each([a, h, z, g_out])):
-                self._prefetch(k)
+            for r0, r1 in self._pass([a, h, z, g_out]):
                 a_t = self._read(a, r0, r1).requires_grad_(need_a)
                 h_t = self._read(h, r0, r1).requires_grad_(need_in) if uses_h else None
                 z_t = self._read(z, r0, r1).requires_grad_(True) if (uses_z and z is not None) else None
@@ -292,8 +280,7 @@ class TiledGNN:
                 continue
             g_in = self.spill.array(f"g{i}", h.shape) if need_in else None
             w = None if af else self.convs[i].transform_weight()
-            for k, (r0, r1) in enumerate(self._each([h, gh_root, gz_root])):
-                self._prefetch(k)
+            for r0, r1 in self._pass([h, gh_root, gz_root]):
                 gs = self._aggregate(self.kinds[i], r0, r1, ga, reverse=True)
                 if af:
                     gh = gs
@@ -321,5 +308,3 @@ def gather_positions(rows: np.ndarray, ids: np.ndarray) -> Tensor:
     pos = np.searchsorted(rows, ids)
     return torch.from_numpy(pos.astype(np.int64))
 
-
-TiledCall = Callable[[bool, np.ndarray], Tensor]
