@@ -279,12 +279,11 @@ class TiledGNN:
             if ga is None:
                 continue
             g_in = self.spill.array(f"g{i}", h.shape) if need_in else None
-            w = None if af else self.convs[i].transform_weight()
+            w = self.convs[i].transform_weight()
             for r0, r1 in self._pass([h, gh_root, gz_root]):
                 gs = self._aggregate(self.kinds[i], r0, r1, ga, reverse=True)
-                if af:
-                    gh = gs
-                else:
+                gh: Tensor | None = gs
+                if not af:
                     gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)
                     h_t = self._read(h, r0, r1).requires_grad_(need_in)
                     with torch.enable_grad():

@@ -42,7 +42,7 @@ def _pid_alive(pid: int) -> bool:
 def clean_stale_spills(root: str | os.PathLike[str]) -> list[Path]:
     """Remove spill directories under ``root`` whose owning process is gone; returns what was removed."""
     root = Path(root)
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
     for d in root.glob(PREFIX + "*"):
@@ -189,7 +189,7 @@ def drop_map_cache(arr: np.ndarray) -> None:
     if mm is None or name is None:
         return
     if arr.flags.writeable:
-        arr.flush()
+        mm.flush()
     try:
         mm.madvise(mmap.MADV_DONTNEED)
     except (OSError, ValueError, AttributeError):
