@@ -175,8 +175,8 @@ class TiledGNN:
         return bias_act_dropout(o, bias, act=True, p=p, training=p > 0.0, seed=tile_seed)
 
     # ---- forward -------------------------------------------------------------------------------------
-    def forward(self, training: bool, rows: np.ndarray) -> Tensor:
-        """Logits of the sorted node ids ``rows`` after a forward pass over every tile (no autograd).
+    def forward(self, training: bool, rows: Gather) -> Tensor:
+        """Logits of the node ids of ``rows``, in their order, after a forward pass over every tile (no autograd).
 
         In training every layer's aggregation and output are left in spill files for :meth:`backward`,
         and the dropout seeds are drawn from torch's generator in the in-memory run's order.
@@ -195,7 +195,7 @@ class TiledGNN:
                 self._write(h0, r0, r1, t)
             h = h0
         self._inputs = [h]
-        out_rows: list[Tensor] = []
+        out = torch.empty((len(rows), self.decls[-1].out_dim))  # written in place: no per-tile list, no concat
         with torch.no_grad():
             for i, conv in enumerate(self.convs):
                 lp = plan.layers[i]
@@ -227,18 +227,18 @@ class TiledGNN:
                     if nxt is not None:
                         self._write(nxt, r0, r1, y)
                     else:
-                        lo, hi = np.searchsorted(rows, [r0, r1])
+                        lo, hi = np.searchsorted(rows.ids, [r0, r1])
                         if hi > lo:
-                            out_rows.append(y[torch.from_numpy(rows[lo:hi] - r0)])
+                            local = torch.from_numpy(rows.ids[lo:hi] - r0)
+                            out.index_copy_(0, rows.dest[lo:hi], y.index_select(0, local))
                 if nxt is not None:
                     h = nxt
                     self._inputs.append(h)
-        width = self.decls[-1].out_dim
-        return torch.cat(out_rows) if out_rows else torch.empty((0, width))
+        return out
 
     # ---- backward ------------------------------------------------------------------------------------
-    def backward(self, rows: np.ndarray, grad_rows: Tensor) -> None:
-        """Accumulate parameter gradients given the loss gradient of the logits of the sorted ids ``rows``.
+    def backward(self, rows: Gather, grad_rows: Tensor) -> None:
+        """Accumulate parameter gradients given the loss gradient of the logits of ``rows`` (in their order).
 
         Must follow a training :meth:`forward` (it reads that pass's spills and dropout seeds).
         """
@@ -248,7 +248,7 @@ class TiledGNN:
         n = self.graph.num_nodes
         g_out = self.spill.array(f"g{L}", (n, self.decls[-1].out_dim))
         g_out[:] = 0.0
-        g_out[rows] = grad_rows.numpy()
+        g_out[rows.ids] = grad_rows.index_select(0, rows.dest).numpy()
         self.io.written += grad_rows.numel() * 4
         for i in reversed(range(L)):
             lp = plan.layers[i]
@@ -302,8 +302,27 @@ def _grad(t: Tensor | None) -> Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def gather_positions(rows: np.ndarray, ids: np.ndarray) -> Tensor:
-    """Positions in the sorted ``rows`` of every id of ``ids`` (each must be present), as an index tensor."""
-    pos = np.searchsorted(rows, ids)
-    return torch.from_numpy(pos.astype(np.int64))
+@dataclass(frozen=True)
+class Gather:
+    """Node ids whose output rows a pass keeps, in the caller's order (ids may repeat).
 
+    Tiles find their ids by binary search in ``ids`` (sorted); ``dest`` says where each sorted id's row goes
+    in the output, so the output is in the caller's order without a second copy.
+    """
+
+    ids: np.ndarray
+    dest: Tensor
+
+    @classmethod
+    def of(cls, ids: np.ndarray) -> Gather:
+        """The gather of ``ids`` (any order, repeats allowed)."""
+        order = np.argsort(ids, kind="stable")
+        return cls(np.ascontiguousarray(ids[order], dtype=np.int64), torch.from_numpy(order.astype(np.int64)))
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (ids and destinations)."""
+        return int(self.ids.nbytes + self.dest.numel() * 8)

@@ -26,7 +26,7 @@ from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import family_of
 from trellis.nn.models import GNN
-from trellis.nn.tiled import TiledGNN, gather_positions, layer_shapes
+from trellis.nn.tiled import Gather, TiledGNN, layer_shapes
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
 from trellis.plan.outofcore import OutOfCorePlan, in_memory_estimate, plan_out_of_core
@@ -70,6 +70,8 @@ class OutOfCoreFull(Strategy):
     predict_task: Task | None = None
     bounds: np.ndarray
     spill: SpillDir | None = None
+    #: The first layer's input: the store's map, an in-RAM array, or (None until written) a normalized spill.
+    x: np.ndarray | None = None
 
     def load(self) -> None:
         """Open the store memory-mapped; load only labels, split ids and the ``O(N)`` degree vectors."""
@@ -97,7 +99,7 @@ class OutOfCoreFull(Strategy):
             self._x_raw = store.x
             norm = store.preferred_feature_norm if cfg.feature_norm == "auto" else cfg.feature_norm
             self.feature_norm = norm
-            self.x: np.ndarray | None = None
+            self.x = None
             if norm == "none" and store.x.dtype == np.float32 and store.x.ndim == 2:
                 self.x = store.x  # read in place: the kernels gather straight from the map
             in_dim = int(store.x.shape[1]) if store.x.ndim == 2 else 1
@@ -116,13 +118,14 @@ class OutOfCoreFull(Strategy):
             self.y, self.splits, self.task = torch.empty(0), {s: torch.empty(0, dtype=torch.int64) for s in SPLITS}, \
                 self.predict_task
         self.spec = ModelSpec(in_dim, self.task.num_outputs, edge_dim, store.num_nodes, 0)
-        # Sorted ids of the training rows and of every scored row, and where each split's ids sit in them.
-        self.train_rows = np.sort(self.splits["train"].numpy())
-        self.train_pos = gather_positions(self.train_rows, self.splits["train"].numpy())
-        self.eval_rows = np.unique(np.concatenate([self.splits[s].numpy() for s in self.eval_splits]))
-        self.eval_pos = {s: gather_positions(self.eval_rows, self.splits[s].numpy()) for s in self.eval_splits}
+        # The rows whose logits a pass keeps: training rows in the split's order (the in-memory run's
+        # logits[train_idx]), and every scored split back to back (each split's logits are then a slice).
+        self.train_rows = Gather.of(self.splits["train"].numpy())
+        scored = [self.splits[s].numpy() for s in self.eval_splits]
+        self.eval_rows = Gather.of(np.concatenate(scored))
+        ends = np.cumsum([0] + [len(ids) for ids in scored]).tolist()
+        self.eval_slices = {s: slice(a, b) for s, a, b in zip(self.eval_splits, ends[:-1], ends[1:])}
         self._engine: tuple[nn.Module, TiledGNN] | None = None
-        self._io = {"spill_written_bytes": 0, "spill_read_bytes": 0, "spill_gathered_bytes": 0}
         self._disk0 = proc_io().get("read_bytes", 0)
 
     # ---- the model and the plan ------------------------------------------------------------------------
@@ -142,14 +145,22 @@ class OutOfCoreFull(Strategy):
         return model
 
     def _resident_vectors(self) -> int:
+        """Bytes of what stays in RAM beside the tiles: degrees, labels, split ids, gathers, scored logits.
+
+        Evaluation holds the scored rows' logits and the metrics' temporaries (labels gathered per split,
+        predictions, probabilities: about two int64 and one logits-wide copy of the largest split).
+        """
         n = self.store.num_nodes
         ids = sum(int(t.numel()) for t in self.splits.values())
         out_w = self.task.num_outputs
-        vectors = self.graph.nbytes_resident + self.y.numel() * self.y.element_size() + 3 * 8 * ids
-        gathered = 4 * out_w * (2 * len(self.train_rows) + 2 * len(self.eval_rows))
-        transient = 24 * (n + 1)  # cost arrays of the tile planner
+        scored = len(self.eval_rows)
+        largest = max((int(t.numel()) for t in self.splits.values()), default=0)
+        vectors = self.graph.nbytes_resident + self.y.numel() * self.y.element_size() + 8 * ids
+        gathers = self.train_rows.nbytes + self.eval_rows.nbytes + 4 * out_w * (len(self.train_rows) + scored)
+        metrics = largest * (16 + 4 * out_w)
+        transient = 24 * (n + 1)  # cost arrays of the tile planner: freed before the first pass
         in_ram_x = self.x.nbytes if (self.x is not None and not isinstance(self.x, np.memmap)) else 0
-        return int(vectors + gathered + transient + in_ram_x)
+        return int(vectors + max(gathers + metrics, transient) + in_ram_x)
 
     def plan_for(self, model: nn.Module) -> None:
         """Plan the tiles of ``model`` under the budget; refuse a budget below the plan's minimum."""
@@ -205,14 +216,11 @@ class OutOfCoreFull(Strategy):
         eng = self._engine_for(model)
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        logits = eng.forward(True, self.train_rows)
-        leaf = logits[self.train_pos].requires_grad_()  # the in-memory run's logits[train_idx], in its order
+        leaf = eng.forward(True, self.train_rows).requires_grad_()  # the in-memory run's logits[train_idx]
         loss = task.loss(leaf, self.y[self.splits["train"]])
         loss.backward()
         assert leaf.grad is not None
-        grad = torch.zeros_like(logits)
-        grad[self.train_pos] = leaf.grad
-        eng.backward(self.train_rows, grad)
+        eng.backward(self.train_rows, leaf.grad)
         optimizer.step()
         return loss.detach()
 
@@ -222,7 +230,7 @@ class OutOfCoreFull(Strategy):
         eng = self._engine_for(model)
         model.eval()
         logits = eng.forward(False, self.eval_rows)
-        return split_metrics(task, lambda s: logits[self.eval_pos[s]], self.y,
+        return split_metrics(task, lambda s: logits[self.eval_slices[s]], self.y,
                              {s: self.splits[s] for s in self.eval_splits})
 
     @torch.no_grad()
@@ -230,7 +238,7 @@ class OutOfCoreFull(Strategy):
         """Logits of every node, by tiled inference."""
         eng = self._engine_for(model)
         model.eval()
-        return eng.forward(False, np.arange(self.store.num_nodes, dtype=np.int64))
+        return eng.forward(False, Gather.of(np.arange(self.store.num_nodes, dtype=np.int64)))
 
     def epoch_info(self) -> dict[str, Any]:
         """Spill traffic since the last epoch and what the process read from storage.
