@@ -181,7 +181,8 @@ def atomic_dir(out: str | os.PathLike[str], *, overwrite: bool = False,
         raise
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (owners of temporary and spill directories)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -202,5 +203,5 @@ def clean_stale_temps(out: str | os.PathLike[str], tag: str = "tmp") -> None:
             pid = int(tmp.name[len(prefix):].split("-", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(tmp, ignore_errors=True)

@@ -24,19 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from trellis.errors import TrellisUserError
+from trellis.utils.atomic import pid_alive
 
 PREFIX = "trellis-spill-"
 _counter = itertools.count()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def clean_stale_spills(root: str | os.PathLike[str]) -> list[Path]:
@@ -50,7 +41,7 @@ def clean_stale_spills(root: str | os.PathLike[str]) -> list[Path]:
             pid = int((d / "owner").read_text().strip())
         except (OSError, ValueError):
             pid = -1
-        if pid == os.getpid() or (pid > 0 and _pid_alive(pid)):
+        if pid == os.getpid() or (pid > 0 and pid_alive(pid)):
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
