@@ -21,7 +21,7 @@ moves their last bits.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -76,7 +76,6 @@ class EpochIO:
     written: int = 0
     read: int = 0
     gathered: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _t(a: np.ndarray) -> Tensor:

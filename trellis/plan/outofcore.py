@@ -151,8 +151,6 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
         placements.append(Placement("x", (n, layers[0].w_in), "spilled", "normalized features, written once"))
     if dropout:
         placements.append(Placement("h0", (n, layers[0].w_in), "spilled", "dropped-out input, every epoch"))
-    written = read = 0
-    peak_disk = sum(p.nbytes for p in placements)
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
         if not layer.aggregate_first:
@@ -162,18 +160,16 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
             placements.append(Placement(f"h{i + 1}", (n, layer.w_out), "spilled", "layer output after ReLU/dropout"))
         placements.append(Placement(f"epilogue{i}", (n, layer.w_out), "recomputed", "per tile in backward"))
     fwd = [p for p in placements if p.where == "spilled"]
-    written += sum(p.nbytes for p in fwd if p.name != "x")
-    read += sum(p.nbytes for p in fwd if p.name != "x")
-    peak_disk = sum(p.nbytes for p in fwd)
+    per_epoch = sum(p.nbytes for p in fwd if p.name != "x")  # the normalized features are written once
     grads = []
     for i, layer in reversed(list(enumerate(layers))):
         grads.append(Placement(f"grad a{i}", (n, layer.w_agg), "spilled", "aggregation gradient"))
         if i > 0:
             grads.append(Placement(f"grad h{i}", (n, layer.w_in), "spilled", "layer input gradient"))
     placements.extend(grads)
-    written += sum(p.nbytes for p in grads)
-    read += 2 * sum(p.nbytes for p in grads)
-    peak_disk += sum(p.nbytes for p in grads)  # gradient spills keep their files across epochs
+    grad_bytes = sum(p.nbytes for p in grads)
+    written, read = per_epoch + grad_bytes, per_epoch + 2 * grad_bytes
+    peak_disk = sum(p.nbytes for p in fwd) + grad_bytes  # gradient spills keep their files across epochs
     return OutOfCorePlan(budget=budget, baseline=baseline, resident=resident, margin=margin, row_bytes=row_bytes,
                          edge_bytes=EDGE_BYTES, min_budget=min_budget, placements=tuple(placements),
                          spill_bytes=int(peak_disk), written_per_epoch=int(written), read_per_epoch=int(read))

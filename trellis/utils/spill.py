@@ -77,8 +77,6 @@ class SpillDir:
 
     Attributes:
         path: This process's spill directory.
-        bytes_written: Bytes the engine wrote into spill files (counted by :meth:`wrote`).
-        bytes_read: Bytes the engine read from spill files (counted by :meth:`read`).
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -89,8 +87,6 @@ class SpillDir:
         self.path.mkdir()
         (self.path / "owner").write_text(str(os.getpid()))
         self._arrays: dict[str, np.memmap] = {}
-        self.bytes_written = 0
-        self.bytes_read = 0
 
     def array(self, name: str, shape: tuple[int, int]) -> np.memmap:
         """The float32 spill ``name`` of ``shape`` (created zero-filled and sparse, or the existing one)."""
@@ -119,14 +115,6 @@ class SpillDir:
             path = self.path / f"{name}.f32"
             del arr
             path.unlink(missing_ok=True)
-
-    def wrote(self, nbytes: int) -> None:
-        """Count ``nbytes`` written into spill files."""
-        self.bytes_written += int(nbytes)
-
-    def read(self, nbytes: int) -> None:
-        """Count ``nbytes`` read from spill files."""
-        self.bytes_read += int(nbytes)
 
     @property
     def disk_bytes(self) -> int:
