@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from trellis.cli.args import int_at_least
@@ -112,6 +113,20 @@ def run_train(args: argparse.Namespace) -> int:
     from trellis.train.trainer import Trainer, TrainingInterrupted
 
     cfg = config_from_args(args)
+    rank = None
+    if cfg.parts_dir is not None:
+        import trellis.dist  # noqa: F401 - registers the partition-parallel strategy
+        from trellis.dist.comm import RankEnv
+
+        env = RankEnv.from_environ()
+        if env is None and not cfg.explain and (cfg.nproc or 0) != 1:
+            from trellis.dist.launch import launch
+
+            return launch(cfg)
+        if env is not None:
+            rank = env.rank
+            if env.restart_count and cfg.resume is None and cfg.out and Path(cfg.out, "config.json").is_file():
+                cfg.resume = cfg.out  # a job torchrun restarted continues from its checkpoint
     trainer = Trainer(cfg, model_factory=getattr(args, "model_factory", None))
     if cfg.explain:
         text = trainer.explain()
@@ -125,6 +140,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"stopped at run {exc.run}, epoch {exc.epoch}; checkpoint written. Continue with:\n"
               f"  trellis train --resume {exc.run_dir}", file=sys.stderr)
         return 128 + int(exc.signum)
+    if rank:  # a distributed run's peers: rank 0 reports
+        return 0
     print(format_summary(summary), file=sys.stderr if cfg.json else sys.stdout)
     if cfg.json:
         sys.stdout.flush()

@@ -124,6 +124,9 @@ class BatchedGNN(nn.Module):
         self.active: list[int] = list(range(len(models)))
         self.cache = AggregationCache()
         self._plans: dict[tuple, ModelPlan] = {}
+        #: Statistics to plan from instead of each graph's own: a distributed rank plans from the whole
+        #: graph's, so that every rank picks the same order per layer (and so the same exchange widths).
+        self.stats: GraphStats | None = None
 
     @property
     def depth(self) -> int:
@@ -138,7 +141,7 @@ class BatchedGNN(nn.Module):
     def plan(self, graph: CSRGraph, training: bool | None = None, input_grad: bool = False) -> ModelPlan:
         """The plan of the active configurations on ``graph`` (cached per graph shape, mode and batch)."""
         training = self.training if training is None else training
-        stats = GraphStats.of(graph)
+        stats = self.stats if self.stats is not None else GraphStats.of(graph)
         key = (stats, tuple(self.active), training, input_grad)
         if key not in self._plans:
             self._plans[key] = plan_model([self.decls[k] for k in self.active], stats, training=training,

@@ -140,7 +140,7 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
             wide = prebuilt  # the parts are its column blocks, in order
         else:
             wide = torch.cat(parts, 1) if len(parts) > 1 else parts[0]
-        out = spmm(graph, wide, ew, reduce=reduce, self_weight=sw)
+        out = aggregate(convs[0], graph, wide, agg)
         per_part = out.split([p.shape[1] for p in parts], dim=1) if len(parts) > 1 else (out,)
         aggs = [list(a.split(w, dim=1)) if len(w) > 1 else [a] for a, w in zip(per_part, pieces)]
     cached: Tensor | None = None
@@ -157,6 +157,18 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
     return results
 
 
+def aggregate(conv: PushdownLayer, graph: CSRGraph, x: Tensor, agg: Aggregation) -> Tensor:
+    """``agg`` of ``x`` on ``graph``: one SpMM, or the graph's exchange when its in-edges are split across processes.
+
+    The exchange (:attr:`trellis.ops.graph.CSRGraph.exchange`) runs the aggregation on the edges its process
+    holds and completes it with its peers'; it asks ``conv`` for the aggregation on its own local graphs,
+    so the weights follow from the same definition (GCN's global-degree norm, mean's global in-degree).
+    """
+    if graph.exchange is not None:
+        return graph.exchange.aggregate(x, conv.aggregation, agg.reduce)
+    return spmm(graph, x, agg.edge_weight, reduce=agg.reduce, self_weight=agg.self_weight)
+
+
 def _cached_aggregation(conv: PushdownLayer, graph: CSRGraph, h: Tensor, agg: Aggregation,
                         cache: AggregationCache | None, constant: Tensor | None) -> Tensor:
     """The aggregation of the constant input, from ``cache`` (computed once) or computed without autograd."""
@@ -164,7 +176,7 @@ def _cached_aggregation(conv: PushdownLayer, graph: CSRGraph, h: Tensor, agg: Ag
         raise AssertionError("only the undropped input features can be cached")
 
     def compute() -> Tensor:
-        return spmm(graph, h, agg.edge_weight, reduce=agg.reduce, self_weight=agg.self_weight)
+        return aggregate(conv, graph, h, agg)
 
     if cache is None:
         with torch.no_grad():

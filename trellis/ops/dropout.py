@@ -18,6 +18,9 @@ features, 2 cores): ``bernoulli_`` was 65% of a training step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -48,6 +51,43 @@ if WITH_NUMBA:
                 else:
                     out[i] = x[i] * scale
 
+    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    def _apply_mask_keyed(x, out, keys, seed, threshold, scale):  # pragma: no cover - compiled
+        rows, width = x.shape
+        for r in prange(rows):
+            base = np.uint64(keys[r]) * np.uint64(width)
+            for c in range(width):
+                z = np.uint64(seed) + (base + np.uint64(c)) * _M1
+                z = (z ^ (z >> np.uint64(30))) * _M2
+                z = (z ^ (z >> np.uint64(27))) * _M3
+                z = z ^ (z >> np.uint64(31))
+                if (z >> np.uint64(11)) < threshold:
+                    out[r, c] = 0.0
+                else:
+                    out[r, c] = x[r, c] * scale
+
+#: Row keys in force (see :func:`keyed_rows`): number of rows -> ``int64`` key of each row.
+_ROW_KEYS: dict[int, np.ndarray] = {}
+
+
+@contextmanager
+def keyed_rows(keys: dict[int, np.ndarray]) -> Iterator[None]:
+    """Masks of tensors with ``n`` rows (a key in ``keys``) hash each row's *key* instead of its position.
+
+    Why: element ``(r, c)`` of a ``[rows, width]`` tensor normally hashes its flat index ``r * width + c``.
+    A distributed rank holds only some rows of each tensor (its nodes, its edges); keyed by their global
+    ids (row ``r`` hashes ``keys[r] * width + c``), its masks are exactly the single process's masks on
+    those rows, so P ranks train with the single process's dropout. Tensors whose row count is not a key
+    of ``keys`` are masked as usual.
+    """
+    saved = dict(_ROW_KEYS)
+    _ROW_KEYS.update({int(n): np.ascontiguousarray(k, dtype=np.int64) for n, k in keys.items()})
+    try:
+        yield
+    finally:
+        _ROW_KEYS.clear()
+        _ROW_KEYS.update(saved)
+
 
 def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None) -> Tensor:
     """``x`` with the mask of ``(seed, p)`` applied and kept values scaled by ``1/(1-p)``, into ``out``.
@@ -58,7 +98,14 @@ def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None) -> Tensor:
     flat = x.contiguous().view(-1)
     dst = torch.empty_like(flat) if out is None else out.view(-1)
     threshold = np.uint64(int(p * float(1 << 53)))
-    _apply_mask(flat.numpy(), dst.numpy(), np.uint64(seed), threshold, flat.new_tensor(1.0 / (1.0 - p)).item())
+    scale = flat.new_tensor(1.0 / (1.0 - p)).item()
+    keys = _ROW_KEYS.get(x.shape[0]) if x.dim() >= 1 and _ROW_KEYS else None
+    if keys is not None and flat.numel():
+        width = flat.numel() // x.shape[0]
+        _apply_mask_keyed(flat.numpy().reshape(-1, width), dst.numpy().reshape(-1, width), keys, np.uint64(seed),
+                          threshold, scale)
+    else:
+        _apply_mask(flat.numpy(), dst.numpy(), np.uint64(seed), threshold, scale)
     return dst.view(x.shape)
 
 

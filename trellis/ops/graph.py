@@ -51,6 +51,10 @@ class CSRGraph:
         edge_ids: Optional ``int64 [E]`` global id (into the store's CSR) of each local edge, so per-edge
             data (weights, features) can follow its edge into a subgraph; -1 for an edge that does not
             exist in the store (a self loop added by :meth:`with_self_loops`).
+        exchange: Optional object that completes an aggregation whose in-edges are split across processes
+            (a distributed rank under push or mirror-reduce ownership): layers hand it their aggregation
+            (:func:`trellis.nn.executor.run_layer`) instead of calling :func:`trellis.ops.spmm` on this
+            graph. None for a graph that holds every in-edge of its destinations.
     """
 
     indptr: torch.Tensor
@@ -65,6 +69,7 @@ class CSRGraph:
     src_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     dst_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     edge_ids: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
+    exchange: Any = field(default=None, repr=False, kw_only=True)
 
     @property
     def num_dst(self) -> int:
@@ -235,7 +240,7 @@ class CSRGraph:
 
         g = CSRGraph(self.indptr.to(device), self.indices.to(device), self.num_src, mv(self.edge_weight),
                      mv(self.edge_feat), mv(self.node_ids), src_degree=mv(self.src_degree),
-                     dst_degree=mv(self.dst_degree), edge_ids=mv(self.edge_ids))
+                     dst_degree=mv(self.dst_degree), edge_ids=mv(self.edge_ids), exchange=self.exchange)
         if self.rev is not None:
             g.rev = CSRGraph(self.rev.indptr.to(device), self.rev.indices.to(device), self.num_dst)
             g.perm = mv(self.perm)

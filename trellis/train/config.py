@@ -80,7 +80,7 @@ STRATEGY_DEFAULTS: dict[str, dict[str, Any]] = {"pp": {"batch_size": 8192}}
 
 #: Fields that describe one invocation rather than the experiment: not written to ``config.json`` and
 #: allowed to differ when a run is resumed.
-SESSION_FIELDS = frozenset({"json", "explain", "resume", "progress", "overwrite"})
+SESSION_FIELDS = frozenset({"json", "explain", "resume", "progress", "overwrite", "timeout"})
 
 
 def known_models() -> tuple[str, ...]:
@@ -173,6 +173,14 @@ class TrainConfig:
                                          "placement (default: 80%% of available RAM)", metavar="SIZE")
     spill_dir: str | None = _f(None, "full with --memory-budget: where spill files go; they are removed when the "
                                      "run ends (default: RUN_DIR/spill)", metavar="DIR")
+    parts_dir: str | None = _f(None, "full: train partition-parallel on the partitioned layout PART_DIR (from "
+                                     "`trellis partition STORE --parts P --out PART_DIR`), one rank per part; the "
+                                     "result is the single process's (default: none)", metavar="PART_DIR")
+    nproc: int | None = _f(None, "full with --parts-dir: ranks to start on this machine (127.0.0.1, gloo; nccl with "
+                                 "--device cuda); must equal the layout's parts; under torchrun the launcher's "
+                                 "ranks are used instead (default: the number of parts)")
+    timeout: float = _f(300.0, "full with --parts-dir: seconds a rank waits for its peers (rendezvous, exchanges, "
+                               "barriers) before it fails naming the missing rank (default: 300)")
     prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
     deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
                                     "(default: off)")
@@ -255,6 +263,15 @@ class TrainConfig:
                 parse_size(self.memory_budget)
             except TrellisUserError as exc:
                 raise TrellisUserError(f"--memory-budget: {exc}") from None
+        if self.nproc is not None:
+            _check_range("nproc", self.nproc, 1)
+        if not 0.0 < self.timeout < float("inf"):
+            raise TrellisUserError(f"--timeout must be a positive number of seconds (got {self.timeout})")
+        if self.timeout != 300.0 and self.parts_dir is None:
+            raise TrellisUserError("--timeout applies to distributed runs only; add --parts-dir PART_DIR or drop it")
+        if self.nproc is not None and self.parts_dir is None:
+            raise TrellisUserError("--nproc needs --parts-dir PART_DIR (ranks train the parts of a partitioned "
+                                   "layout; make one with `trellis partition STORE --parts P --out PART_DIR`)")
         if self.strategy == "pp":
             if self.features != "store":
                 raise TrellisUserError(f"--features {self.features} does not apply to --strategy pp: it trains on the "

@@ -159,6 +159,18 @@ class Strategy(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files and threads."""
 
+    # ---- several processes ----------------------------------------------------------------------
+    #: Whether this process writes the run directory (a distributed run's rank 0; its peers write to a
+    #: scratch directory that is removed at the end).
+    writes_run_dir: bool = True
+
+    def agree(self, flag: bool) -> bool:
+        """``flag`` agreed by every process training together (True when any has it): stop requests."""
+        return flag
+
+    def committed(self, what: str) -> None:  # noqa: B027 - optional hook
+        """A checkpoint (or the run's end) was written: wait until every process of the run got there."""
+
 
 #: ``--strategy`` name -> class.
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -167,7 +179,11 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 #: whose default depends on the model or the strategy (``--fanouts``, ``--batch-size``) are not checked.
 STRATEGY_OPTIONS = frozenset({"labor", "clusters", "clusters_per_batch", "boundary_hops", "cluster_method",
                               "pp_dir", "pp_loader", "chunk_size", "memory_budget", "spill_dir",
-                              "prefetch"})
+                              "prefetch", "parts_dir", "nproc", "timeout"})
+
+#: Partition-parallel variants of strategies (strategy name -> class), registered by :mod:`trellis.dist`
+#: with :func:`register_partitioned`; ``--parts-dir`` selects them.
+PARTITIONED: dict[str, type[Strategy]] = {}
 
 
 def register_strategy(name: str) -> Any:
@@ -178,6 +194,17 @@ def register_strategy(name: str) -> Any:
             raise ValueError(f"strategy {name!r} registered twice")
         cls.name = name
         STRATEGIES[name] = cls
+        return cls
+
+    return deco
+
+
+def register_partitioned(name: str) -> Any:
+    """Class decorator: the class trains strategy ``name`` partition-parallel (``--parts-dir``)."""
+
+    def deco(cls: type[Strategy]) -> type[Strategy]:
+        cls.name = name
+        PARTITIONED[name] = cls
         return cls
 
     return deco

@@ -16,9 +16,11 @@ batches and ends with the same metrics, line for line, as a run that was never i
 
 from __future__ import annotations
 
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -194,15 +196,20 @@ class Trainer:
             prog = _Progress(**ckpt["progress"])
         else:
             prog = _Progress()
-        if paths is None:
+        scratch = None
+        if not strategy.writes_run_dir:  # a peer of the process that writes the run directory
+            scratch = tempfile.mkdtemp(prefix="trellis-peer-")
+            paths = prepare_run_dir(scratch, overwrite=True)
+        elif paths is None:
             paths = prepare_run_dir(cfg.out or default_run_dir(Path(str(cfg.store)).name, cfg.model),
                                     overwrite=cfg.overwrite)
             cfg.out = str(paths.root)
             write_json_atomic(paths.config, cfg.to_dict())
+        strategy.committed("run directory")
         self.paths = paths
-        if strategy.banner():
+        if strategy.banner() and strategy.writes_run_dir:
             print(strategy.banner(), file=self.err)
-        log = MetricsLog(paths.metrics, offset=prog.log_offset)
+        log = MetricsLog(paths.metrics, offset=prog.log_offset if scratch is None else None)
         meter = PeakMemory(device=device).start()
         ctx = _RunContext(strategy, task, metric, paths, log, meter, prog, checksum, device)
         t_start = time.perf_counter()
@@ -213,12 +220,16 @@ class Trainer:
                 for r in range(prog.run, cfg.runs):
                     self._run(ctx, r, run_state if r == prog.run else None, rng)
                     run_state = rng = None
+            summary = self._summary(ctx, time.perf_counter() - t_start).to_dict()
         finally:
             log.close()
             meter.stop()
-        summary = self._summary(ctx, time.perf_counter() - t_start).to_dict()
-        plot_curves(paths.metrics, paths.curves, metric)
-        write_json_atomic(paths.summary, summary)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        if scratch is None:
+            plot_curves(paths.metrics, paths.curves, metric)
+            write_json_atomic(paths.summary, summary)
+        strategy.committed("summary")
         return summary
 
     @contextmanager
@@ -242,6 +253,12 @@ class Trainer:
             for s, h in previous.items():
                 signal.signal(s, h)
 
+    def _stopping(self, strategy: Strategy) -> bool:
+        """Whether a stop was requested here or, in a distributed run, on any rank (every rank then stops)."""
+        if strategy.agree(self._stop_signal is not None) and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM
+        return self._stop_signal is not None
+
     def _checkpoint(self, ctx: _RunContext, run_state: dict[str, Any] | None) -> None:
         ctx.prog.log_offset = ctx.log.offset
         ctx.prog.memory = ctx.peaks()
@@ -250,6 +267,7 @@ class Trainer:
             "config": self.cfg.to_dict(), "progress": vars(ctx.prog), "run_state": run_state,
             "rng": get_rng_state(),
         }, ctx.paths.checkpoint)
+        ctx.strategy.committed("checkpoint")
 
     def _interrupt(self, ctx: _RunContext, run: int, epoch: int) -> None:
         assert self._stop_signal is not None
@@ -259,7 +277,7 @@ class Trainer:
              rng: dict[str, Any] | None) -> None:
         cfg, task, prog, strategy = self.cfg, ctx.task, ctx.prog, ctx.strategy
         seed = cfg.seed + r
-        if self._stop_signal is not None:  # signal arrived between runs or while loading
+        if self._stopping(strategy):  # signal arrived between runs or while loading
             self._checkpoint(ctx, None)
             self._interrupt(ctx, r, prog.epoch)
         if run_state is None:
@@ -282,7 +300,7 @@ class Trainer:
             set_rng_state(rng)
         cuda = ctx.device.type == "cuda"
         bar = tqdm(total=cfg.epochs, initial=start, desc=f"run {r + 1}/{cfg.runs} (seed {seed})", unit="ep",
-                   file=self.err, disable=None if cfg.progress else True, dynamic_ncols=True, leave=True)
+                   file=self.err, disable=None if cfg.progress and strategy.writes_run_dir else True, dynamic_ncols=True, leave=True)
         try:
             epoch = start
             for epoch in range(start, cfg.epochs):
@@ -314,7 +332,7 @@ class Trainer:
                 if stopper.should_stop or epoch + 1 == cfg.epochs:
                     break
                 periodic = cfg.checkpoint_every > 0 and (epoch + 1) % cfg.checkpoint_every == 0
-                if periodic or self._stop_signal is not None:
+                if self._stopping(strategy) or periodic:
                     prog.run, prog.epoch = r, epoch + 1
                     self._checkpoint(ctx, {
                         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -331,7 +349,7 @@ class Trainer:
         prog.results.append(result)
         prog.run, prog.epoch = r + 1, 0
         self._checkpoint(ctx, None)
-        if self._stop_signal is not None and r + 1 < cfg.runs:
+        if r + 1 < cfg.runs and self._stopping(strategy):
             self._interrupt(ctx, r + 1, 0)
 
     def _summary(self, ctx: _RunContext, wall_s: float) -> RunSummary:

@@ -20,7 +20,7 @@ from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_graph_data
 from trellis.train.strategies.outofcore import OutOfCoreFull
-from trellis.train.strategy import Strategy, register_strategy
+from trellis.train.strategy import PARTITIONED, Strategy, register_strategy
 from trellis.train.tasks import Task, evaluate_logits
 from trellis.utils.sizes import format_size
 
@@ -89,12 +89,19 @@ class FullBatch(GraphStrategy):
     last-bit differences of tiny gradients into ``±lr`` updates). Other models run as they are.
     """
 
-    options = frozenset({"memory_budget", "spill_dir"})
+    options = frozenset({"memory_budget", "spill_dir", "parts_dir", "nproc", "timeout"})
     _runner: tuple[nn.Module, Callable[..., Tensor]] | None = None
 
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
         """:class:`~trellis.train.strategies.outofcore.OutOfCoreFull` under ``--memory-budget``, else this class."""
+        if cfg.parts_dir is not None:
+            if cfg.memory_budget is not None:
+                raise TrellisUserError("--parts-dir and --memory-budget cannot be combined yet: train out of core "
+                                       "in one process, or partition-parallel in memory")
+            if "full" not in PARTITIONED:
+                raise TrellisUserError("--parts-dir needs trellis.dist (import it, as the CLI does)")
+            return PARTITIONED["full"]
         if cfg.memory_budget is not None:
             return OutOfCoreFull
         if cfg.spill_dir is not None:

@@ -1,0 +1,145 @@
+"""A rank's view of the job: who it is (from the environment, as ``torchrun`` sets it) and its process groups.
+
+Why three groups: collectives issued in different orders on one gloo group hang. Halo traffic runs inside
+autograd (forward and backward of every layer) while the gradient all-reduce runs after it and the metric
+gathers after that; each gets its own group, so a rank that is one collective ahead on one kind never
+matches a peer's collective of another kind. The control group is always gloo, because
+``monitored_barrier`` (the barrier that names the rank that did not arrive) exists only there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trellis.errors import TrellisUserError
+
+#: Environment variables every PyTorch launcher sets (``torchrun``, and ``trellis train --nproc``).
+ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Rank, world size and rendezvous address of this process, read from the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int = 0
+
+    @classmethod
+    def from_environ(cls) -> RankEnv | None:
+        """The launcher's variables, or None when this process was not started as a rank."""
+        if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+            return None
+        missing = [k for k in ENV_KEYS if k not in os.environ]
+        if missing:
+            raise TrellisUserError(f"a distributed rank needs the environment variables {', '.join(ENV_KEYS)}; "
+                                   f"{', '.join(missing)} unset (start ranks with `trellis train --nproc P` or "
+                                   "`torchrun`)")
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            port = int(os.environ["MASTER_PORT"])
+            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        except ValueError as exc:
+            raise TrellisUserError(f"bad distributed environment variable: {exc}") from None
+        if not 0 <= rank < world:
+            raise TrellisUserError(f"RANK={rank} outside [0, WORLD_SIZE={world})")
+        return cls(rank, world, local, local_world, os.environ["MASTER_ADDR"], port, restarts)
+
+
+def rank_threads(local_world_size: int) -> int:
+    """Intra-op threads per rank: the machine's cores shared among the ranks on it (at least one)."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+
+
+class Comm:
+    """The process groups of one rank (created by :meth:`init`, destroyed by :meth:`close`).
+
+    Attributes:
+        env: Who this rank is.
+        backend: ``gloo`` (CPU) or ``nccl`` (one GPU per rank).
+        halo: Group of the halo exchange (inside autograd).
+        grads: Group of the gradient all-reduce and the loss sum.
+        control: Gloo group of barriers, metric gathers and agreement on stopping.
+    """
+
+    def __init__(self, env: RankEnv, device: torch.device, timeout_s: float) -> None:
+        self.env = env
+        self.device = device
+        self.timeout = timedelta(seconds=float(timeout_s))
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                    rank=env.rank, world_size=env.world_size, timeout=self.timeout)
+        self.halo = dist.new_group(backend=self.backend, timeout=self.timeout)
+        self.grads = dist.new_group(backend=self.backend, timeout=self.timeout)
+        self.control = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return self.env.world_size
+
+    def barrier(self, what: str) -> None:
+        """Wait for every rank; a rank that does not arrive within the timeout is named in the error."""
+        try:
+            dist.monitored_barrier(group=self.control, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise RuntimeError(f"rank {self.rank}: {what}: {exc}") from None
+
+    def all_reduce_grads(self, params: list[torch.Tensor]) -> None:
+        """Sum every parameter's gradient over the ranks (one flat buffer, one all-reduce)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.world_size == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.grads)
+        at = 0
+        for g in grads:
+            g.copy_(flat[at:at + g.numel()].view_as(g))
+            at += g.numel()
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Elementwise sum of ``values`` over the ranks (float64, on the control group)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(t, group=self.control)
+        return t.tolist()
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (agreement on stopping)."""
+        return bool(self.sum([1.0 if flag else 0.0])[0] > 0)
+
+    def all_gather_rows(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (first dimensions may differ; the rest must agree), on the control group."""
+        t = t.detach().to("cpu").contiguous()
+        if self.world_size == 1:
+            return [t]
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(counts, torch.tensor([t.shape[0]], dtype=torch.int64), group=self.control)
+        most = int(max(int(c) for c in counts))
+        padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype)
+        padded[: t.shape[0]] = t
+        out = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(out, padded, group=self.control)
+        return [o[: int(c)] for o, c in zip(out, counts)]
+
+    def close(self) -> None:
+        """Destroy the process groups (the default group last)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,191 @@
+"""Halo rows between ranks: which rows go where (:class:`Route`), and the two exchanges as autograd operations.
+
+A rank's local ids are its ``L`` owned nodes (ascending global id) then its ``H`` halo nodes (ascending
+global id), as the partitioned layout writes them. Every exchange moves whole rows along a route between
+the owner of a node and the parts that hold it as a halo node:
+
+* :class:`Fetch` (owner -> holders): the halo rows a rank's edges read as *sources* (pull, and the
+  masters-to-mirrors half of mirror-reduce). Its backward sends the holders' gradient sums back to the
+  owners, which add them.
+* :class:`Reduce` (holders -> owner): partial aggregations a rank computed for halo *destinations* (push,
+  and the mirrors-to-master half of mirror-reduce); the owner adds them to its own rows. Its backward sends
+  the owners' gradient rows to the parts that hold them.
+
+A route is built once by a handshake (each holder tells each owner which of its nodes it holds, in
+ascending global id), so both sides agree on the order of rows without any per-epoch metadata; per layer
+an exchange is one ``all_to_all_single`` of the rows at the layer's width. Only halo nodes that are in
+use move (GraphTheta §4.1: masters in use are synchronized, not every mirror).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from trellis.dist.comm import Comm
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent, per ``(layer, direction)``; ``direction`` is ``fwd`` or ``bwd``.
+
+    Attributes:
+        layer: The layer now running (the graph view sets it before each layer; exchanges record it
+            at forward time, so their backward is charged to the same layer).
+    """
+
+    layer: int = 0
+    sent: dict[tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, layer: int, direction: str, nbytes: int) -> None:
+        """Count ``nbytes`` sent by ``layer`` in ``direction``."""
+        self.sent[(layer, direction)] += int(nbytes)
+
+    def take(self) -> dict[str, int]:
+        """``{"exchange_l<i>_<dir>_bytes": n}`` since the last call, and their total; then reset."""
+        out = {f"exchange_l{layer}_{d}_bytes": n for (layer, d), n in sorted(self.sent.items())}
+        out["exchange_bytes"] = sum(self.sent.values())
+        self.sent.clear()
+        return out
+
+
+class Route:
+    """Rows this rank sends to every rank and where the rows it receives go.
+
+    Args:
+        comm: The rank's groups (the halo group carries the rows).
+        send_idx: ``int64``: local rows to send, grouped by destination rank in rank order.
+        send_counts: Rows sent to each rank.
+        recv_idx: ``int64``: local rows the received rows belong to, grouped by source rank in rank order.
+        recv_counts: Rows received from each rank.
+    """
+
+    def __init__(self, comm: Comm, send_idx: Tensor, send_counts: list[int], recv_idx: Tensor,
+                 recv_counts: list[int]) -> None:
+        self.comm = comm
+        self.send_idx, self.send_counts = send_idx, send_counts
+        self.recv_idx, self.recv_counts = recv_idx, recv_counts
+
+    def reversed(self) -> Route:
+        """The same pairs of rows, travelling the other way."""
+        return Route(self.comm, self.recv_idx, self.recv_counts, self.send_idx, self.send_counts)
+
+    @property
+    def rows_sent(self) -> int:
+        """Rows this rank sends per exchange."""
+        return int(sum(self.send_counts))
+
+    def to(self, device: torch.device) -> Route:
+        """This route with its index tensors on ``device``."""
+        return Route(self.comm, self.send_idx.to(device), self.send_counts, self.recv_idx.to(device),
+                     self.recv_counts)
+
+    def send(self, x: Tensor) -> Tensor:
+        """Send rows ``x[send_idx]``; return the received rows ``[sum(recv_counts), ...]`` (in ``recv_idx`` order)."""
+        out = x.new_empty((sum(self.recv_counts), *x.shape[1:]))
+        if self.comm.world_size == 1:
+            return out
+        payload = x.index_select(0, self.send_idx).contiguous()
+        dist.all_to_all_single(out, payload, output_split_sizes=self.recv_counts,
+                               input_split_sizes=self.send_counts, group=self.comm.halo)
+        return out
+
+    @classmethod
+    def owner_to_holders(cls, comm: Comm, node_ids: np.ndarray, num_local: int, halo_rows: np.ndarray,
+                         owners: np.ndarray) -> Route:
+        """The route that carries owned rows to the ranks holding them as the halo rows ``halo_rows``.
+
+        Args:
+            comm: The rank's groups.
+            node_ids: ``int64 [L + H]`` global id of every local row (owned rows ascending first).
+            num_local: ``L``.
+            halo_rows: Local ids (``>= L``) of the halo rows this rank needs along the route, ascending.
+            owners: Owner rank of each of ``halo_rows``.
+
+        The handshake: every rank sends each owner the global ids of the halo rows it needs from it (in
+        ascending global id), so the owner's send list and the holder's receive list pair row for row.
+        """
+        world = comm.world_size
+        halo_rows = np.asarray(halo_rows, dtype=np.int64)
+        owners = np.asarray(owners, dtype=np.int64)
+        order = np.argsort(owners, kind="stable")  # by owner, ascending global id within each
+        recv_idx = halo_rows[order]
+        recv_counts = np.bincount(owners, minlength=world).astype(np.int64)
+        want = torch.from_numpy(np.ascontiguousarray(node_ids[recv_idx]))
+        counts_in = torch.from_numpy(recv_counts.copy())
+        counts_out = torch.empty(world, dtype=torch.int64)
+        if world > 1:
+            dist.all_to_all_single(counts_out, counts_in, group=comm.control)
+            asked = torch.empty(int(counts_out.sum()), dtype=torch.int64)
+            dist.all_to_all_single(asked, want, output_split_sizes=counts_out.tolist(),
+                                   input_split_sizes=counts_in.tolist(), group=comm.control)
+        else:
+            counts_out.copy_(counts_in)
+            asked = want
+        owned = node_ids[:num_local]
+        send_idx = np.searchsorted(owned, asked.numpy())
+        if send_idx.size and (send_idx.max() >= num_local or not np.array_equal(owned[send_idx], asked.numpy())):
+            raise RuntimeError(f"rank {comm.rank}: a peer asked for rows this rank does not own (the parts of "
+                               "the partitioned layout disagree; re-run `trellis partition`)")
+        return cls(comm, torch.from_numpy(send_idx.astype(np.int64)), counts_out.tolist(),
+                   torch.from_numpy(recv_idx), recv_counts.tolist())
+
+
+def reduce_rows(partial: Tensor, route: Route, num_local: int, traffic: Traffic, layer: int,
+                direction: str) -> Tensor:
+    """``partial[:L]`` plus the rows that the holders on ``route`` computed for this rank's nodes (no autograd)."""
+    back = route.reversed()  # holders -> owner
+    partial = partial.contiguous()
+    traffic.add(layer, direction, back.rows_sent * partial[:1].numel() * partial.element_size())
+    got = back.send(partial)
+    out = partial[:num_local].clone()
+    if got.shape[0]:
+        out.index_add_(0, back.recv_idx, got)
+    return out
+
+
+def spread_rows(x: Tensor, route: Route, num_rows: int, traffic: Traffic, layer: int, direction: str) -> Tensor:
+    """``[L, ...]`` owned rows -> ``[num_rows, ...]`` with the halo rows on ``route`` filled by their owners.
+
+    Halo rows not on the route are zero (no autograd).
+    """
+    x = x.contiguous()
+    traffic.add(layer, direction, route.rows_sent * x[:1].numel() * x.element_size())
+    got = route.send(x)
+    out = x.new_zeros((num_rows, *x.shape[1:]))
+    out[: x.shape[0]] = x
+    if got.shape[0]:
+        out.index_copy_(0, route.recv_idx, got)
+    return out
+
+
+class Fetch(torch.autograd.Function):
+    """``[L, ...]`` owned rows -> ``[L + H, ...]``: halo rows on the route filled by their owners (pull)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, route: Route, num_rows: int, traffic: Traffic) -> Tensor:
+        ctx.route, ctx.traffic, ctx.layer, ctx.num_local = route, traffic, traffic.layer, x.shape[0]
+        return spread_rows(x, route, num_rows, traffic, traffic.layer, "fwd")
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        return reduce_rows(g, ctx.route, ctx.num_local, ctx.traffic, ctx.layer, "bwd"), None, None, None
+
+
+class Reduce(torch.autograd.Function):
+    """``[L + H, ...]`` partial rows -> ``[L, ...]``: halo rows on the route are added at their owners (push)."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: Tensor, route: Route, num_local: int, traffic: Traffic) -> Tensor:
+        ctx.route, ctx.traffic, ctx.layer, ctx.num_rows = route, traffic, traffic.layer, partial.shape[0]
+        return reduce_rows(partial, route, num_local, traffic, traffic.layer, "fwd")
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        return spread_rows(g, ctx.route, ctx.num_rows, ctx.traffic, ctx.layer, "bwd"), None, None, None

@@ -1,0 +1,156 @@
+"""``trellis train --parts-dir PART_DIR --nproc P``: start P ranks on this machine and watch them.
+
+Why not ``torch.multiprocessing.spawn``: a rank started here must be exactly what ``torchrun`` starts on a
+cluster (``python -m trellis.cli train ...`` with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set), so the two paths cannot drift apart. The launcher:
+
+* checks everything that can be refused before any rank starts (the layout, ``--nproc`` against its parts,
+  enough GPUs for NCCL, the port), so bad input is one line and exit code 2;
+* compiles the graph kernels once (numba's cache), so P ranks do not compile the same kernels at once;
+* rendezvouses on 127.0.0.1 at a free port (bind port 0), or at ``MASTER_PORT`` when it is set;
+* watches its children: on the first rank that dies it prints ``rank r (pid ...) died: ...``, stops the
+  others (SIGTERM, then SIGKILL after a grace period) and exits non-zero — a dead rank never leaves the
+  job hanging. SIGINT/SIGTERM to the launcher are passed on (the ranks checkpoint and stop together).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trellis.data.store import GraphStore
+from trellis.dist.comm import rank_threads
+from trellis.dist.strategy import check_layout, free_port
+from trellis.errors import TrellisUserError
+from trellis.train.config import TrainConfig
+
+#: Seconds the launcher waits for ranks to stop after SIGTERM before it kills them.
+GRACE_S = 10.0
+
+
+def _check_port(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise TrellisUserError(f"MASTER_PORT={port} is in use on 127.0.0.1; unset MASTER_PORT (a free port is "
+                                   "chosen) or pick another") from None
+
+
+def preflight(cfg: TrainConfig) -> int:
+    """Refuse bad input before any rank starts; returns the number of ranks to start."""
+    store = GraphStore(str(cfg.store))
+    layout = check_layout(cfg, store, None)
+    nproc = cfg.nproc if cfg.nproc is not None else layout.num_parts
+    check_layout(cfg, store, nproc)
+    if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()):
+        have = torch.cuda.device_count()
+        if have < nproc:
+            raise TrellisUserError(f"--nproc {nproc} with NCCL needs one GPU per rank; {have} visible here (use "
+                                   "--device cpu for gloo ranks, or fewer parts)")
+    return nproc
+
+
+def warm_kernels() -> None:
+    """Compile (or load from numba's cache) the kernels every rank runs, once, before ranks start."""
+    from trellis.ops import spmm
+    from trellis.ops.dropout import dropout, keyed_rows
+    from trellis.ops.graph import CSRGraph
+
+    import numpy as np
+
+    g = CSRGraph.from_numpy(np.array([0, 1, 2]), np.array([1, 0]))
+    x = torch.ones(2, 2, requires_grad=True)
+    spmm(g, x, torch.ones(2), self_weight=torch.ones(2)).sum().backward()
+    with keyed_rows({2: np.arange(2)}):
+        dropout(torch.ones(2, 2), 0.5, True)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def launch(cfg: TrainConfig, err: Any = None) -> int:
+    """Start ``--nproc`` ranks running ``cfg`` and wait for them; returns the job's exit code."""
+    err = err if err is not None else sys.stderr
+    nproc = preflight(cfg)
+    port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else free_port()
+    _check_port(port)
+    warm_kernels()
+    cfg_file = Path(tempfile.mkstemp(prefix="trellis-ranks-", suffix=".json")[1])
+    values = cfg.to_dict(session=True)
+    values["nproc"] = nproc
+    cfg_file.write_text(json.dumps(values))
+    threads = rank_threads(nproc)
+    procs: list[subprocess.Popen[bytes]] = []
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+    stopping: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for r in range(nproc):
+            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+            procs.append(subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", "--config", str(cfg_file)],
+                                          env=env))
+        return _watch(procs, err, stopping)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        cfg_file.unlink(missing_ok=True)
+
+
+def _watch(procs: list[subprocess.Popen[bytes]], err: Any, stopping: list[int]) -> int:
+    """Wait for every rank; on the first failure name it, stop the rest and return non-zero.
+
+    After the launcher passed on SIGINT/SIGTERM (``stopping``), ranks exit 128 + signal once they have
+    checkpointed together: that is waited for, not treated as a death.
+    """
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return next((c if c > 0 else 128 - c for c in codes if c), 0)  # type: ignore[operator]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed and not stopping:
+            r = failed[0]
+            code = codes[r]
+            assert code is not None
+            print(f"rank {r} (pid {procs[r].pid}) died: {_describe(code)}; stopping the other ranks",
+                  file=err, flush=True)
+            _stop(procs)
+            return code if code > 0 else 128 - code
+        time.sleep(0.05)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

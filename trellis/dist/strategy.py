@@ -1,0 +1,334 @@
+"""Partition-parallel full-batch training: one rank per part of a partitioned layout, the single process's result.
+
+``trellis train STORE --parts-dir PART_DIR`` selects this strategy (``full`` with ``--parts-dir``). Each rank
+loads only its part (:meth:`PartitionedGraph.part`) and the store's metadata and labels, runs the same model
+code as one process on its owned rows, and exchanges halo rows through the graph view and the exchange of
+its layout's ownership (:mod:`trellis.dist.engine`). What makes the result the single process's:
+
+* **loss**: each rank's mean loss over its training rows is scaled by ``local / global`` training count, so
+  the ranks' gradients sum to the gradient of the global mean; parameter gradients are summed by one
+  all-reduce on their own group (the halo exchange has another), and the reported loss is the sum;
+* **masks**: dropout masks are keyed by global node id (and attention masks by the edge's position in the
+  whole graph), so every rank draws the single process's mask on its rows (:func:`trellis.ops.dropout.keyed_rows`);
+* **plan**: every rank plans its layers from the whole graph's statistics, so all pick the same order and
+  exchange at the same width (a fingerprint of the plan is compared across ranks at load);
+* **metrics**: computed from the scored rows' logits gathered from every rank in the store's split order,
+  so AUC and F1 (which are not sums) are the single process's.
+
+Model parameters, optimizer state and RNG streams are the same on every rank (same seed, same summed
+gradients), so rank 0's checkpoint is every rank's state; the checkpoint counts as written when every rank
+has passed the barrier after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from trellis.data.store import GraphStore
+from trellis.dist.comm import Comm, RankEnv, rank_threads
+from trellis.dist.engine import RankGraph, build_rank_graph
+from trellis.errors import TrellisUserError
+from trellis.nn.batched import BatchedGNN, family_of
+from trellis.ops.dropout import keyed_rows
+from trellis.partition.layout import PartitionedGraph
+from trellis.plan.cost import GraphStats
+from trellis.train.build import ModelFactory, ModelSpec
+from trellis.train.config import TrainConfig
+from trellis.train.data import SPLITS, load_labels, normalize_features
+from trellis.train.features import parse_features
+from trellis.train.strategy import Strategy, register_partitioned
+from trellis.train.tasks import Task, evaluate_logits
+from trellis.utils.memory import PeakMemory
+
+#: Models whose layers need every in-edge of a node at its owner (attention's softmax): pull layouts only.
+PULL_ONLY_MODELS = ("gat", "gate")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bind port 0 and read what the kernel chose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) -> PartitionedGraph:
+    """Open ``--parts-dir`` and refuse a layout of another store or a rank count other than its parts.
+
+    Raises:
+        TrellisUserError: One line naming the flag and the fix.
+    """
+    assert cfg.parts_dir is not None
+    layout = PartitionedGraph(cfg.parts_dir)
+    made_from = layout.manifest.get("store", {}).get("checksum")
+    if made_from != store.checksum:
+        raise TrellisUserError(f"--parts-dir {cfg.parts_dir}: the layout was made from another store (checksum "
+                               f"{str(made_from)[:12]}…, {cfg.store} has {str(store.checksum)[:12]}…); re-run "
+                               f"`trellis partition {cfg.store} --parts N --out {cfg.parts_dir}`")
+    if world_size is not None and world_size != layout.num_parts:
+        raise TrellisUserError(f"--nproc {world_size} does not match the {layout.num_parts} parts of "
+                               f"{cfg.parts_dir}: one rank trains one part; pass --nproc {layout.num_parts} or "
+                               f"re-partition with `trellis partition {cfg.store} --parts {world_size}`")
+    if cfg.model in PULL_ONLY_MODELS and layout.ownership != "dst":
+        raise TrellisUserError(f"--model {cfg.model} needs each node's in-edges on its owner (its softmax runs "
+                               f"over them), but {cfg.parts_dir} is {layout.ownership}-owned; partition with a "
+                               "destination-owned method (metis, grem, ldg, fennel, random, hash-dst)")
+    kind, _ = parse_features(cfg.features)
+    if kind not in ("store", "none"):
+        raise TrellisUserError(f"--features {cfg.features} is not available with --parts-dir yet (store and none "
+                               "are); drop --parts-dir or use --features store")
+    return layout
+
+
+def _edge_keys(comm: Comm, graph: Any, node_ids: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Position of each local self-looped edge in the whole graph's self-looped CSR (attention dropout keys).
+
+    A destination-owned part holds every in-edge of its rows in the store's order, and
+    :meth:`CSRGraph.with_self_loops` keeps that order and appends the loop, so an edge's position is its
+    row's global offset plus its offset within the row; the global offsets need every part's row lengths
+    (one all-reduce of ``N`` integers).
+    """
+    import torch.distributed as dist
+
+    sl = graph.with_self_loops()
+    lengths = torch.zeros(num_nodes, dtype=torch.int64)
+    local_len = (sl.indptr[1:] - sl.indptr[:-1]).cpu()
+    lengths[torch.from_numpy(node_ids[: sl.num_dst])] = local_len
+    if comm.world_size > 1:
+        dist.all_reduce(lengths, group=comm.control)
+    starts = torch.cumsum(lengths, 0) - lengths
+    row_start = starts[torch.from_numpy(node_ids[: sl.num_dst])]
+    local_indptr = sl.indptr.cpu()
+    rows = torch.repeat_interleave(torch.arange(sl.num_dst), local_len)
+    pos = row_start[rows] + (torch.arange(sl.num_edges) - local_indptr[:-1][rows])
+    return pos.numpy()
+
+
+@register_partitioned("full")
+class DistributedFull(Strategy):
+    """Full-batch training of one part per rank (see the module docstring)."""
+
+    options = frozenset({"parts_dir", "nproc", "timeout"})
+    eval_splits = ("train", "val", "test")
+
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        super().__init__(cfg, device)
+        self.comm: Comm | None = None
+        self._runner: tuple[nn.Module, Any] | None = None
+        self.meter = PeakMemory()
+        self._step_traffic: dict[str, int] = {}
+        self._eval_bytes = 0
+
+    # ---- data -----------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Join the job, open this rank's part and build its graph, view and exchange."""
+        cfg = self.cfg
+        env = RankEnv.from_environ()
+        store = GraphStore(str(cfg.store))
+        self.store = store
+        if env is None:  # one process, no launcher: a world of one
+            check_layout(cfg, store, cfg.nproc or 1)
+            env = RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
+        else:
+            torch.set_num_threads(rank_threads(env.local_world_size))
+        layout = check_layout(cfg, store, env.world_size)
+        self.comm = comm = Comm(env, self.device, cfg.timeout)
+        self.writes_run_dir = comm.rank == 0
+        part = layout.part(comm.rank)
+        self.layout_checksum = hashlib.sha256(str(sorted(
+            (k, v["sha256"]) for k, v in layout.manifest["arrays"].items())).encode()).hexdigest()
+        self.rg: RankGraph = build_rank_graph(part, comm, self.device)
+        num_local = part.num_local
+        owned = self.rg.node_ids[:num_local]
+        # inputs: the part's own feature rows, normalized as the single process normalizes them
+        kind, _ = parse_features(cfg.features)
+        if kind == "store":
+            if part.x is None:
+                raise TrellisUserError(f"{cfg.parts_dir}: the layout has no node features (the store had none); "
+                                       "train with --features none")
+            x = torch.from_numpy(np.array(part.x, dtype=np.float32))
+            norm = store.preferred_feature_norm if cfg.feature_norm == "auto" else cfg.feature_norm
+            x, self.feature_norm = normalize_features(x, norm)
+        else:
+            x, self.feature_norm = torch.ones(num_local, 1), "none"
+        self.x = x.to(self.device)
+        self.rg.view.constant = self.x
+        y, splits, task = load_labels(store, cfg.task, torch.device("cpu"))
+        self.task = task
+        self.y_local = y[torch.from_numpy(owned.copy())].to(self.device)
+        self.local_splits = {s: torch.from_numpy(np.asarray(part.splits.get(s, np.empty(0, np.int64)),
+                                                             dtype=np.int64)).to(self.device) for s in SPLITS}
+        # the store's split order, for gathered metrics; and the global training count for the loss
+        self.split_ids = {s: splits[s].numpy() for s in SPLITS}
+        self.y_split = {s: y[splits[s]] for s in SPLITS}
+        self.num_train = int(self.split_ids["train"].shape[0])
+        self.spec = ModelSpec(int(self.x.shape[1]), task.num_outputs, self._edge_dim(part), store.num_nodes, 0)
+        keys = {num_local: owned}
+        if cfg.model in ("gat", "gate") and comm.world_size > 1:
+            keys[self.rg.graph.with_self_loops().num_edges] = _edge_keys(comm, self.rg.graph, self.rg.node_ids,
+                                                                          store.num_nodes)
+        self.row_keys = keys if comm.world_size > 1 else {}
+        self.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
+        self.meter.start()
+
+    @staticmethod
+    def _edge_dim(part: Any) -> int:
+        ef = part.edge_feat
+        return 0 if ef is None else int(np.asarray(ef).reshape(ef.shape[0], -1).shape[1])
+
+    @property
+    def checksum(self) -> str:
+        """The store's checksum (the layout was checked against it)."""
+        return str(self.store.checksum)
+
+    def banner(self) -> str:
+        """Ranks, ownership and this rank's rows."""
+        d = self.rg.describe()
+        assert self.comm is not None
+        return (f"distributed: {self.comm.world_size} rank(s) over {self.cfg.parts_dir} ({d['mode']}, "
+                f"{self.comm.backend}); rank 0 holds {d['num_local']:,} nodes and {d['num_halo']:,} halo nodes")
+
+    # ---- the model ------------------------------------------------------------------------------
+    def build_model(self, factory: ModelFactory) -> nn.Module:
+        """The run's model; every rank checks that its peers planned the same layers."""
+        model = super().build_model(factory)
+        self._check_plan(model)
+        return model
+
+    def _runner_for(self, model: nn.Module) -> Any:
+        if self._runner is None or self._runner[0] is not model:
+            try:
+                family_of(model)
+            except TrellisUserError:
+                view = self.rg.view
+
+                def run(train: bool) -> Tensor:
+                    return model(self.rg.graph, self.x, view=view)
+            else:
+                batched = BatchedGNN([model])
+                batched.stats = self.stats
+
+                def run(train: bool) -> Tensor:
+                    batched.train(train)
+                    return batched(self.rg.graph, self.x, view=self.rg.view)[0]
+            self._runner = (model, run)
+        return self._runner[1]
+
+    def _check_plan(self, model: nn.Module) -> None:
+        try:
+            family_of(model)
+        except TrellisUserError:
+            text = type(model).__name__
+        else:
+            b = BatchedGNN([model])
+            b.stats = self.stats
+            text = b.explain(self.rg.graph)
+        mine = int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
+        assert self.comm is not None
+        total = self.comm.sum([float(mine)])[0]
+        if total != float(mine) * self.comm.world_size:
+            raise RuntimeError(f"rank {self.comm.rank}: the ranks planned different layer orders; every rank must "
+                               "run the same trellis version on the same store")
+
+    def forward(self, model: nn.Module) -> Tensor:
+        """Logits of the owned rows."""
+        with keyed_rows(self.row_keys):
+            return self._runner_for(model)(model.training)
+
+    # ---- training -------------------------------------------------------------------------------
+    def train_step(self, model: nn.Module, optimizer: Any, task: Task, epoch: int) -> Tensor:
+        """Forward and backward on every rank, gradients summed, one optimizer step; the global loss."""
+        assert self.comm is not None
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        logits = self.forward(model)
+        idx = self.local_splits["train"]
+        n = int(idx.shape[0])
+        if n:
+            loss = task.loss(logits[idx], self.y_local[idx])
+            if n != self.num_train:
+                loss = loss * (n / self.num_train)
+        else:  # no training rows here: a zero that keeps every exchange of the backward pass in step
+            loss = logits.sum() * 0.0
+        loss.backward()
+        self.comm.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
+        optimizer.step()
+        total = self.comm.sum([float(loss.detach())])[0]
+        self._step_traffic = self.rg.traffic.take()
+        return torch.tensor(total, dtype=torch.float32)
+
+    def _gathered(self, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Logits of every split's nodes from every rank, in the store's split order, with their labels."""
+        assert self.comm is not None
+        node_ids = torch.from_numpy(self.rg.node_ids)
+        rows, gids = [], []
+        for s in SPLITS:
+            idx = self.local_splits[s].cpu()
+            rows.append(logits.detach().cpu()[idx])
+            gids.append(node_ids[idx])
+        mine = torch.cat(rows)
+        all_rows = torch.cat(self.comm.all_gather_rows(mine))
+        all_ids = torch.cat(self.comm.all_gather_rows(torch.cat(gids))).numpy()
+        order = np.argsort(all_ids, kind="stable")
+        sorted_ids = all_ids[order]
+        parts, ys, splits, at = [], [], {}, 0
+        for s in SPLITS:
+            ids = self.split_ids[s]
+            pos = order[np.searchsorted(sorted_ids, ids)]
+            parts.append(all_rows[torch.from_numpy(pos)])
+            ys.append(self.y_split[s])
+            splits[s] = torch.arange(at, at + ids.shape[0])
+            at += ids.shape[0]
+        return torch.cat(parts), torch.cat(ys), splits
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
+        """One forward pass without dropout; metrics of the gathered split rows (identical on every rank)."""
+        model.eval()
+        logits, y, splits = self._gathered(self.forward(model))
+        self._eval_bytes = self.rg.traffic.take()["exchange_bytes"]
+        return evaluate_logits(task, logits, y, splits)
+
+    def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
+        """What ``trellis predict`` rebuilds the model from (it predicts in one process, on the store)."""
+        return {"in_dim": self.spec.in_dim, "out_dim": self.task.num_outputs, "edge_dim": self.spec.edge_dim,
+                "kwargs": cfg.model_kwargs(), "task": self.task.name, "feature_norm": self.feature_norm,
+                "features": cfg.features, "num_nodes": self.store.num_nodes}
+
+    # ---- several processes ----------------------------------------------------------------------
+    def agree(self, flag: bool) -> bool:
+        """Every rank reaches the epoch's end (a missing rank is named), then a stop anywhere stops all."""
+        assert self.comm is not None
+        self.comm.barrier("epoch end")
+        return self.comm.any(flag)
+
+    def committed(self, what: str) -> None:
+        """Wait until every rank has passed this point (rank 0 has written ``what``)."""
+        assert self.comm is not None
+        self.comm.barrier(f"after the {what}")
+
+    def epoch_info(self) -> dict[str, Any]:
+        """Bytes this rank sent per layer and direction in the epoch (training step and evaluation)."""
+        return {**self._step_traffic, "eval_exchange_bytes": self._eval_bytes}
+
+    def summary_info(self) -> dict[str, Any]:
+        """Ranks, ownership, every rank's rows and peak memory (RssAnon, MiB)."""
+        assert self.comm is not None
+        self.meter.sample()
+        mine = torch.tensor([[float(self.meter.peak_anon) / 2**20, float(self.rg.num_local)]], dtype=torch.float64)
+        per_rank = torch.cat(self.comm.all_gather_rows(mine))
+        return {"world_size": self.comm.world_size, "parts_dir": str(self.cfg.parts_dir), "mode": self.rg.mode,
+                "backend": self.comm.backend, "rank_peak_rss_anon_mb": per_rank[:, 0].tolist(),
+                "rank_num_local": [int(v) for v in per_rank[:, 1].tolist()]}
+
+    def close(self) -> None:
+        """Leave the job."""
+        self.meter.stop()
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
