@@ -78,7 +78,10 @@ class Comm:
         self.device = device
         self.timeout = timedelta(seconds=float(timeout_s))
         self.backend = "nccl" if device.type == "cuda" else "gloo"
-        if not dist.is_initialized():
+        #: Whether this object created the default group (and so destroys it on close); a caller that
+        #: initialized torch.distributed itself keeps its group across runs.
+        self.owns_default = not dist.is_initialized()
+        if self.owns_default:
             dist.init_process_group(self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
                                     rank=env.rank, world_size=env.world_size, timeout=self.timeout)
         self.halo = dist.new_group(backend=self.backend, timeout=self.timeout)
@@ -140,6 +143,11 @@ class Comm:
         return [o[: int(c)] for o, c in zip(out, counts)]
 
     def close(self) -> None:
-        """Destroy the process groups (the default group last)."""
-        if dist.is_initialized():
+        """Destroy this rank's groups (and the default group when this object created it)."""
+        if not dist.is_initialized():
+            return
+        if self.owns_default:
             dist.destroy_process_group()
+        else:
+            for g in (self.halo, self.grads, self.control):
+                dist.destroy_process_group(g)

@@ -89,7 +89,12 @@ def keyed_rows(keys: dict[int, np.ndarray]) -> Iterator[None]:
         _ROW_KEYS.update(saved)
 
 
-def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None) -> Tensor:
+def _keys_for(x: Tensor) -> np.ndarray | None:
+    """The row keys in force for ``x`` (see :func:`keyed_rows`), or None."""
+    return _ROW_KEYS.get(x.shape[0]) if _ROW_KEYS and x.dim() >= 1 else None
+
+
+def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None, keys: np.ndarray | None = None) -> Tensor:
     """``x`` with the mask of ``(seed, p)`` applied and kept values scaled by ``1/(1-p)``, into ``out``.
 
     ``out`` (default: new) must be contiguous and shaped like ``x``; it may be ``x`` itself (each element is
@@ -99,7 +104,7 @@ def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None) -> Tensor:
     dst = torch.empty_like(flat) if out is None else out.view(-1)
     threshold = np.uint64(int(p * float(1 << 53)))
     scale = flat.new_tensor(1.0 / (1.0 - p)).item()
-    keys = _ROW_KEYS.get(x.shape[0]) if x.dim() >= 1 and _ROW_KEYS else None
+    keys = _keys_for(x) if keys is None else keys
     if keys is not None and flat.numel():
         width = flat.numel() // x.shape[0]
         _apply_mask_keyed(flat.numpy().reshape(-1, width), dst.numpy().reshape(-1, width), keys, np.uint64(seed),
@@ -149,12 +154,12 @@ def apply_into(x: Tensor, p: float, out: Tensor, generator: torch.Generator | No
 class _HashDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, seed: int, p: float) -> Tensor:
-        ctx.seed, ctx.p = seed, p
-        return _run(x, seed, p)
+        ctx.seed, ctx.p, ctx.keys = seed, p, _keys_for(x)  # backward may run outside the keys' context
+        return _run(x, seed, p, keys=ctx.keys)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _run(grad, ctx.seed, ctx.p), None, None
+        return _run(grad, ctx.seed, ctx.p, keys=ctx.keys), None, None
 
 
 def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | None = None) -> Tensor:
