@@ -47,10 +47,10 @@ def test_report_matches_definitions(make_store, method):
 
 
 def test_exchange_formulas():
-    assert exchange_bytes("dst", 2, 10, 0, 99, 0) == (80, 80)
-    assert exchange_bytes("src", 2, 0, 10, 99, 0) == (80, 8 * 99)
-    assert exchange_bytes("reverse", 2, 7, 10, 99, 0) == (80, 56)
-    assert exchange_bytes("vertex-cut", 2, 0, 0, 99, 5) == (80, 80)
+    assert exchange_bytes("dst", 2, 10, 0) == (80, 80)
+    assert exchange_bytes("src", 2, 0, 10) == (80, 80)  # gradients summed per node: one row per (dst, part)
+    assert exchange_bytes("reverse", 2, 7, 10) == (80, 56)
+    assert exchange_bytes("vertex-cut", 2, 3, 5) == (64, 64)  # mirrors read as sources + written as destinations
 
 
 def test_bitmask_beyond_64_parts():

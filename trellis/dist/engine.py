@@ -12,12 +12,12 @@ reverse        —                                        as push; backward push
 vertex-cut     mirrors used as sources, from masters    mirrors' partial sums, to masters
 =============  ======================================  =============================================
 
-A pull rank's layer-facing graph is the part's pull graph (:meth:`CSRGraph.from_partition`), and the
-layers run on it unchanged: the view appends the halo rows. The other ownerships split a node's in-edges
-across parts, so their graph carries an :class:`PartialAggregation` as its exchange: the layers hand it
-their aggregation (:func:`trellis.nn.executor.aggregate`) and it runs the local SpMM over every row the
-part holds edges for, sends the halo rows' partial sums to their owners, and adds the self term once, at
-the owner. Normalization always uses the layout's global degrees: GCN's weights come from the layer's own
+GCN, SAGE and GIN layers run on a graph of the ``L`` owned rows whose :class:`Exchange` completes each
+aggregation (:func:`trellis.nn.executor.aggregate` hands it the layer's rows after the planner's transform,
+so rows travel at the plan's width): it fetches halo sources, runs the local SpMM (under pull, the part's
+pull graph, which holds every in-edge of its rows), sends halo destinations' partial sums to their owners
+and adds the self term once, at the owner. Models that aggregate by themselves (GAT) run on the pull graph,
+whose view appends the halo rows of each layer's input. Normalization always uses the layout's global degrees: GCN's weights come from the layer's own
 ``gcn_norm`` on a graph carrying them, and mean is a sum divided by the global in-degree after the
 reduction. Max needs the argmax's edge at the owner and is refused.
 """
@@ -74,14 +74,14 @@ class _PushForwardPullBackward(torch.autograd.Function):
     gradients over the reversed in-edges (no gradient rows travel from owners to holders)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, ew: Tensor | None, ew_pull: Tensor | None, ex: PartialAggregation) -> Tensor:
+    def forward(ctx: Any, x: Tensor, ew: Tensor | None, ew_pull: Tensor | None, ex: Exchange) -> Tensor:
         ctx.ex, ctx.ew_pull, ctx.layer = ex, ew_pull, ex.traffic.layer
         partial = spmm(ex.local, x, ew, reduce="sum")
         return reduce_rows(partial, ex.route, ex.num_local, ex.traffic, ctx.layer, "fwd")
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        ex: PartialAggregation = ctx.ex
+        ex: Exchange = ctx.ex
         assert ex.pull is not None and ex.pull_route is not None
         rev = ex.pull.reverse()
         partial = prim_spmm_sum(rev, g.contiguous(), ctx.ew_pull, eid=ex.pull.perm)  # [L + H]: per source row
@@ -89,42 +89,55 @@ class _PushForwardPullBackward(torch.autograd.Function):
         return gx, None, None, None
 
 
-class PartialAggregation:
-    """The exchange of a rank whose parts split nodes' in-edges (push, reverse, mirror-reduce).
+class Exchange:
+    """How a rank completes a layer's aggregation with its peers (the graph's :attr:`CSRGraph.exchange`).
+
+    The layers hand over their input rows *after* the planner's transform, so rows travel at the width
+    the plan chose: ``Â(XW)`` exchanges ``XW``, ``(ÂX)W`` exchanges ``X``.
 
     Args:
-        local: CSR of every row the part holds edges for (``L + H`` destination rows), over the rows the
-            layer's input has (``L``, or ``L + H`` when the view fetched halo sources).
-        weights: The same edges with ``L + H`` source rows and the global degrees: what the layer's
-            aggregation (GCN's norm) is computed on.
-        route: Owner -> holder route of the halo destinations (reduce runs it backwards).
-        in_degree: ``float [L]`` global in-degree of the owned rows (mean divides by it).
+        mode: ``pull``, ``push``, ``reverse`` or ``mirror-reduce``.
+        local: CSR the local SpMM runs on: the pull graph (``L`` rows over ``L + H`` sources) under pull;
+            every row the part holds edges for (``L + H`` rows) otherwise, over ``L`` sources (push,
+            reverse) or ``L + H`` (mirror-reduce).
+        weights: What the layer's aggregation (GCN's norm) is computed on: ``local`` with ``L + H``
+            source rows and the global degrees.
+        fetch: Owner -> holder route of the halo rows read as sources (pull, mirror-reduce).
+        route: Owner -> holder route of the halo destinations, run backwards by the reduce (push,
+            reverse, mirror-reduce).
+        in_degree: ``float [L]`` global in-degree of the owned rows (a split mean divides by it).
         traffic: Byte counter.
         pull, pull_route: Reverse ownership only: the pull graph on the reversed in-edges and the route
             of its halo sources, for the backward pass.
     """
 
-    def __init__(self, local: CSRGraph, weights: CSRGraph, route: Route, in_degree: Tensor, traffic: Traffic,
-                 pull: CSRGraph | None = None, pull_route: Route | None = None) -> None:
-        self.local, self.weights, self.route, self.traffic = local, weights, route, traffic
+    def __init__(self, mode: str, local: CSRGraph, weights: CSRGraph, fetch: Route | None, route: Route | None,
+                 in_degree: Tensor, traffic: Traffic, pull: CSRGraph | None = None,
+                 pull_route: Route | None = None) -> None:
+        self.mode, self.local, self.weights, self.fetch, self.route = mode, local, weights, fetch, route
+        self.traffic = traffic
         self.num_local = int(in_degree.shape[0])
         self.inv_degree = torch.where(in_degree > 0, 1.0 / in_degree.clamp_min(1), torch.zeros_like(in_degree))
         self.pull, self.pull_route = pull, pull_route
 
     def aggregate(self, x: Tensor, aggregation_of: Callable[[CSRGraph], Any], reduce: str) -> Tensor:
-        """The layer's aggregation of ``x`` on the owned rows, completed with the peers' partial sums."""
+        """The layer's aggregation of the owned rows ``x``, completed with the peers' rows or partial sums."""
+        agg = aggregation_of(self.weights)
+        rows = self.local.num_src
+        if self.fetch is not None:
+            x = Fetch.apply(x, self.fetch, rows, self.traffic)
+        if self.mode == "pull":  # every in-edge is here: the single process's SpMM on the part's rows
+            return spmm(self.local, x, agg.edge_weight, reduce=reduce, self_weight=agg.self_weight)
         if reduce == "max":
             raise TrellisUserError("max aggregation needs each maximum's edge at the owner and cannot be split "
                                    "across parts: use a destination-owned partition (metis, grem, ldg, fennel, "
                                    "random, hash-dst) or --model-args '{\"aggregate\": \"mean\"}'")
-        agg = aggregation_of(self.weights)
-        ew = agg.edge_weight
         if self.pull is None:
-            partial = spmm(self.local, x, ew, reduce="sum")
-            out = Reduce.apply(partial, self.route, self.num_local, self.traffic)
+            out = Reduce.apply(spmm(self.local, x, agg.edge_weight, reduce="sum"), self.route, self.num_local,
+                               self.traffic)
         else:
             ew_pull = aggregation_of(self.pull).edge_weight
-            out = _PushForwardPullBackward.apply(x, ew, ew_pull, self)
+            out = _PushForwardPullBackward.apply(x, agg.edge_weight, ew_pull, self)
         if reduce == "mean":
             out = out * self.inv_degree.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
         if agg.self_weight is not None:
@@ -135,30 +148,37 @@ class PartialAggregation:
 
 @dataclass
 class RankGraph:
-    """What one rank trains on: the layer-facing graph, its view and the byte counter.
+    """What one rank trains on.
 
     Attributes:
-        graph: The graph every layer runs on (``num_dst = L`` owned rows).
-        view: Supplies each layer's input rows.
+        graph: The graph GCN, SAGE and GIN layers run on: ``L`` owned rows in and out, its
+            :class:`Exchange` completing each aggregation (at the plan's width).
+        view: The view :attr:`graph` is run with: it only tells the byte counter which layer runs.
+        pull_graph: Destination ownership only: the part's pull graph (``L`` rows over ``L + H``
+            sources), for models that aggregate by themselves (attention) and need their input's halo rows.
+        pull_view: The view :attr:`pull_graph` is run with: it appends those halo rows before each layer.
         mode: ``pull``, ``push``, ``reverse`` or ``mirror-reduce``.
         node_ids: ``int64 [L + H]`` global id of every local row (owned rows first).
+        num_local: ``L``.
         traffic: Bytes sent per layer and direction.
     """
 
     graph: CSRGraph
     view: HaloView
+    pull_graph: CSRGraph | None
+    pull_view: HaloView | None
     mode: str
     node_ids: np.ndarray
     num_local: int
     traffic: Traffic
 
     def describe(self) -> dict[str, Any]:
-        """Rows and routes, for the run's summary."""
-        v = self.view.route
-        ex = self.graph.exchange
-        return {"mode": self.mode, "num_local": self.num_local, "num_halo": int(self.node_ids.shape[0]) - self.num_local,
-                "fetch_rows": 0 if v is None else v.rows_sent,
-                "reduce_rows": 0 if ex is None else ex.route.reversed().rows_sent}
+        """Rows and routes, for the banner and the summary."""
+        ex: Exchange = self.graph.exchange
+        return {"mode": self.mode, "num_local": self.num_local,
+                "num_halo": int(self.node_ids.shape[0]) - self.num_local,
+                "fetch_rows": 0 if ex.fetch is None else ex.fetch.rows_sent,
+                "reduce_rows": 0 if ex.route is None else ex.route.reversed().rows_sent}
 
 
 def _csr(indptr: np.ndarray, indices: np.ndarray, num_src: int, device: torch.device, **kw: Any) -> CSRGraph:
@@ -169,7 +189,12 @@ def _csr(indptr: np.ndarray, indices: np.ndarray, num_src: int, device: torch.de
 def _route(comm: Comm, part: LocalGraph, node_ids: np.ndarray, rows: np.ndarray) -> Route:
     num_local = part.num_local
     owners = np.asarray(part.halo_owner)[rows - num_local]
-    return Route.owner_to_holders(comm, node_ids, num_local, rows, owners)
+    return Route.owner_to_holders(comm, node_ids, num_local, rows, owners).to(comm.device)
+
+
+def _halo_sources(comm: Comm, part: LocalGraph, node_ids: np.ndarray, indices: np.ndarray) -> Route:
+    used = np.unique(indices)
+    return _route(comm, part, node_ids, used[used >= part.num_local])
 
 
 def build_rank_graph(part: LocalGraph, comm: Comm, device: torch.device) -> RankGraph:
@@ -182,37 +207,31 @@ def build_rank_graph(part: LocalGraph, comm: Comm, device: torch.device) -> Rank
     node_ids = np.asarray(part.local_to_global, dtype=np.int64)
     num_local, num_rows = part.num_local, part.num_nodes
     degree = np.asarray(part.in_degree)
-    if mode == "pull":
-        graph = CSRGraph.from_partition(part).to(device)
-        sources = np.unique(np.asarray(graph.indices.cpu().numpy()))
-        fetch = _route(comm, part, node_ids, sources[sources >= num_local]).to(device)
-        return RankGraph(graph, HaloView(fetch, num_rows, traffic), mode, node_ids, num_local, traffic)
-    indptr, indices = np.asarray(part.indptr), np.asarray(part.indices)
-    with_edges = np.flatnonzero(np.diff(indptr[num_local:]) > 0) + num_local
-    route = _route(comm, part, node_ids, with_edges).to(device)
-    deg = degree
-    weights = _csr(indptr, indices, num_rows, device, src_degree=deg, dst_degree=deg)
-    fetch = None
-    num_src = num_local
-    pull = pull_route = None
-    if mode == "mirror-reduce":
-        used = np.unique(indices)
-        fetch = _route(comm, part, node_ids, used[used >= num_local]).to(device)
-        num_src = num_rows
-        local = weights
-    else:
-        if indices.size and int(indices.max()) >= num_local:
-            raise TrellisUserError(f"part {part.part}: out-edges from halo rows in a source-owned layout; re-run "
-                                   "`trellis partition`")
-        local = _csr(indptr, indices, num_local, device)
-        if mode == "reverse":
-            pull = CSRGraph.from_partition(part).to(device)
-            sources = np.unique(pull.indices.cpu().numpy())
-            pull_route = _route(comm, part, node_ids, sources[sources >= num_local]).to(device)
     owned_degree = torch.from_numpy(degree[:num_local].astype(np.float32)).to(device)
-    ex = PartialAggregation(local, weights, route, owned_degree, traffic, pull, pull_route)
-    a = int(indptr[num_local])
-    graph = CSRGraph.from_numpy(indptr[: num_local + 1].astype(np.int64), indices[:a].astype(np.int64), num_src,
-                                node_ids=node_ids[:num_src]).to(device)
-    graph.exchange = ex
-    return RankGraph(graph, HaloView(fetch, num_rows, traffic), mode, node_ids, num_local, traffic)
+    pull_graph = pull = pull_route = route = fetch = None
+    if mode == "pull":
+        pull_graph = local = weights = CSRGraph.from_partition(part).to(device)
+        fetch = _halo_sources(comm, part, node_ids, pull_graph.indices.cpu().numpy())
+    else:
+        indptr, indices = np.asarray(part.indptr), np.asarray(part.indices)
+        with_edges = np.flatnonzero(np.diff(indptr[num_local:]) > 0) + num_local
+        route = _route(comm, part, node_ids, with_edges)
+        weights = _csr(indptr, indices, num_rows, device, src_degree=degree, dst_degree=degree)
+        if mode == "mirror-reduce":
+            local = weights
+            fetch = _halo_sources(comm, part, node_ids, indices)
+        else:
+            if indices.size and int(indices.max()) >= num_local:
+                raise TrellisUserError(f"part {part.part}: out-edges from halo rows in a source-owned layout; "
+                                       "re-run `trellis partition`")
+            local = _csr(indptr, indices, num_local, device)
+            if mode == "reverse":
+                pull = CSRGraph.from_partition(part).to(device)
+                pull_route = _halo_sources(comm, part, node_ids, pull.indices.cpu().numpy())
+    ex = Exchange(mode, local, weights, fetch, route, owned_degree, traffic, pull, pull_route)
+    graph = CSRGraph(torch.zeros(num_local + 1, dtype=torch.int64, device=device),
+                     torch.zeros(0, dtype=torch.int64, device=device), num_local,
+                     node_ids=torch.from_numpy(node_ids[:num_local]).to(device), exchange=ex)
+    pull_view = HaloView(fetch, num_rows, traffic) if pull_graph is not None else None
+    return RankGraph(graph, HaloView(None, num_rows, traffic), pull_graph, pull_view, mode, node_ids, num_local,
+                     traffic)

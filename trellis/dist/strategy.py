@@ -157,7 +157,8 @@ class DistributedFull(Strategy):
         else:
             x, self.feature_norm = torch.ones(num_local, 1), "none"
         self.x = x.to(self.device)
-        self.rg.view.constant = self.x
+        if self.rg.pull_view is not None:
+            self.rg.pull_view.constant = self.x
         y, splits, task = load_labels(store, cfg.task, torch.device("cpu"))
         self.task = task
         self.y_local = y[torch.from_numpy(owned.copy())].to(self.device)
@@ -169,9 +170,9 @@ class DistributedFull(Strategy):
         self.num_train = int(self.split_ids["train"].shape[0])
         self.spec = ModelSpec(int(self.x.shape[1]), task.num_outputs, self._edge_dim(part), store.num_nodes, 0)
         keys = {num_local: owned}
-        if cfg.model in ("gat", "gate") and comm.world_size > 1:
-            keys[self.rg.graph.with_self_loops().num_edges] = _edge_keys(comm, self.rg.graph, self.rg.node_ids,
-                                                                          store.num_nodes)
+        pull = self.rg.pull_graph
+        if cfg.model in PULL_ONLY_MODELS and pull is not None and comm.world_size > 1:
+            keys[pull.with_self_loops().num_edges] = _edge_keys(comm, pull, self.rg.node_ids, store.num_nodes)
         self.row_keys = keys if comm.world_size > 1 else {}
         self.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
         self.meter.start()
@@ -204,11 +205,13 @@ class DistributedFull(Strategy):
         if self._runner is None or self._runner[0] is not model:
             try:
                 family_of(model)
-            except TrellisUserError:
-                view = self.rg.view
+            except TrellisUserError:  # aggregates by itself (attention): the pull graph, halo rows from the view
+                graph, view = self.rg.graph, self.rg.view
+                if self.rg.pull_graph is not None:
+                    graph, view = self.rg.pull_graph, self.rg.pull_view
 
                 def run(train: bool) -> Tensor:
-                    return model(self.rg.graph, self.x, view=view)
+                    return model(graph, self.x, view=view)
             else:
                 batched = BatchedGNN([model])
                 batched.stats = self.stats
@@ -259,8 +262,21 @@ class DistributedFull(Strategy):
         self.comm.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
         optimizer.step()
         total = self.comm.sum([float(loss.detach())])[0]
-        self._step_traffic = self.rg.traffic.take()
+        self._step_traffic = self._job_traffic()
         return torch.tensor(total, dtype=torch.float32)
+
+    def _job_traffic(self) -> dict[str, Any]:
+        """The step's bytes per layer and direction summed over the ranks, and each rank's total."""
+        assert self.comm is not None
+        mine = self.rg.traffic.take()
+        mine.pop("exchange_bytes")
+        keys = sorted(mine)
+        row = torch.tensor([[float(mine[k]) for k in keys] + [float(sum(mine.values()))]], dtype=torch.float64)
+        per_rank = torch.cat(self.comm.all_gather_rows(row))
+        out: dict[str, Any] = {k: int(per_rank[:, i].sum()) for i, k in enumerate(keys)}
+        out["exchange_bytes"] = int(per_rank[:, -1].sum())
+        out["exchange_bytes_per_rank"] = [int(v) for v in per_rank[:, -1].tolist()]
+        return out
 
     def _gathered(self, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Logits of every split's nodes from every rank, in the store's split order, with their labels."""
@@ -313,7 +329,8 @@ class DistributedFull(Strategy):
         self.comm.barrier(f"after the {what}")
 
     def epoch_info(self) -> dict[str, Any]:
-        """Bytes this rank sent per layer and direction in the epoch (training step and evaluation)."""
+        """Halo bytes of the epoch: the training step's per layer and direction (summed over ranks; what
+        ``trellis partition`` estimates), each rank's step total, and rank 0's evaluation bytes."""
         return {**self._step_traffic, "eval_exchange_bytes": self._eval_bytes}
 
     def summary_info(self) -> dict[str, Any]:

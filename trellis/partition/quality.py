@@ -13,18 +13,29 @@ Definitions (``E`` stored edges, ``N`` nodes, ``P`` parts):
   its in-edges (``dst``), the destinations of its out-edges (``src``), both (``reverse``), or the
   mirrors of the nodes whose edges it holds (``vertex-cut``).
 * ``replication_factor``: ``(N + sum of halo sizes) / N`` — copies of a node's state per node.
-* **exchange** for one full-batch layer of width ``F`` (float32), after Lotan §5.1. A *single vector*
-  is ``4F`` bytes per (node, remote part) pair; a *per-edge map* is ``4F`` bytes per cut edge:
+* **exchange** for one full-batch layer of width ``F`` (float32): the rows :mod:`trellis.dist` sends, 4F
+  bytes per (node, remote part) pair that is *in use* (GraphTheta §4.1: only masters in use are
+  synchronized). The distributed engine's measured bytes per layer equal these figures:
 
   ============  ==========================================  =============================================
   ownership     forward                                     backward
   ============  ==========================================  =============================================
-  dst           pull halo sources: 1 vector per halo node   push their partial gradients back: same count
-  src           push partial sums to remote destinations    per-edge gradient maps back to the edges'
-                (1 vector per (dst, part))                  part: 1 vector per cut edge (Lotan's ``d``×)
-  reverse       as ``src``                                  reverse graph, single vectors per (src, part)
-  vertex-cut    mirrors → master partials + master → mirror values: 2 vectors per mirror, both ways
+  dst (pull)    halo sources fetched from their owners      their gradient sums sent back: same count
+  src (push)    partial sums of halo destinations, to the   the owners' gradient rows back to the holders:
+                owners (1 row per (dst, part))              1 row per (halo destination, part)
+  reverse       as ``src``                                  partial gradients of the reversed in-edges'
+                                                            halo sources, to their owners
+  vertex-cut    master -> mirror rows of mirrors used as    the mirror image of both halves
+                sources, plus mirror -> master partial
+                sums of mirrors used as destinations
   ============  ==========================================  =============================================
+
+  Lotan §5.1 prices source ownership's backward per cut edge (its engine ships per-edge gradient maps,
+  ``d``× the forward vectors); that figure is kept as ``exchange_bwd_bytes_per_edge``. Once gradients
+  are summed per node before they travel, as here, ``src`` and ``reverse`` send one row per (node, part)
+  both ways; on a symmetric graph their halo sets coincide, so reverse placement no longer reduces the
+  bytes — it changes the direction (owners push partial gradients instead of holders fetching gradient
+  rows) at the cost of a second copy of the edges.
 """
 
 from __future__ import annotations
@@ -70,17 +81,20 @@ def new_mask(num_nodes: int, num_parts: int) -> np.ndarray:
     return np.zeros((num_nodes, max(1, -(-num_parts // 64))), dtype=np.uint64)
 
 
-def exchange_bytes(ownership: str, width: int, halo_in: int, halo_out: int, cut_edges: int,
-                   mirrors: int) -> tuple[int, int]:
-    """Estimated ``(forward, backward)`` bytes one layer of width ``width`` exchanges (module table)."""
+def exchange_bytes(ownership: str, width: int, halo_in: int, halo_out: int) -> tuple[int, int]:
+    """``(forward, backward)`` bytes one layer of width ``width`` exchanges (module table).
+
+    ``halo_in``: (node, part) pairs where a part's edges read a remote node as a source; ``halo_out``:
+    pairs where they write a remote node as a destination (under vertex-cut, the mirrors in each role).
+    """
     vec = FLOAT_BYTES * int(width)
     if ownership == "dst":
         return vec * halo_in, vec * halo_in
     if ownership == "src":
-        return vec * halo_out, vec * cut_edges
+        return vec * halo_out, vec * halo_out
     if ownership == "reverse":
         return vec * halo_out, vec * halo_in
-    return 2 * vec * mirrors, 2 * vec * mirrors
+    return vec * (halo_in + halo_out), vec * (halo_in + halo_out)
 
 
 @dataclass
@@ -100,6 +114,7 @@ class PartitionQuality:
     width: int
     exchange_fwd_bytes: int
     exchange_bwd_bytes: int
+    exchange_bwd_bytes_per_edge: int | None = None
     time_s: float | None = None
     peak_rss_mb: float | None = None
     peak_rss_anon_mb: float | None = None
@@ -124,7 +139,9 @@ class PartitionQuality:
             f"balance            {self.balance:.3f} nodes, {self.edge_balance:.3f} edges (max / mean)",
             f"replication factor {self.replication_factor:.3f}",
             f"exchange (F={self.width})  forward {self.exchange_fwd_bytes / 2**20:,.1f} MiB, "
-            f"backward {self.exchange_bwd_bytes / 2**20:,.1f} MiB per layer",
+            f"backward {self.exchange_bwd_bytes / 2**20:,.1f} MiB per layer"
+            + ("" if self.exchange_bwd_bytes_per_edge is None else
+               f" (Lotan's per-edge gradient maps: {self.exchange_bwd_bytes_per_edge / 2**20:,.1f} MiB)"),
             f"time               {'-' if self.time_s is None else f'{self.time_s:.2f} s'}",
             f"peak memory        RSS {mb(self.peak_rss_mb)}, RssAnon {mb(self.peak_rss_anon_mb)}",
             "",
@@ -150,19 +167,18 @@ def evaluate(store: GraphStore, book: PartitionBook, *, width: int = 256,
     n, num_parts = store.num_nodes, book.num_parts
     parts = np.asarray(book.node_parts)
     own = book.ownership
-    mask_in = new_mask(n, num_parts) if own in ("dst", "reverse") else None
-    mask_out = new_mask(n, num_parts) if own in ("src", "reverse") else None
-    mask_mir = new_mask(n, num_parts) if own == "vertex-cut" else None
+    mask_in = new_mask(n, num_parts) if own in ("dst", "reverse", "vertex-cut") else None
+    mask_out = new_mask(n, num_parts) if own in ("src", "reverse", "vertex-cut") else None
     cut = 0
     part_edges = np.zeros(num_parts, dtype=np.int64)
     for src, dst, _ in edge_ranges(store.indptr, store.indices, chunk_edges):
         ps, pd = parts[src], parts[dst]
         cut += int(np.count_nonzero(ps != pd))
-        if own == "vertex-cut":
+        if own == "vertex-cut":  # mirrors by role: read as a source, written as a destination
             ep = book.edge_parts(src, dst)
             part_edges += np.bincount(ep, minlength=num_parts)
-            mark_parts(src, ep, parts, mask_mir)
-            mark_parts(dst, ep, parts, mask_mir)
+            mark_parts(src, ep, parts, mask_in)
+            mark_parts(dst, ep, parts, mask_out)
             continue
         if mask_in is not None:  # the part of the destination needs the source
             mark_parts(src, pd, parts, mask_in)
@@ -173,15 +189,14 @@ def evaluate(store: GraphStore, book: PartitionBook, *, width: int = 256,
             part_edges += np.bincount(pd, minlength=num_parts)
     halo_in = count_parts(mask_in, num_parts) if mask_in is not None else np.zeros(num_parts, np.int64)
     halo_out = count_parts(mask_out, num_parts) if mask_out is not None else np.zeros(num_parts, np.int64)
-    if own == "vertex-cut":
-        halo = count_parts(mask_mir, num_parts)
-    elif own == "reverse":
+    if own in ("reverse", "vertex-cut"):
         assert mask_in is not None and mask_out is not None
         halo = count_parts(mask_in | mask_out, num_parts)
     else:
         halo = halo_in + halo_out
     sizes = book.part_sizes()
-    fwd, bwd = exchange_bytes(own, width, int(halo_in.sum()), int(halo_out.sum()), cut, int(halo.sum()))
+    fwd, bwd = exchange_bytes(own, width, int(halo_in.sum()), int(halo_out.sum()))
+    per_edge = FLOAT_BYTES * int(width) * cut if own in ("src", "reverse") else None
     e = store.num_edges
     mean_edges = part_edges.sum() / num_parts
     return PartitionQuality(
@@ -190,7 +205,7 @@ def evaluate(store: GraphStore, book: PartitionBook, *, width: int = 256,
         balance=float(sizes.max() * num_parts / n),
         edge_balance=float(part_edges.max() / mean_edges) if mean_edges else 1.0,
         replication_factor=float((n + halo.sum()) / n), width=int(width),
-        exchange_fwd_bytes=int(fwd), exchange_bwd_bytes=int(bwd),
+        exchange_fwd_bytes=int(fwd), exchange_bwd_bytes=int(bwd), exchange_bwd_bytes_per_edge=per_edge,
         time_s=book.stats.get("time_s"), peak_rss_mb=book.stats.get("peak_rss_mb"),
         peak_rss_anon_mb=book.stats.get("peak_rss_anon_mb"),
         part_nodes=sizes.tolist(), part_halo=halo.tolist(), part_edges=part_edges.tolist(),

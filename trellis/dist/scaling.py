@@ -1,0 +1,383 @@
+"""Measured scaling of partition-parallel training, and the cost model's prediction beside it.
+
+``trellis bench dist`` and ``benchmarks/bench_dist.py`` run this: on one store, the single process
+(``trellis train`` without ``--parts-dir``) as the baseline, then ``trellis train --parts-dir`` at each P
+for each partitioning method, every run a separate ``python -m trellis.cli train`` process. Figures come
+from the run directories: the median training step over epochs >= 1 (``step_time_s``; epoch 0 includes
+setup), the bytes every rank sent in a step (``exchange_bytes_per_rank``) and each rank's peak ``RssAnon``
+(summary). The prediction (:mod:`trellis.dist.cost`) uses only the P = 1 step, the layout's per-part
+counts, the model's exchange widths, a bandwidth and latency (measured by :func:`probe_loopback`, a
+2-process gloo all-to-all, unless given) and the cores; the thread efficiency comes from the P = 1 step
+timed once more on one core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trellis.data.store import GraphStore
+from trellis.dist.cost import CostInputs, halo_sent_bytes, predict, pull_exchange, thread_efficiency, work_shares
+
+#: Partitioning methods whose layouts own edges by destination (pull): the ones the prediction covers.
+PULL_METHODS = ("grem", "metis", "ldg", "fennel", "random", "hash-dst")
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """One scaling benchmark: the graph, the model, the runs and the network figures.
+
+    Attributes:
+        store: An existing store; None generates one under ``workdir`` (default: None).
+        generator: ``sbm`` or ``rmat`` when generating (default: sbm).
+        nodes: Nodes of the generated graph (default: 200000).
+        avg_degree: Edges per node of the generated graph (default: 10).
+        features: Feature width of the generated graph (default: 64).
+        classes: Classes of the generated graph (default: 8).
+        methods: Partitioning methods, destination-owned (default: grem, hash-dst).
+        procs: Rank counts (default: 1, 2, 4).
+        epochs: Epochs per run (default: 10).
+        model: Model (default: gcn).
+        hidden: Hidden width (default: 16).
+        layers: Layers (default: 2).
+        dropout: Dropout (default: 0.5).
+        predict: Add the cost model's prediction (default: False).
+        bandwidth: Bytes/s; None measures loopback gloo (default: None).
+        latency_s: Seconds per message; None measures it (default: None).
+        cores: Cores of this machine; None: ``os.cpu_count()`` (default: None).
+        thread_efficiency: Intra-op thread efficiency; None measures it (default: None).
+        node_weight: A node's work relative to an edge's (default: 1).
+        workdir: Where stores, layouts and runs go; None: a temporary directory, removed (default: None).
+        seed: Seed of the generator and the runs (default: 0).
+        timeout_s: Limit per child process (default: 1800).
+    """
+
+    store: Path | None = None
+    generator: str = "sbm"
+    nodes: int = 200_000
+    avg_degree: float = 10.0
+    features: int = 64
+    classes: int = 8
+    methods: Sequence[str] = ("grem", "hash-dst")
+    procs: Sequence[int] = (1, 2, 4)
+    epochs: int = 10
+    model: str = "gcn"
+    hidden: int = 16
+    layers: int = 2
+    dropout: float = 0.5
+    predict: bool = False
+    bandwidth: float | None = None
+    latency_s: float | None = None
+    cores: int | None = None
+    thread_efficiency: float | None = None
+    node_weight: float = 1.0
+    workdir: Path | None = None
+    seed: int = 0
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class RunFigures:
+    """What one ``trellis train`` run directory says about its steps."""
+
+    label: str
+    ranks: int
+    step_s: float
+    sent_per_rank: list[float]
+    eval_bytes: float
+    peak_anon_mb: list[float]
+    num_parameters: int
+    summary: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def sent_total(self) -> float:
+        """Bytes all ranks sent in one training step."""
+        return float(sum(self.sent_per_rank))
+
+
+def _env(threads: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # a child started from inside a rank must not join its job
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _run(cmd: list[str], timeout: float, *, one_core: bool = False, env: dict[str, str] | None = None) -> str:
+    """Run a child, return its stdout; RuntimeError with its last stderr line when it fails."""
+    def pin() -> None:  # pragma: no cover - runs in the child
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env(),
+                          preexec_fn=pin if one_core else None)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        raise RuntimeError(f"{' '.join(cmd[2:5])}… failed (rc {proc.returncode}): {(lines or ['?'])[-1][:300]}")
+    return proc.stdout
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "trellis.cli", *args]
+
+
+# ---- the loopback link -----------------------------------------------------------------------------------
+def probe_loopback(nbytes: int = 16 * MIB, iters: int = 10, timeout: float = 120.0) -> tuple[float, float]:
+    """``(bytes/s, seconds per message)`` of a 2-process gloo ``all_to_all_single`` on 127.0.0.1.
+
+    Each rank sends ``nbytes`` to its peer; the latency is the median time of a 4-byte all-to-all, the
+    bandwidth ``nbytes / (t_big - latency)`` with ``t_big`` the median of ``iters`` big ones.
+    """
+    from trellis.dist.strategy import free_port
+
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**_env(1), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "trellis.dist.scaling", "probe", str(nbytes),
+                                       str(iters)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError("the loopback probe timed out") from None
+        if p.returncode != 0:
+            raise RuntimeError(f"the loopback probe failed: {(err.strip().splitlines() or ['?'])[-1][:300]}")
+        outs.append(out)
+    result = json.loads(outs[0].strip().splitlines()[-1])
+    return float(result["bandwidth"]), float(result["latency_s"])
+
+
+def _probe_rank(nbytes: int, iters: int) -> None:
+    """One rank of :func:`probe_loopback` (``python -m trellis.dist.scaling probe NBYTES ITERS``)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=world)
+
+    def timed(floats: int, n: int) -> float:
+        x = torch.ones(world * floats)
+        out = torch.empty_like(x)
+        times = []
+        for i in range(n + 2):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_to_all_single(out, x)
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    latency = timed(1, 50)
+    big = timed(max(1, nbytes // 4), iters)
+    sent = max(1, nbytes // 4) * 4 * (world - 1)
+    if rank == 0:
+        print(json.dumps({"bandwidth": sent / max(big - latency, 1e-9), "latency_s": latency, "bytes": sent,
+                          "big_s": big}))
+    dist.destroy_process_group()
+
+
+# ---- stores, layouts, runs -------------------------------------------------------------------------------
+def generate(cfg: ScalingConfig, out: Path) -> Path:
+    """Generate the configured graph at ``out`` (a child process)."""
+    _run(_cli("data", "generate", cfg.generator, "--nodes", str(cfg.nodes), "--avg-degree", f"{cfg.avg_degree:g}",
+              "--features", str(cfg.features), "--classes", str(cfg.classes), "--seed", str(cfg.seed), "--out",
+              str(out), "--overwrite"), cfg.timeout_s)
+    return out
+
+
+def partition(store: Path, parts: int, method: str, out: Path | None, timeout: float = 1800.0,
+              width: int = 256) -> dict[str, Any]:
+    """Partition ``store`` (a child process) and return its quality report; ``out=None`` writes no layout."""
+    args = ["partition", str(store), "--parts", str(parts), "--method", method, "--json", "--width", str(width)]
+    args += ["--no-layout"] if out is None else ["--out", str(out), "--overwrite"]
+    report: dict[str, Any] = json.loads(_run(_cli(*args), timeout).strip().splitlines()[-1])
+    return report
+
+
+def train(cfg: ScalingConfig, store: Path, run_dir: Path, parts_dir: Path | None, label: str, *,
+          one_core: bool = False) -> RunFigures:
+    """``trellis train`` (distributed when ``parts_dir`` is given) and the figures of its run directory."""
+    args = ["train", str(store), "--model", cfg.model, "--hidden", str(cfg.hidden), "--layers", str(cfg.layers),
+            "--dropout", str(cfg.dropout), "--epochs", str(cfg.epochs), "--patience", str(cfg.epochs + 1),
+            "--seed", str(cfg.seed), "--device", "cpu", "--checkpoint-every", "0", "--out", str(run_dir),
+            "--json", "--no-progress", "--overwrite"]
+    if parts_dir is not None:
+        args += ["--parts-dir", str(parts_dir)]
+    _run(_cli(*args), cfg.timeout_s, one_core=one_core)
+    return read_run(run_dir, label)
+
+
+def read_run(run_dir: Path, label: str = "") -> RunFigures:
+    """Step time, bytes and peak memory of a finished run directory."""
+    with open(run_dir / "metrics.jsonl") as f:
+        records = [r for r in map(json.loads, f) if r.get("run", 0) == 0 and "step_time_s" in r]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    info = summary.get("strategy_info", summary)  # gathered figures, nested or at the top level
+    steady = [r for r in records if r["epoch"] >= 1] or records
+    step = statistics.median(float(r["step_time_s"]) for r in steady)
+    ranks = int(info.get("world_size", 1))
+    per_rank: list[float] = [0.0] * ranks
+    if steady and "exchange_bytes_per_rank" in steady[-1]:
+        per_rank = [float(v) for v in steady[-1]["exchange_bytes_per_rank"]]
+    elif steady and "exchange_bytes" in steady[-1]:
+        per_rank = [float(steady[-1]["exchange_bytes"])] + [0.0] * (ranks - 1)
+    eval_bytes = float(steady[-1].get("eval_exchange_bytes", 0)) if steady else 0.0
+    peaks = [float(v) for v in info.get("rank_peak_rss_anon_mb", [summary.get("peak_rss_anon_mb", 0.0)])]
+    return RunFigures(label, ranks, step, per_rank, eval_bytes, peaks, int(summary.get("num_parameters", 0)),
+                      summary)
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------
+def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the benchmark of ``cfg``; returns ``{"config", "machine", "rows"}`` (see :func:`format_rows`)."""
+    bad = [m for m in cfg.methods if m not in PULL_METHODS]
+    if bad:
+        raise ValueError(f"methods {bad}: the benchmark covers destination-owned layouts ({', '.join(PULL_METHODS)})")
+    procs = sorted(set(int(p) for p in cfg.procs))
+    if not procs or procs[0] < 1:
+        raise ValueError("procs must be positive")
+    cores = cfg.cores or os.cpu_count() or 1
+    tmp = Path(tempfile.mkdtemp(prefix="trellis-bench-dist-")) if cfg.workdir is None else None
+    work = tmp if tmp is not None else Path(cfg.workdir)  # type: ignore[arg-type]
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        t0 = time.perf_counter()
+        store = cfg.store
+        if store is None:
+            store = generate(cfg, work / f"{cfg.generator}-{cfg.nodes}")
+            log(f"generated {store} in {time.perf_counter() - t0:.1f} s")
+        graph = GraphStore(str(store))
+        in_dim = graph.num_features
+        single = train(cfg, store, work / "runs" / "single", None, "single")
+        log(f"single process: step {single.step_s * 1e3:.1f} ms")
+        layouts: dict[tuple[str, int], Path] = {}
+        reports: dict[tuple[str, int], dict[str, Any]] = {}
+        for p in procs:
+            for method in (cfg.methods if p > 1 else ("hash-dst",)):
+                out = work / "parts" / f"{method}-{p}"
+                reports[(method, p)] = partition(store, p, method, out, cfg.timeout_s)
+                layouts[(method, p)] = out
+        runs: dict[tuple[str, int], RunFigures] = {}
+        for (method, p), layout in layouts.items():
+            label = f"P={p}" if p == 1 else f"{method} P={p}"
+            runs[(method, p)] = train(cfg, store, work / "runs" / f"{method}-{p}", layout, label)
+            log(f"{label}: step {runs[(method, p)].step_s * 1e3:.1f} ms")
+        machine: dict[str, Any] = {"cores": cores}
+        ref = runs.get(("hash-dst", 1))
+        if cfg.predict and ref is None:
+            raise ValueError("--predict needs P = 1 among the rank counts (its step is the reference)")
+        if cfg.predict and ref is not None:
+            eff = cfg.thread_efficiency
+            if eff is None:
+                one = train(cfg, store, work / "runs" / "one-core", layouts[("hash-dst", 1)], "P=1 one core",
+                            one_core=True)
+                eff = thread_efficiency(one.step_s, ref.step_s, cores)
+                machine["one_core_step_s"] = one.step_s
+                log(f"P=1 on one core: step {one.step_s * 1e3:.1f} ms -> thread efficiency {eff:.2f}")
+            bw, lat = cfg.bandwidth, cfg.latency_s
+            if bw is None or lat is None:
+                mbw, mlat = probe_loopback()
+                bw = mbw if bw is None else bw
+                lat = mlat if lat is None else lat
+                log(f"loopback gloo all-to-all: {mbw / 1e9:.2f} GB/s, {mlat * 1e6:.0f} us per message")
+            machine.update(thread_efficiency=eff, bandwidth=bw, latency_s=lat)
+        rows = [_row("single", 0, single, single, None)]
+        for (method, p), fig in runs.items():
+            pred = None
+            if cfg.predict and ref is not None:
+                pred = _predict(cfg, reports[(method, p)], ref, in_dim, machine)
+            rows.append(_row(method if p > 1 else "-", p, fig, single, pred))
+        cfg_out = {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()}
+        cfg_out.update(store=str(store), in_dim=in_dim, num_nodes=graph.num_nodes,
+                       num_edges=graph.num_edges, methods=list(cfg.methods), procs=procs)
+        return {"config": cfg_out, "machine": machine, "rows": rows}
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _predict(cfg: ScalingConfig, report: dict[str, Any], ref: RunFigures, in_dim: int,
+             machine: dict[str, Any]) -> dict[str, Any]:
+    p = int(report["num_parts"])
+    exchanges, row_floats = pull_exchange(cfg.layers, in_dim, cfg.hidden, input_dropout=cfg.dropout > 0)
+    sent = halo_sent_bytes(report["part_halo"], row_floats) if p > 1 else [0.0]
+    inp = CostInputs(ranks=p, compute_s=ref.step_s, compute_threads=machine["cores"],
+                     thread_efficiency=float(machine["thread_efficiency"]),
+                     work=work_shares(report["part_edges"], report["part_nodes"], cfg.node_weight),
+                     sent_bytes=sent, exchanges=exchanges, bandwidth=float(machine["bandwidth"]),
+                     latency_s=float(machine["latency_s"]), cores=int(machine["cores"]), allreduces=2,
+                     allreduce_bytes=4.0 * ref.num_parameters)
+    out = predict(inp).to_dict()
+    out["sent_total"] = float(sum(sent))
+    return out
+
+
+def _row(method: str, p: int, fig: RunFigures, single: RunFigures, pred: dict[str, Any] | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"method": method, "ranks": p, "step_s": fig.step_s, "speedup": single.step_s / fig.step_s,
+                           "sent_bytes_step": fig.sent_total, "eval_bytes": fig.eval_bytes,
+                           "sent_bytes_per_rank": fig.sent_per_rank, "rank_peak_rss_anon_mb": fig.peak_anon_mb,
+                           "peak_rss_anon_ratio": max(fig.peak_anon_mb) / max(single.peak_anon_mb)}
+    if pred is not None:
+        row.update(predicted_s=pred["total_s"], predicted_compute_s=pred["compute_s"],
+                   predicted_comm_s=pred["comm_s"], measured_over_predicted=fig.step_s / pred["total_s"],
+                   predicted_sent_bytes_step=pred["sent_total"])
+    return row
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    """The benchmark's table (markdown) with the machine's figures above it."""
+    rows, m = result["rows"], result["machine"]
+    c = result["config"]
+    lines = [f"{c['store']}: {c['num_nodes']:,} nodes, {c['num_edges']:,} edges, {c['in_dim']} features; "
+             f"{c['model']} {c['layers']} layers, hidden {c['hidden']}, {c['epochs']} epochs; {m['cores']} cores"]
+    predicted = "predicted_s" in rows[-1]
+    if predicted:
+        lines.append(f"model inputs: loopback {m['bandwidth'] / 1e9:.2f} GB/s, {m['latency_s'] * 1e6:.0f} us per "
+                     f"message, thread efficiency {m['thread_efficiency']:.2f}, reference = the P=1 step")
+    cols = ["method", "P", "step ms", "vs single"]
+    if predicted:
+        cols += ["predicted ms (compute + comm)", "measured/predicted"]
+    cols += ["sent MiB/step (measured)"] + (["(predicted)"] if predicted else []) + [
+        "peak RssAnon MiB per rank", "max rank / single"]
+    lines += ["", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        cells = [r["method"], "single" if r["ranks"] == 0 else str(r["ranks"]), f"{r['step_s'] * 1e3:.1f}",
+                 f"{r['speedup']:.2f}x"]
+        if predicted:
+            if "predicted_s" in r:
+                cells += [f"{r['predicted_s'] * 1e3:.1f} ({r['predicted_compute_s'] * 1e3:.1f} + "
+                          f"{r['predicted_comm_s'] * 1e3:.1f})", f"{r['measured_over_predicted']:.2f}"]
+            else:
+                cells += ["-", "-"]
+        cells.append(f"{r['sent_bytes_step'] / MIB:.2f}")
+        if predicted:
+            cells.append(f"{r['predicted_sent_bytes_step'] / MIB:.2f}" if "predicted_s" in r else "-")
+        cells += [", ".join(f"{v:.0f}" for v in r["rank_peak_rss_anon_mb"]), f"{r['peak_rss_anon_ratio']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - the probe's ranks
+    if len(sys.argv) == 4 and sys.argv[1] == "probe":
+        _probe_rank(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        sys.exit("usage: python -m trellis.dist.scaling probe NBYTES ITERS")
