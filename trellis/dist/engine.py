@@ -17,9 +17,10 @@ aggregation (:func:`trellis.nn.executor.aggregate` hands it the layer's rows aft
 so rows travel at the plan's width): it fetches halo sources, runs the local SpMM (under pull, the part's
 pull graph, which holds every in-edge of its rows), sends halo destinations' partial sums to their owners
 and adds the self term once, at the owner. Models that aggregate by themselves (GAT) run on the pull graph,
-whose view appends the halo rows of each layer's input. Normalization always uses the layout's global degrees: GCN's weights come from the layer's own
-``gcn_norm`` on a graph carrying them, and mean is a sum divided by the global in-degree after the
-reduction. Max needs the argmax's edge at the owner and is refused.
+whose view appends the halo rows of each layer's input. Normalization always uses the layout's global
+degrees: GCN's weights come from the layer's own ``gcn_norm`` on a graph carrying them, and a split mean
+is a sum divided by the global in-degree after the reduction. Max needs the argmax's edge at the owner and
+is refused where in-edges are split.
 """
 
 from __future__ import annotations
@@ -70,12 +71,17 @@ class HaloView:
 
 
 class _PushForwardPullBackward(torch.autograd.Function):
-    """Lotan's reverse placement: forward pushes partial sums over out-edges; backward pushes partial
-    gradients over the reversed in-edges (no gradient rows travel from owners to holders)."""
+    """Lotan's reverse placement: push forward, and backward pushes partial gradients too.
+
+    Forward sums over the part's out-edges and sends halo destinations' partial sums to their owners;
+    backward runs on the layout's reversed in-edges and sends halo sources' partial gradients to their
+    owners (no gradient rows travel from owners to holders).
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, ew: Tensor | None, ew_pull: Tensor | None, ex: Exchange) -> Tensor:
         ctx.ex, ctx.ew_pull, ctx.layer = ex, ew_pull, ex.traffic.layer
+        assert ex.route is not None
         partial = spmm(ex.local, x, ew, reduce="sum")
         return reduce_rows(partial, ex.route, ex.num_local, ex.traffic, ctx.layer, "fwd")
 

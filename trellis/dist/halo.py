@@ -170,11 +170,13 @@ class Fetch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, route: Route, num_rows: int, traffic: Traffic) -> Tensor:
+        """Send owned rows to their holders; receive this rank's halo rows."""
         ctx.route, ctx.traffic, ctx.layer, ctx.num_local = route, traffic, traffic.layer, x.shape[0]
         return spread_rows(x, route, num_rows, traffic, traffic.layer, "fwd")
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        """Halo rows' gradients go back to their owners, which add them."""
         return reduce_rows(g, ctx.route, ctx.num_local, ctx.traffic, ctx.layer, "bwd"), None, None, None
 
 
@@ -183,9 +185,11 @@ class Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, partial: Tensor, route: Route, num_local: int, traffic: Traffic) -> Tensor:
+        """Send halo rows' partial sums to their owners; add the ones received."""
         ctx.route, ctx.traffic, ctx.layer, ctx.num_rows = route, traffic, traffic.layer, partial.shape[0]
         return reduce_rows(partial, route, num_local, traffic, traffic.layer, "fwd")
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        """Owners' gradient rows go to the ranks that hold those nodes."""
         return spread_rows(g, ctx.route, ctx.num_rows, ctx.traffic, ctx.layer, "bwd"), None, None, None

@@ -63,11 +63,11 @@ def preflight(cfg: TrainConfig) -> int:
 
 def warm_kernels() -> None:
     """Compile (or load from numba's cache) the kernels every rank runs, once, before ranks start."""
+    import numpy as np
+
     from trellis.ops import spmm
     from trellis.ops.dropout import dropout, keyed_rows
     from trellis.ops.graph import CSRGraph
-
-    import numpy as np
 
     g = CSRGraph.from_numpy(np.array([0, 1, 2]), np.array([1, 0]))
     x = torch.ones(2, 2, requires_grad=True)
@@ -130,7 +130,7 @@ def _watch(procs: list[subprocess.Popen[bytes]], err: Any, stopping: list[int]) 
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
-            return next((c if c > 0 else 128 - c for c in codes if c), 0)  # type: ignore[operator]
+            return next((c if c > 0 else 128 - c for c in codes if c), 0)
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed and not stopping:
             r = failed[0]

@@ -207,7 +207,7 @@ class DistributedFull(Strategy):
                 family_of(model)
             except TrellisUserError:  # aggregates by itself (attention): the pull graph, halo rows from the view
                 graph, view = self.rg.graph, self.rg.view
-                if self.rg.pull_graph is not None:
+                if self.rg.pull_graph is not None and self.rg.pull_view is not None:
                     graph, view = self.rg.pull_graph, self.rg.pull_view
 
                 def run(train: bool) -> Tensor:
@@ -329,8 +329,11 @@ class DistributedFull(Strategy):
         self.comm.barrier(f"after the {what}")
 
     def epoch_info(self) -> dict[str, Any]:
-        """Halo bytes of the epoch: the training step's per layer and direction (summed over ranks; what
-        ``trellis partition`` estimates), each rank's step total, and rank 0's evaluation bytes."""
+        """Halo bytes of the epoch.
+
+        The training step's per layer and direction summed over ranks (what ``trellis partition``
+        estimates), each rank's step total, and rank 0's evaluation bytes.
+        """
         return {**self._step_traffic, "eval_exchange_bytes": self._eval_bytes}
 
     def summary_info(self) -> dict[str, Any]:

@@ -102,7 +102,6 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
     """
     n = graph.num_dst
     agg = convs[0].aggregation(graph)
-    ew, sw, reduce = agg.edge_weight, agg.self_weight, agg.reduce
     # Inputs of the wide SpMM. A tensor shared by several aggregate-first configurations (the features,
     # undropped, with the cache rewrite off) enters once; transform-first configurations sharing an input
     # (the features in an evaluation pass) are transformed by one matmul whose output enters as one part.

@@ -300,7 +300,8 @@ class Trainer:
             set_rng_state(rng)
         cuda = ctx.device.type == "cuda"
         bar = tqdm(total=cfg.epochs, initial=start, desc=f"run {r + 1}/{cfg.runs} (seed {seed})", unit="ep",
-                   file=self.err, disable=None if cfg.progress and strategy.writes_run_dir else True, dynamic_ncols=True, leave=True)
+                   file=self.err, disable=None if cfg.progress and strategy.writes_run_dir else True,
+                   dynamic_ncols=True, leave=True)
         try:
             epoch = start
             for epoch in range(start, cfg.epochs):
