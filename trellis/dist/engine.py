@@ -237,7 +237,7 @@ def build_rank_graph(part: LocalGraph, comm: Comm, device: torch.device) -> Rank
     ex = Exchange(mode, local, weights, fetch, route, owned_degree, traffic, pull, pull_route)
     graph = CSRGraph(torch.zeros(num_local + 1, dtype=torch.int64, device=device),
                      torch.zeros(0, dtype=torch.int64, device=device), num_local,
-                     node_ids=torch.from_numpy(node_ids[:num_local]).to(device), exchange=ex)
+                     node_ids=torch.from_numpy(node_ids[:num_local].copy()).to(device), exchange=ex)
     pull_view = HaloView(fetch, num_rows, traffic) if pull_graph is not None else None
     return RankGraph(graph, HaloView(None, num_rows, traffic), pull_graph, pull_view, mode, node_ids, num_local,
                      traffic)
