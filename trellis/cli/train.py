@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -136,6 +137,12 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     try:
         summary = trainer.fit()
+    except RuntimeError as exc:
+        if rank is None or os.environ.get("TRELLIS_TRACEBACK"):
+            raise
+        # a peer died or timed out: one line per rank (the launcher names the rank that died)
+        print(f"rank {rank} stopped: {str(exc).strip().splitlines()[0][:300]}", file=sys.stderr)
+        return 1
     except TrainingInterrupted as exc:
         print(f"stopped at run {exc.run}, epoch {exc.epoch}; checkpoint written. Continue with:\n"
               f"  trellis train --resume {exc.run_dir}", file=sys.stderr)

@@ -82,11 +82,24 @@ class Comm:
         #: initialized torch.distributed itself keeps its group across runs.
         self.owns_default = not dist.is_initialized()
         if self.owns_default:
-            dist.init_process_group(self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                    rank=env.rank, world_size=env.world_size, timeout=self.timeout)
+            dist.init_process_group(self.backend, store=self._store(env), rank=env.rank,
+                                    world_size=env.world_size, timeout=self.timeout)
         self.halo = dist.new_group(backend=self.backend, timeout=self.timeout)
         self.grads = dist.new_group(backend=self.backend, timeout=self.timeout)
         self.control = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    def _store(self, env: RankEnv) -> dist.Store:
+        """The rendezvous store, its keys prefixed by the restart count.
+
+        Under torchrun the agent serves the store (every rank is a client) and it outlives a restart: without
+        the prefix, a restarted job's process groups would read the addresses its dead predecessors published
+        and fail to connect. Otherwise rank 0 serves it.
+        """
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                              is_master=env.rank == 0 and not agent, timeout=self.timeout,
+                              wait_for_workers=not agent)
+        return dist.PrefixStore(f"trellis/attempt-{env.restart_count}", store)
 
     @property
     def rank(self) -> int:

@@ -16,9 +16,11 @@ engine runs one thread per partition. This module keeps that shape and names the
 
 * ``W``: the step's work on one core, ``W = T_ref * s(t_ref)``, from a measured one-process step time
   ``T_ref`` that ran on ``t_ref`` threads;
-* ``f_r``: rank ``r``'s share of the work, its part's edges plus ``node_weight`` times its nodes over the
-  graph's (:func:`work_shares`). The slowest rank sets the pace, since every exchange waits for all ranks:
-  with balanced parts ``max_r f_r = 1 / P`` and the first term is Eq. 3's ``W / P * max(P / (M L), 1)``;
+* ``f_r``: rank ``r``'s share of the work: its part's edges, nodes and halo rows (weighted, see
+  :func:`work_shares`) over the whole graph's edges and nodes. Halo rows are work the single process does
+  not do (packing, unpacking and summing exchanged rows), so the shares of ``P > 1`` ranks can add up to
+  more than 1. The slowest rank sets the pace, since every exchange waits for all ranks: with balanced
+  parts and no halo ``max_r f_r = 1 / P`` and the first term is Eq. 3's ``W / P * max(P / (M L), 1)``;
 * ``s(t) = 1 + e (t - 1)``: the speedup of a rank on ``t`` intra-op threads, with ``e`` the threads'
   efficiency (0: threads beyond the first add nothing, Lotan's one thread per partition; 1: perfect).
   A rank gets ``t = max(1, L // P_m)`` threads (:func:`trellis.dist.comm.rank_threads`), ``P_m =
@@ -30,9 +32,12 @@ engine runs one thread per partition. This module keeps that shape and names the
 
 Assumptions (each one a way the prediction can be wrong): the exchanges are synchronous and nothing
 overlaps (so step time is compute plus communication, as in :mod:`trellis.dist.engine`); compute is linear
-in edges and nodes; bytes leave each rank at the full ``beta`` whatever the other ranks send (a switch with
+in edges, nodes and halo rows; bytes leave each rank at the full ``beta`` whatever the other ranks send (a switch with
 full bisection bandwidth, or loopback); ranks sharing cores are scheduled fairly; memory bandwidth is not
-a bottleneck. Pure Python, no torch: the planner, the benchmark and the docs' extrapolation all use it.
+a bottleneck; no part of a step is a fixed cost that does not shrink with a rank's share (Python and
+optimizer overheads do not, so small graphs scale worse than predicted).
+
+Pure Python, no torch: the benchmark (:mod:`trellis.dist.scaling`) and the docs' extrapolation use it.
 """
 
 from __future__ import annotations
@@ -56,8 +61,10 @@ class CostInputs:
         compute_threads: Threads (cores) that measurement ran on (default: 1).
         thread_efficiency: ``e`` of a rank's speedup ``1 + e (t - 1)`` on ``t`` threads, in [0, 1]
             (default: 0, one useful thread per rank as in Lotan's Eq. 3).
-        work: Each rank's work in any unit, e.g. edges + nodes of its part (:func:`work_shares`); only the
-            ratios matter; empty means balanced (default: empty).
+        work: Each rank's work in any unit, e.g. edges + nodes (+ halo rows) of its part
+            (:func:`work_shares`); empty means balanced with no halo (default: empty).
+        total_work: The single process's work in the same unit (edges + nodes of the graph); 0 takes
+            ``sum(work)``, so only the ratios between the ranks matter (default: 0).
         sent_bytes: Bytes each rank sends per step, one entry per rank; empty means none (default: empty).
         exchanges: Halo exchanges (all-to-alls) per step (default: 0).
         bandwidth: Bytes per second out of one rank (default: 1.25e9, 10 Gb/s).
@@ -73,6 +80,7 @@ class CostInputs:
     compute_threads: int = 1
     thread_efficiency: float = 0.0
     work: Sequence[float] = field(default_factory=tuple)
+    total_work: float = 0.0
     sent_bytes: Sequence[float] = field(default_factory=tuple)
     exchanges: int = 0
     bandwidth: float = 1.25e9
@@ -87,8 +95,8 @@ class CostInputs:
             raise ValueError("ranks, cores, machines and compute_threads must be at least 1")
         if self.compute_s < 0 or self.latency_s < 0 or self.exchanges < 0 or self.allreduces < 0:
             raise ValueError("compute_s, latency_s, exchanges and allreduces must be non-negative")
-        if self.allreduce_bytes < 0:
-            raise ValueError("allreduce_bytes must be non-negative")
+        if self.allreduce_bytes < 0 or self.total_work < 0:
+            raise ValueError("allreduce_bytes and total_work must be non-negative")
         if not self.bandwidth > 0:
             raise ValueError(f"bandwidth must be positive (got {self.bandwidth})")
         if not 0.0 <= self.thread_efficiency <= 1.0:
@@ -114,7 +122,7 @@ class CostBreakdown:
         bandwidth_s: The part of ``comm_s`` that is bytes over bandwidth.
         total_s: ``compute_s + comm_s``.
         serial_work_s: ``W``, the step on one core.
-        max_share: The largest rank's share of the work (``1 / P`` when balanced).
+        max_share: The largest rank's share of the work (``1 / P`` when balanced, without halo).
         threads_per_rank: Intra-op threads a rank gets.
         rounds: How many ranks share one core (at least 1).
     """
@@ -153,7 +161,7 @@ def predict(inp: CostInputs) -> CostBreakdown:
     threads = max(1, inp.cores // per_machine)
     rounds = max(per_machine / inp.cores, 1.0)
     serial = inp.compute_s * speedup(inp.compute_threads, inp.thread_efficiency)
-    share = max(inp.work) / sum(inp.work) if inp.work else 1.0 / p
+    share = max(inp.work) / (inp.total_work or sum(inp.work)) if inp.work else 1.0 / p
     compute = share * serial / speedup(threads, inp.thread_efficiency) * rounds
     if p == 1:
         lat = bw = 0.0
@@ -164,37 +172,43 @@ def predict(inp: CostInputs) -> CostBreakdown:
     return CostBreakdown(compute, lat + bw, lat, bw, compute + lat + bw, serial, share, threads, rounds)
 
 
-def work_shares(part_edges: Sequence[int], part_nodes: Sequence[int], node_weight: float = 1.0) -> list[float]:
-    """Each part's work, ``edges + node_weight * nodes``, from a layout manifest's per-part counts.
+def work_shares(part_edges: Sequence[int], part_nodes: Sequence[int], part_halo: Sequence[int] = (), *,
+                node_weight: float = 1.0, halo_weight: float = 0.0) -> list[float]:
+    """Each part's work, ``edges + node_weight * nodes + halo_weight * halo``, from a layout's per-part counts.
 
     Args:
         part_edges: Edges each part holds (``quality["part_edges"]`` or ``parts[i]["num_edges"]``).
         part_nodes: Nodes each part owns (``quality["part_nodes"]`` or ``parts[i]["num_local"]``).
+        part_halo: Halo nodes of each part (``quality["part_halo"]``); empty counts none (default: empty).
         node_weight: Cost of a node's dense work relative to an edge's aggregation (default: 1).
+        halo_weight: Cost of a halo row (packed, sent, unpacked, its gradient summed) relative to an edge
+            (default: 0).
     """
-    if len(part_edges) != len(part_nodes):
-        raise ValueError("part_edges and part_nodes differ in length")
-    return [float(e) + node_weight * float(n) for e, n in zip(part_edges, part_nodes)]
+    if len(part_edges) != len(part_nodes) or (part_halo and len(part_halo) != len(part_edges)):
+        raise ValueError("part_edges, part_nodes and part_halo differ in length")
+    halo = list(part_halo) or [0] * len(part_edges)
+    return [float(e) + node_weight * float(n) + halo_weight * float(h)
+            for e, n, h in zip(part_edges, part_nodes, halo)]
 
 
-def pull_exchange(layers: int, in_dim: int, hidden: int, *, input_dropout: bool = True) -> tuple[int, int]:
-    """``(exchanges, floats per halo row)`` of one training step of a stacked GCN/SAGE-like model under pull.
+def halo_sent_bytes(part_halo: Sequence[int], row_floats: float) -> list[float]:
+    """Bytes each rank sends per step when each halo row costs ``row_floats`` floats per step.
 
-    Under destination ownership every layer fetches its input's halo rows (its input width) and, when that
-    input needs a gradient, sends the halo rows' gradients back (same width). The first layer's input is the
-    features: no gradient; without input dropout it is fetched once and reused, so it costs no step traffic.
-    """
-    if layers < 1:
-        raise ValueError("layers must be at least 1")
-    first = 1 if input_dropout else 0
-    return first + 2 * (layers - 1), (in_dim if input_dropout else 0) + 2 * (layers - 1) * hidden
-
-
-def halo_sent_bytes(part_halo: Sequence[int], row_floats: int) -> list[float]:
-    """Bytes each rank sends per step when its halo rows travel at ``row_floats`` floats per step.
-
-    A rank receives its halo rows forward and sends their gradients back; what it sends forward is its
-    own rows that other parts hold, whose total over the ranks equals the total halo. Taking a rank's own
-    halo count for both is exact in total and close per rank for balanced parts.
+    ``row_floats`` is the sum of the widths of the step's exchanges: under pull, every layer fetches its
+    halo rows at the width the planner aggregates at and, when that tensor needs a gradient, sends the
+    gradient back at the same width (:func:`exchange_row_floats` reads it off a measured run). A rank
+    receives its halo rows forward and sends their gradients back; what it sends forward is its own rows
+    that other parts hold, whose total over the ranks equals the total halo. Taking a rank's own halo
+    count for both is exact in total and close per rank for balanced parts.
     """
     return [float(h) * row_floats * FLOAT_BYTES for h in part_halo]
+
+
+def exchange_row_floats(step_bytes: float, total_halo: int) -> float:
+    """Floats per halo row per step: a measured step's bytes (all ranks) over ``4 x`` the layout's halo rows.
+
+    The exchange widths are the model's and the planner's, not the partition's, so one multi-rank run gives
+    them for every P and every layout of the same model (the partition report's exchange estimate is the
+    same bytes per layer at its ``width``).
+    """
+    return float(step_bytes) / (FLOAT_BYTES * total_halo) if total_halo else 0.0

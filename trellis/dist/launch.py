@@ -33,6 +33,7 @@ from trellis.dist.comm import rank_threads
 from trellis.dist.strategy import check_layout, free_port
 from trellis.errors import TrellisUserError
 from trellis.train.config import TrainConfig
+from trellis.train.strategies import strategy_class
 
 #: Seconds the launcher waits for ranks to stop after SIGTERM before it kills them.
 GRACE_S = 10.0
@@ -49,6 +50,8 @@ def _check_port(port: int) -> None:
 
 def preflight(cfg: TrainConfig) -> int:
     """Refuse bad input before any rank starts; returns the number of ranks to start."""
+    cls = strategy_class(cfg.strategy).for_config(cfg)
+    cls.check_options(cfg)
     store = GraphStore(str(cfg.store))
     layout = check_layout(cfg, store, None)
     nproc = cfg.nproc if cfg.nproc is not None else layout.num_parts

@@ -5,10 +5,12 @@
 for each partitioning method, every run a separate ``python -m trellis.cli train`` process. Figures come
 from the run directories: the median training step over epochs >= 1 (``step_time_s``; epoch 0 includes
 setup), the bytes every rank sent in a step (``exchange_bytes_per_rank``) and each rank's peak ``RssAnon``
-(summary). The prediction (:mod:`trellis.dist.cost`) uses only the P = 1 step, the layout's per-part
-counts, the model's exchange widths, a bandwidth and latency (measured by :func:`probe_loopback`, a
-2-process gloo all-to-all, unless given) and the cores; the thread efficiency comes from the P = 1 step
-timed once more on one core.
+(summary). The prediction (:mod:`trellis.dist.cost`) uses the P = 1 step pinned to one core (the serial
+work ``W``) and on all cores (the thread efficiency, unless given), the layouts' per-part counts, the
+model's exchange shape (floats per halo row and exchanges per step, read off the first multi-rank run:
+they depend on the model and the planner, not on P), a bandwidth and latency (measured by
+:func:`probe_loopback`, a 2-process gloo all-to-all, unless given) and the cores. Nothing else of a
+multi-rank run enters the prediction.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from trellis.data.store import GraphStore
-from trellis.dist.cost import CostInputs, halo_sent_bytes, predict, pull_exchange, thread_efficiency, work_shares
+from trellis.dist.cost import (
+    CostInputs,
+    exchange_row_floats,
+    halo_sent_bytes,
+    predict,
+    thread_efficiency,
+    work_shares,
+)
 
 #: Partitioning methods whose layouts own edges by destination (pull): the ones the prediction covers.
 PULL_METHODS = ("grem", "metis", "ldg", "fennel", "random", "hash-dst")
@@ -58,6 +67,7 @@ class ScalingConfig:
         cores: Cores of this machine; None: ``os.cpu_count()`` (default: None).
         thread_efficiency: Intra-op thread efficiency; None measures it (default: None).
         node_weight: A node's work relative to an edge's (default: 1).
+        halo_weight: A halo row's work relative to an edge's (default: 1).
         workdir: Where stores, layouts and runs go; None: a temporary directory, removed (default: None).
         seed: Seed of the generator and the runs (default: 0).
         timeout_s: Limit per child process (default: 1800).
@@ -82,6 +92,7 @@ class ScalingConfig:
     cores: int | None = None
     thread_efficiency: float | None = None
     node_weight: float = 1.0
+    halo_weight: float = 1.0
     workdir: Path | None = None
     seed: int = 0
     timeout_s: float = 1800.0
@@ -99,6 +110,7 @@ class RunFigures:
     peak_anon_mb: list[float]
     num_parameters: int
     summary: dict[str, Any] = field(repr=False, default_factory=dict)
+    records: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
     @property
     def sent_total(self) -> float:
@@ -243,10 +255,18 @@ def read_run(run_dir: Path, label: str = "") -> RunFigures:
     eval_bytes = float(steady[-1].get("eval_exchange_bytes", 0)) if steady else 0.0
     peaks = [float(v) for v in info.get("rank_peak_rss_anon_mb", [summary.get("peak_rss_anon_mb", 0.0)])]
     return RunFigures(label, ranks, step, per_rank, eval_bytes, peaks, int(summary.get("num_parameters", 0)),
-                      summary)
+                      summary, steady)
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------
+def _load() -> float | None:
+    """The 1-minute load average (other processes competing for the cores), None where unknown."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark of ``cfg``; returns ``{"config", "machine", "rows"}`` (see :func:`format_rows`)."""
     bad = [m for m in cfg.methods if m not in PULL_METHODS]
@@ -261,6 +281,7 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict[
     work.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
+        load0 = _load()
         store = cfg.store
         if store is None:
             store = generate(cfg, work / f"{cfg.generator}-{cfg.nodes}")
@@ -276,35 +297,41 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict[
                 out = work / "parts" / f"{method}-{p}"
                 reports[(method, p)] = partition(store, p, method, out, cfg.timeout_s)
                 layouts[(method, p)] = out
+        if cfg.predict and ("hash-dst", 1) not in layouts:
+            raise ValueError("--predict needs P = 1 among the rank counts (its step is the reference)")
         runs: dict[tuple[str, int], RunFigures] = {}
+        one: RunFigures | None = None
         for (method, p), layout in layouts.items():
             label = f"P={p}" if p == 1 else f"{method} P={p}"
             runs[(method, p)] = train(cfg, store, work / "runs" / f"{method}-{p}", layout, label)
             log(f"{label}: step {runs[(method, p)].step_s * 1e3:.1f} ms")
-        machine: dict[str, Any] = {"cores": cores}
+            if cfg.predict and p == 1:  # the serial work W: the same step pinned to one core
+                one = train(cfg, store, work / "runs" / "one-core", layout, "P=1, one core", one_core=True)
+                log(f"P=1 on one core: step {one.step_s * 1e3:.1f} ms")
+        machine: dict[str, Any] = {"cores": cores, "loadavg_start": load0, "loadavg_end": _load()}
         ref = runs.get(("hash-dst", 1))
-        if cfg.predict and ref is None:
-            raise ValueError("--predict needs P = 1 among the rank counts (its step is the reference)")
-        if cfg.predict and ref is not None:
+        if cfg.predict and ref is not None and one is not None:
             eff = cfg.thread_efficiency
             if eff is None:
-                one = train(cfg, store, work / "runs" / "one-core", layouts[("hash-dst", 1)], "P=1 one core",
-                            one_core=True)
                 eff = thread_efficiency(one.step_s, ref.step_s, cores)
-                machine["one_core_step_s"] = one.step_s
-                log(f"P=1 on one core: step {one.step_s * 1e3:.1f} ms -> thread efficiency {eff:.2f}")
+                log(f"thread efficiency on {cores} cores: {eff:.2f}")
             bw, lat = cfg.bandwidth, cfg.latency_s
             if bw is None or lat is None:
                 mbw, mlat = probe_loopback()
                 bw = mbw if bw is None else bw
                 lat = mlat if lat is None else lat
                 log(f"loopback gloo all-to-all: {mbw / 1e9:.2f} GB/s, {mlat * 1e6:.0f} us per message")
-            machine.update(thread_efficiency=eff, bandwidth=bw, latency_s=lat)
+            machine.update(serial_step_s=one.step_s, thread_efficiency=eff, bandwidth=bw, latency_s=lat,
+                           num_parameters=ref.num_parameters,
+                           work_units=graph.num_edges + cfg.node_weight * graph.num_nodes)
+            machine.update(exchange_shape(runs, reports))
         rows = [_row("single", 0, single, single, None)]
+        if one is not None:
+            rows.append(_row("one core", 1, one, single, None))
         for (method, p), fig in runs.items():
             pred = None
-            if cfg.predict and ref is not None:
-                pred = _predict(cfg, reports[(method, p)], ref, in_dim, machine)
+            if "serial_step_s" in machine:
+                pred = _predict(cfg, reports[(method, p)], fig.num_parameters, machine)
             rows.append(_row(method if p > 1 else "-", p, fig, single, pred))
         cfg_out = {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()}
         cfg_out.update(store=str(store), in_dim=in_dim, num_nodes=graph.num_nodes,
@@ -315,17 +342,34 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict[
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _predict(cfg: ScalingConfig, report: dict[str, Any], ref: RunFigures, in_dim: int,
-             machine: dict[str, Any]) -> dict[str, Any]:
+def exchange_shape(runs: dict[tuple[str, int], RunFigures], reports: dict[tuple[str, int], dict[str, Any]]
+                   ) -> dict[str, Any]:
+    """Exchanges per step and floats per halo row per step, read off the first multi-rank run.
+
+    Both belong to the model and the planner's order (which width each layer exchanges at, which exchanges
+    have a backward), not to P or the partition, so one run gives them for all.
+    """
+    for key, fig in runs.items():
+        if fig.ranks > 1:
+            rec = fig.records[-1] if fig.records else {}
+            exchanges = sum(1 for k, v in rec.items() if k.startswith("exchange_l") and k.endswith("_bytes") and v)
+            floats = exchange_row_floats(fig.sent_total, int(sum(reports[key]["part_halo"])))
+            return {"exchanges": exchanges, "row_floats": floats, "shape_from": fig.label}
+    return {"exchanges": 0, "row_floats": 0.0, "shape_from": None}
+
+
+def _predict(cfg: ScalingConfig, report: dict[str, Any], num_parameters: int, machine: dict[str, Any]
+             ) -> dict[str, Any]:
     p = int(report["num_parts"])
-    exchanges, row_floats = pull_exchange(cfg.layers, in_dim, cfg.hidden, input_dropout=cfg.dropout > 0)
-    sent = halo_sent_bytes(report["part_halo"], row_floats) if p > 1 else [0.0]
-    inp = CostInputs(ranks=p, compute_s=ref.step_s, compute_threads=machine["cores"],
-                     thread_efficiency=float(machine["thread_efficiency"]),
-                     work=work_shares(report["part_edges"], report["part_nodes"], cfg.node_weight),
-                     sent_bytes=sent, exchanges=exchanges, bandwidth=float(machine["bandwidth"]),
+    sent = halo_sent_bytes(report["part_halo"], float(machine["row_floats"])) if p > 1 else [0.0]
+    work = work_shares(report["part_edges"], report["part_nodes"], report["part_halo"],
+                       node_weight=cfg.node_weight, halo_weight=cfg.halo_weight)
+    inp = CostInputs(ranks=p, compute_s=float(machine["serial_step_s"]), compute_threads=1,
+                     thread_efficiency=float(machine["thread_efficiency"]), work=work,
+                     total_work=float(report["num_edges"]) + cfg.node_weight * float(report["num_nodes"]),
+                     sent_bytes=sent, exchanges=int(machine["exchanges"]), bandwidth=float(machine["bandwidth"]),
                      latency_s=float(machine["latency_s"]), cores=int(machine["cores"]), allreduces=2,
-                     allreduce_bytes=4.0 * ref.num_parameters)
+                     allreduce_bytes=4.0 * num_parameters)
     out = predict(inp).to_dict()
     out["sent_total"] = float(sum(sent))
     return out
@@ -348,11 +392,15 @@ def format_rows(result: dict[str, Any]) -> str:
     rows, m = result["rows"], result["machine"]
     c = result["config"]
     lines = [f"{c['store']}: {c['num_nodes']:,} nodes, {c['num_edges']:,} edges, {c['in_dim']} features; "
-             f"{c['model']} {c['layers']} layers, hidden {c['hidden']}, {c['epochs']} epochs; {m['cores']} cores"]
+             f"{c['model']} {c['layers']} layers, hidden {c['hidden']}, {c['epochs']} epochs; {m['cores']} cores"
+             + ("" if m.get("loadavg_start") is None else
+                f", load average {m['loadavg_start']:.1f} -> {m['loadavg_end']:.1f}")]
     predicted = "predicted_s" in rows[-1]
     if predicted:
-        lines.append(f"model inputs: loopback {m['bandwidth'] / 1e9:.2f} GB/s, {m['latency_s'] * 1e6:.0f} us per "
-                     f"message, thread efficiency {m['thread_efficiency']:.2f}, reference = the P=1 step")
+        lines.append(f"model inputs: W = the P=1 step on one core; link {m['bandwidth'] / 1e9:.2f} GB/s, "
+                     f"{m['latency_s'] * 1e6:.0f} us per message; thread efficiency {m['thread_efficiency']:.2f}; "
+                     f"{m['exchanges']} exchanges per step, {m['row_floats']:.1f} floats per halo row per step "
+                     f"(from {m['shape_from']}); work = edges + nodes + halo rows")
     cols = ["method", "P", "step ms", "vs single"]
     if predicted:
         cols += ["predicted ms (compute + comm)", "measured/predicted"]

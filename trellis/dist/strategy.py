@@ -162,8 +162,8 @@ class DistributedFull(Strategy):
         y, splits, task = load_labels(store, cfg.task, torch.device("cpu"))
         self.task = task
         self.y_local = y[torch.from_numpy(owned.copy())].to(self.device)
-        self.local_splits = {s: torch.from_numpy(np.asarray(part.splits.get(s, np.empty(0, np.int64)),
-                                                             dtype=np.int64)).to(self.device) for s in SPLITS}
+        self.local_splits = {s: torch.from_numpy(np.array(part.splits.get(s, np.empty(0, np.int64)),
+                                                          dtype=np.int64)).to(self.device) for s in SPLITS}
         # the store's split order, for gathered metrics; and the global training count for the loss
         self.split_ids = {s: splits[s].numpy() for s in SPLITS}
         self.y_split = {s: y[splits[s]] for s in SPLITS}

@@ -1,0 +1,143 @@
+"""The ``--nproc`` launcher and torchrun: bad input before any rank starts, a killed rank, resume, restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from trellis.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+TRAIN = ("--epochs", "40", "--hidden", "8", "--checkpoint-every", "4", "--no-progress", "--timeout", "30")
+
+
+def _records(run: Path) -> list[dict]:
+    # timing, and the evaluation's bytes: a new process fetches the constant features' halo rows once more
+    drop = ("time_s", "step_time_s", "eval_exchange_bytes")
+    return [{k: v for k, v in json.loads(line).items() if k not in drop}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wait_for_epochs(out: Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = out / "metrics.jsonl"
+        if m.is_file() and len(m.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} epochs (exit {proc.poll()})")
+
+
+def _ranks() -> list[psutil.Process]:
+    """Running training ranks (processes of ``trellis.cli`` with a RANK variable)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.environ().get("RANK") is not None and "trellis.cli" in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _kill_rank(rank: int) -> int:
+    """SIGKILL the running training rank ``rank``; returns its pid."""
+    for p in _ranks():
+        if p.environ().get("RANK") == str(rank):
+            p.send_signal(signal.SIGKILL)
+            return p.pid
+    raise AssertionError(f"no rank {rank} running")
+
+
+@pytest.fixture(scope="module")
+def whole(dist_store, layouts, tmp_path_factory) -> Path:
+    """An uninterrupted 2-rank run through the launcher."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    rc = subprocess.run([sys.executable, "-m", "trellis.cli", "train", str(dist_store), "--parts-dir",
+                         str(layouts[("metis", 2)]), "--out", str(out), *TRAIN], env=ENV,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    assert rc.returncode == 0, rc.stderr.decode()[-2000:]
+    return out
+
+
+def test_killed_rank_is_named_every_rank_exits_and_resume_finishes_the_run(dist_store, layouts, whole, tmp_path):
+    out = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(dist_store), "--parts-dir",
+                             str(layouts[("metis", 2)]), "--out", str(out), *TRAIN], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait_for_epochs(out, proc, 10)
+    pid = _kill_rank(1)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30  # --timeout 30: nobody hangs
+    assert proc.returncode != 0
+    assert f"rank 1 (pid {pid}) died: killed by SIGKILL" in err.decode()
+    assert not _ranks()  # every rank has exited
+    assert (out / "checkpoints" / "last.pt").is_file() and not (out / "summary.json").exists()
+    rc = subprocess.run([sys.executable, "-m", "trellis.cli", "train", "--resume", str(out), "--no-progress"],
+                        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    assert rc.returncode == 0, rc.stderr.decode()[-2000:]
+    assert _records(out) == _records(whole)
+
+
+def test_torchrun_restart_resumes_from_the_checkpoint_by_itself(dist_store, layouts, whole, tmp_path):
+    out = tmp_path / "elastic"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--max-restarts", "1", "-m", "trellis.cli", "train", str(dist_store), "--parts-dir",
+                             str(layouts[("metis", 2)]), "--out", str(out), *TRAIN], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait_for_epochs(out, proc, 10)
+    _kill_rank(1)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert _records(out) == _records(whole)
+
+
+def _bad(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(dist_store, layouts, tmp_path, capsys,
+                                                                monkeypatch):
+    from trellis.data.generate import generate_sbm
+
+    parts = str(layouts[("metis", 2)])
+    out = tmp_path / "never"
+    base = ["train", str(dist_store), "--out", str(out), "--no-progress"]
+    other = generate_sbm(tmp_path / "other", nodes=100, features=16, classes=4, seed=3, progress=False)
+    assert "made from another store" in _bad(["train", str(other), "--parts-dir", parts, "--out", str(out)], capsys)
+    assert "--parts 3" in _bad([*base, "--parts-dir", parts, "--nproc", "3"], capsys)
+    assert "--parts-dir does not apply to --strategy mini" in _bad([*base, "--parts-dir", parts, "--strategy", "mini"],
+                                                                   capsys)
+    assert "--nproc needs --parts-dir" in _bad([*base, "--nproc", "2"], capsys)
+    assert "GPU" in _bad([*base, "--parts-dir", parts, "--device", "cuda"], capsys)  # NCCL: one GPU per rank
+    with socket.socket() as s:  # a port in use
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+        assert "in use" in _bad([*base, "--parts-dir", parts], capsys)
+    monkeypatch.delenv("MASTER_PORT")
+    damaged = tmp_path / "damaged"
+    subprocess.run(["cp", "-r", parts, str(damaged)], check=True)
+    target = damaged / "part-00001" / "indices.npy"
+    arr = np.load(target)
+    arr[0] = (arr[0] + 1) % 600
+    np.save(target, arr)
+    assert "sha256 does not match" in _bad([*base, "--parts-dir", str(damaged)], capsys)
+    (damaged / "part-00001" / "indices.npy").unlink()
+    assert "missing" in _bad([*base, "--parts-dir", str(damaged)], capsys)
+    assert not out.exists()
