@@ -122,14 +122,14 @@ def _dist_args(p: argparse.ArgumentParser) -> None:
 def _dist_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from trellis.dist.scaling import PULL_METHODS, ScalingConfig, format_rows, run_scaling
+    from trellis.dist.scaling import ScalingConfig, format_rows, run_scaling
+    from trellis.partition import available_methods
     from trellis.utils.sizes import parse_size
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in PULL_METHODS]
+    bad = [m for m in methods if m not in available_methods()]
     if not methods or bad:
-        raise TrellisUserError(f"--methods {args.methods}: choose destination-owned methods among "
-                               f"{', '.join(PULL_METHODS)}")
+        raise TrellisUserError(f"--methods {args.methods}: choose partitioners among {', '.join(available_methods())}")
     try:
         procs = sorted({int(v) for v in args.procs.split(",") if v.strip()})
     except ValueError:

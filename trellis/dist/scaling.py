@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trellis.data.store import GraphStore
+from trellis.utils.memory import TreeSampler
 from trellis.dist.cost import (
     CostInputs,
     exchange_row_floats,
@@ -110,6 +111,8 @@ class RunFigures:
     peak_anon_mb: list[float]
     num_parameters: int
     summary: dict[str, Any] = field(repr=False, default_factory=dict)
+    #: Peak RssAnon (MiB) of each training process, sampled from outside by the benchmark.
+    external_peak_anon_mb: list[float] = field(default_factory=list)
     records: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
     @property
@@ -129,16 +132,40 @@ def _env(threads: int | None = None) -> dict[str, str]:
 
 def _run(cmd: list[str], timeout: float, *, one_core: bool = False, env: dict[str, str] | None = None) -> str:
     """Run a child, return its stdout; RuntimeError with its last stderr line when it fails."""
+    out, _ = _run_sampled(cmd, timeout, one_core=one_core, env=env, sample=False)
+    return out
+
+
+def _run_sampled(cmd: list[str], timeout: float, *, one_core: bool = False, env: dict[str, str] | None = None,
+                 sample: bool = True) -> tuple[str, list[float]]:
+    """Run a child; its stdout and the peak RssAnon (MiB) of each training process, sampled from outside.
+
+    The training processes are the ranks a launcher started (``--config`` children), or the child itself.
+    """
     def pin() -> None:  # pragma: no cover - runs in the child
         if hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env(),
-                          preexec_fn=pin if one_core else None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or _env(),
+                            preexec_fn=pin if one_core else None)
+    sampler = TreeSampler(proc.pid) if sample else None
+    if sampler is not None:
+        sampler.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if sampler is not None:
+            sampler.stop()
     if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
         raise RuntimeError(f"{' '.join(cmd[2:5])}… failed (rc {proc.returncode}): {(lines or ['?'])[-1][:300]}")
-    return proc.stdout
+    peaks: list[float] = []
+    if sampler is not None:
+        ranks = [pid for pid, c in sampler.cmdlines.items() if "--config" in c and pid != proc.pid]
+        peaks = [sampler.peaks[pid] / MIB for pid in (ranks or [proc.pid]) if pid in sampler.peaks]
+    return stdout, peaks
 
 
 def _cli(*args: str) -> list[str]:
@@ -234,8 +261,10 @@ def train(cfg: ScalingConfig, store: Path, run_dir: Path, parts_dir: Path | None
             "--json", "--no-progress", "--overwrite"]
     if parts_dir is not None:
         args += ["--parts-dir", str(parts_dir)]
-    _run(_cli(*args), cfg.timeout_s, one_core=one_core)
-    return read_run(run_dir, label)
+    _, peaks = _run_sampled(_cli(*args), cfg.timeout_s, one_core=one_core)
+    fig = read_run(run_dir, label)
+    fig.external_peak_anon_mb = peaks
+    return fig
 
 
 def read_run(run_dir: Path, label: str = "") -> RunFigures:
@@ -269,9 +298,6 @@ def _load() -> float | None:
 
 def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark of ``cfg``; returns ``{"config", "machine", "rows"}`` (see :func:`format_rows`)."""
-    bad = [m for m in cfg.methods if m not in PULL_METHODS]
-    if bad:
-        raise ValueError(f"methods {bad}: the benchmark covers destination-owned layouts ({', '.join(PULL_METHODS)})")
     procs = sorted(set(int(p) for p in cfg.procs))
     if not procs or procs[0] < 1:
         raise ValueError("procs must be positive")
@@ -330,7 +356,7 @@ def run_scaling(cfg: ScalingConfig, log: Callable[[str], None] = print) -> dict[
             rows.append(_row("one core", 1, one, single, None))
         for (method, p), fig in runs.items():
             pred = None
-            if "serial_step_s" in machine:
+            if "serial_step_s" in machine and (method in PULL_METHODS or p == 1):  # the model prices pull
                 pred = _predict(cfg, reports[(method, p)], fig.num_parameters, machine)
             rows.append(_row(method if p > 1 else "-", p, fig, single, pred))
         cfg_out = {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()}
@@ -350,7 +376,7 @@ def exchange_shape(runs: dict[tuple[str, int], RunFigures], reports: dict[tuple[
     have a backward), not to P or the partition, so one run gives them for all.
     """
     for key, fig in runs.items():
-        if fig.ranks > 1:
+        if fig.ranks > 1 and key[0] in PULL_METHODS:
             rec = fig.records[-1] if fig.records else {}
             exchanges = sum(1 for k, v in rec.items() if k.startswith("exchange_l") and k.endswith("_bytes") and v)
             floats = exchange_row_floats(fig.sent_total, int(sum(reports[key]["part_halo"])))
@@ -376,10 +402,13 @@ def _predict(cfg: ScalingConfig, report: dict[str, Any], num_parameters: int, ma
 
 
 def _row(method: str, p: int, fig: RunFigures, single: RunFigures, pred: dict[str, Any] | None) -> dict[str, Any]:
+    peaks = fig.external_peak_anon_mb or fig.peak_anon_mb  # sampled from outside where the benchmark did
+    base = single.external_peak_anon_mb or single.peak_anon_mb
     row: dict[str, Any] = {"method": method, "ranks": p, "step_s": fig.step_s, "speedup": single.step_s / fig.step_s,
                            "sent_bytes_step": fig.sent_total, "eval_bytes": fig.eval_bytes,
-                           "sent_bytes_per_rank": fig.sent_per_rank, "rank_peak_rss_anon_mb": fig.peak_anon_mb,
-                           "peak_rss_anon_ratio": max(fig.peak_anon_mb) / max(single.peak_anon_mb)}
+                           "sent_bytes_per_rank": fig.sent_per_rank, "rank_peak_rss_anon_mb": peaks,
+                           "rank_peak_rss_anon_mb_self": fig.peak_anon_mb,
+                           "peak_rss_anon_ratio": max(peaks) / max(base)}
     if pred is not None:
         row.update(predicted_s=pred["total_s"], predicted_compute_s=pred["compute_s"],
                    predicted_comm_s=pred["comm_s"], measured_over_predicted=fig.step_s / pred["total_s"],
@@ -405,7 +434,7 @@ def format_rows(result: dict[str, Any]) -> str:
     if predicted:
         cols += ["predicted ms (compute + comm)", "measured/predicted"]
     cols += ["sent MiB/step (measured)"] + (["(predicted)"] if predicted else []) + [
-        "peak RssAnon MiB per rank", "max rank / single"]
+        "peak RssAnon MiB per rank (sampled outside)", "max rank / single"]
     lines += ["", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         cells = [r["method"], "single" if r["ranks"] == 0 else str(r["ranks"]), f"{r['step_s'] * 1e3:.1f}",

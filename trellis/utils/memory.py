@@ -158,3 +158,67 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
         return ok
     except (OSError, AttributeError):
         return False
+
+
+def status_of(pid: int) -> dict[str, int]:
+    """``RssAnon`` and ``VmRSS`` of process ``pid`` in bytes; empty once it has exited (a zombie has neither)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "VmRSS"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+class TreeSampler(threading.Thread):
+    """Peak ``RssAnon`` of a process and each of its descendants, sampled from outside every ``interval`` s.
+
+    Why from outside: a memory claim is checked that way (a process's own sampler misses what it allocates
+    before the sampler starts and after it stops); per descendant, because a launcher's ranks are separate
+    processes whose peaks are claimed one by one.
+
+    Attributes:
+        peaks: ``pid -> peak RssAnon`` in bytes, for the root and every descendant seen.
+        cmdlines: ``pid -> command line`` of each process seen.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.peaks: dict[int, int] = {}
+        self.cmdlines: dict[int, str] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        """Sample until :meth:`stop` or until the root exits."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self.done.is_set():
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for p in procs:
+                anon = status_of(p.pid).get("RssAnon")
+                if anon is None:
+                    continue
+                self.peaks[p.pid] = max(self.peaks.get(p.pid, 0), anon)
+                if p.pid not in self.cmdlines:
+                    try:
+                        self.cmdlines[p.pid] = " ".join(p.cmdline())
+                    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                        self.cmdlines[p.pid] = ""
+            self.done.wait(self.interval)
+
+    def stop(self) -> None:
+        """Stop sampling and wait for the thread."""
+        self.done.set()
+        self.join()
