@@ -98,7 +98,7 @@ def _dist_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--features", type=int, default=64, help="feature width when generating (default: 64)")
     p.add_argument("--classes", type=int, default=8, help="classes when generating (default: 8)")
     p.add_argument("--methods", default="grem,hash-dst", metavar="M1,M2",
-                   help="destination-owned partitioning methods (default: grem,hash-dst)")
+                   help="partitioning methods (default: grem,hash-dst)")
     p.add_argument("--procs", default="1,2,4", metavar="P1,P2", help="rank counts, 1 included (default: 1,2,4)")
     p.add_argument("--epochs", type=int, default=10, help="epochs per run (default: 10)")
     p.add_argument("--model", default="gcn", help="model (default: gcn)")
