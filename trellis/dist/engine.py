@@ -192,15 +192,38 @@ def _csr(indptr: np.ndarray, indices: np.ndarray, num_src: int, device: torch.de
                                **kw).to(device)
 
 
-def _route(comm: Comm, part: LocalGraph, node_ids: np.ndarray, rows: np.ndarray) -> Route:
-    num_local = part.num_local
-    owners = np.asarray(part.halo_owner)[rows - num_local]
-    return Route.owner_to_holders(comm, node_ids, num_local, rows, owners).to(comm.device)
+def _route(comm: Comm, owners: np.ndarray, node_ids: np.ndarray, num_local: int, rows: np.ndarray) -> Route:
+    """The owner -> holder route of the halo rows ``rows`` (``owners``: owner of every halo row)."""
+    return Route.owner_to_holders(comm, node_ids, num_local, rows, owners[rows - num_local]).to(comm.device)
 
 
-def _halo_sources(comm: Comm, part: LocalGraph, node_ids: np.ndarray, indices: np.ndarray) -> Route:
+def _halo_sources(comm: Comm, owners: np.ndarray, node_ids: np.ndarray, num_local: int,
+                  indices: np.ndarray) -> Route:
     used = np.unique(indices)
-    return _route(comm, part, node_ids, used[used >= part.num_local])
+    return _route(comm, owners, node_ids, num_local, used[used >= num_local])
+
+
+def _pull_graph(part: LocalGraph, device: torch.device) -> tuple[CSRGraph, np.ndarray, np.ndarray]:
+    """The part's pull graph with its halo rows grouped by owner: ``(graph, node_ids, halo owners)``.
+
+    Why regroup: the rows each owner sends then land in one contiguous block of the local rows, so a fetch
+    receives straight into its output (no receive buffer, no scatter). Only the column ids change; each
+    row's edges keep their order, so every sum is the same as on the layout's order.
+    """
+    graph = CSRGraph.from_partition(part)
+    num_local = part.num_local
+    owners = np.asarray(part.halo_owner)
+    order = np.argsort(owners, kind="stable")  # new halo position -> layout halo position
+    new_of_old = np.empty_like(order)
+    new_of_old[order] = np.arange(order.shape[0])
+    local = np.concatenate([np.arange(num_local), num_local + new_of_old])
+    rows = np.concatenate([np.arange(num_local), num_local + order])
+    graph.indices = torch.from_numpy(local)[graph.indices]
+    node_ids = np.asarray(part.local_to_global, dtype=np.int64)[rows]
+    graph.node_ids = torch.from_numpy(node_ids)
+    assert graph.src_degree is not None
+    graph.src_degree = graph.src_degree[torch.from_numpy(rows)]
+    return graph.to(device), node_ids, owners[order]
 
 
 def build_rank_graph(part: LocalGraph, comm: Comm, device: torch.device) -> RankGraph:
@@ -214,26 +237,28 @@ def build_rank_graph(part: LocalGraph, comm: Comm, device: torch.device) -> Rank
     num_local, num_rows = part.num_local, part.num_nodes
     degree = np.asarray(part.in_degree)
     owned_degree = torch.from_numpy(degree[:num_local].astype(np.float32)).to(device)
+    owners = np.asarray(part.halo_owner)
     pull_graph = pull = pull_route = route = fetch = None
     if mode == "pull":
-        pull_graph = local = weights = CSRGraph.from_partition(part).to(device)
-        fetch = _halo_sources(comm, part, node_ids, pull_graph.indices.cpu().numpy())
+        pull_graph, node_ids, owners = _pull_graph(part, device)
+        local = weights = pull_graph
+        fetch = _halo_sources(comm, owners, node_ids, num_local, pull_graph.indices.cpu().numpy())
     else:
         indptr, indices = np.asarray(part.indptr), np.asarray(part.indices)
         with_edges = np.flatnonzero(np.diff(indptr[num_local:]) > 0) + num_local
-        route = _route(comm, part, node_ids, with_edges)
+        route = _route(comm, owners, node_ids, num_local, with_edges)
         weights = _csr(indptr, indices, num_rows, device, src_degree=degree, dst_degree=degree)
         if mode == "mirror-reduce":
             local = weights
-            fetch = _halo_sources(comm, part, node_ids, indices)
+            fetch = _halo_sources(comm, owners, node_ids, num_local, indices)
         else:
             if indices.size and int(indices.max()) >= num_local:
                 raise TrellisUserError(f"part {part.part}: out-edges from halo rows in a source-owned layout; "
                                        "re-run `trellis partition`")
-            local = _csr(indptr, indices, num_local, device)
+            local = CSRGraph(weights.indptr, weights.indices, num_local)  # the same arrays, owned sources only
             if mode == "reverse":
                 pull = CSRGraph.from_partition(part).to(device)
-                pull_route = _halo_sources(comm, part, node_ids, pull.indices.cpu().numpy())
+                pull_route = _halo_sources(comm, owners, node_ids, num_local, pull.indices.cpu().numpy())
     ex = Exchange(mode, local, weights, fetch, route, owned_degree, traffic, pull, pull_route)
     graph = CSRGraph(torch.zeros(num_local + 1, dtype=torch.int64, device=device),
                      torch.zeros(0, dtype=torch.int64, device=device), num_local,

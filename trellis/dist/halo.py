@@ -71,6 +71,7 @@ class Route:
         self.comm = comm
         self.send_idx, self.send_counts = send_idx, send_counts
         self.recv_idx, self.recv_counts = recv_idx, recv_counts
+        self._block: int | None | bool = False  # not computed yet
 
     def reversed(self) -> Route:
         """The same pairs of rows, travelling the other way."""
@@ -86,9 +87,23 @@ class Route:
         return Route(self.comm, self.send_idx.to(device), self.send_counts, self.recv_idx.to(device),
                      self.recv_counts)
 
-    def send(self, x: Tensor) -> Tensor:
-        """Send rows ``x[send_idx]``; return the received rows ``[sum(recv_counts), ...]`` (in ``recv_idx`` order)."""
-        out = x.new_empty((sum(self.recv_counts), *x.shape[1:]))
+    @property
+    def recv_block(self) -> int | None:
+        """First row of the received rows when they are one ascending block of local rows, else None."""
+        if self._block is False:
+            idx = self.recv_idx
+            n = int(idx.shape[0])
+            first = int(idx[0]) if n else 0
+            contiguous = n == 0 or bool(torch.equal(idx, torch.arange(first, first + n, device=idx.device)))
+            self._block = first if contiguous else None
+        return self._block
+
+    def send(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """Send rows ``x[send_idx]``; return the received rows ``[sum(recv_counts), ...]`` (in ``recv_idx`` order).
+
+        ``out`` (shaped like the result) receives them in place.
+        """
+        out = x.new_empty((sum(self.recv_counts), *x.shape[1:])) if out is None else out
         if self.comm.world_size == 1:
             return out
         payload = x.index_select(0, self.send_idx).contiguous()
@@ -157,6 +172,12 @@ def spread_rows(x: Tensor, route: Route, num_rows: int, traffic: Traffic, layer:
     """
     x = x.contiguous()
     traffic.add(layer, direction, route.rows_sent * x[:1].numel() * x.element_size())
+    n, block = int(route.recv_idx.shape[0]), route.recv_block
+    if block is not None and block == x.shape[0] and n == num_rows - block:  # every halo row, grouped by owner
+        out = x.new_empty((num_rows, *x.shape[1:]))
+        out[:block] = x
+        route.send(x, out=out[block:])
+        return out
     got = route.send(x)
     out = x.new_zeros((num_rows, *x.shape[1:]))
     out[: x.shape[0]] = x

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from trellis.data.store import GraphStore
-from trellis.utils.memory import TreeSampler
 from trellis.dist.cost import (
     CostInputs,
     exchange_row_floats,
@@ -38,6 +37,7 @@ from trellis.dist.cost import (
     thread_efficiency,
     work_shares,
 )
+from trellis.utils.memory import TreeSampler
 
 #: Partitioning methods whose layouts own edges by destination (pull): the ones the prediction covers.
 PULL_METHODS = ("grem", "metis", "ldg", "fennel", "random", "hash-dst")

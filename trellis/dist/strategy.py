@@ -131,17 +131,17 @@ class DistributedFull(Strategy):
         env = RankEnv.from_environ()
         store = GraphStore(str(cfg.store))
         self.store = store
+        layout = check_layout(cfg, store, cfg.nproc or 1 if env is None else env.world_size)
         if env is None:  # one process, no launcher: a world of one
-            check_layout(cfg, store, cfg.nproc or 1)
             env = RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
         else:
             torch.set_num_threads(rank_threads(env.local_world_size))
-        layout = check_layout(cfg, store, env.world_size)
+        if self.device.type == "cuda":  # one GPU per rank: "cuda" now means this rank's
+            torch.cuda.set_device(env.local_rank)
+            self.device = torch.device("cuda", env.local_rank)
         self.comm = comm = Comm(env, self.device, cfg.timeout)
         self.writes_run_dir = comm.rank == 0
         part = layout.part(comm.rank)
-        self.layout_checksum = hashlib.sha256(str(sorted(
-            (k, v["sha256"]) for k, v in layout.manifest["arrays"].items())).encode()).hexdigest()
         self.rg: RankGraph = build_rank_graph(part, comm, self.device)
         num_local = part.num_local
         owned = self.rg.node_ids[:num_local]
