@@ -44,7 +44,7 @@ from trellis.train.data import SPLITS, load_labels, normalize_features
 from trellis.train.features import parse_features
 from trellis.train.strategy import Strategy, register_partitioned
 from trellis.train.tasks import Task, evaluate_logits
-from trellis.utils.memory import PeakMemory
+from trellis.utils.memory import PeakMemory, return_freed_memory
 
 #: Models whose layers need every in-edge of a node at its owner (attention's softmax): pull layouts only.
 PULL_ONLY_MODELS = ("gat", "gate")
@@ -128,6 +128,8 @@ class DistributedFull(Strategy):
     def load(self) -> None:
         """Join the job, open this rank's part and build its graph, view and exchange."""
         cfg = self.cfg
+        # freed exchange buffers go back to the kernel instead of staying in RssAnon as heap fragments
+        return_freed_memory()
         env = RankEnv.from_environ()
         store = GraphStore(str(cfg.store))
         self.store = store
