@@ -111,9 +111,9 @@ class RunFigures:
     peak_anon_mb: list[float]
     num_parameters: int
     summary: dict[str, Any] = field(repr=False, default_factory=dict)
+    records: list[dict[str, Any]] = field(repr=False, default_factory=list)
     #: Peak RssAnon (MiB) of each training process, sampled from outside by the benchmark.
     external_peak_anon_mb: list[float] = field(default_factory=list)
-    records: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
     @property
     def sent_total(self) -> float:
@@ -137,10 +137,10 @@ def _run(cmd: list[str], timeout: float, *, one_core: bool = False, env: dict[st
 
 
 def _run_sampled(cmd: list[str], timeout: float, *, one_core: bool = False, env: dict[str, str] | None = None,
-                 sample: bool = True) -> tuple[str, list[float]]:
+                 sample: bool = True, launcher: bool = False) -> tuple[str, list[float]]:
     """Run a child; its stdout and the peak RssAnon (MiB) of each training process, sampled from outside.
 
-    The training processes are the ranks a launcher started (``--config`` children), or the child itself.
+    The training processes are the child itself, or with ``launcher`` the ranks it started (its children).
     """
     def pin() -> None:  # pragma: no cover - runs in the child
         if hasattr(os, "sched_setaffinity"):
@@ -163,8 +163,8 @@ def _run_sampled(cmd: list[str], timeout: float, *, one_core: bool = False, env:
         raise RuntimeError(f"{' '.join(cmd[2:5])}… failed (rc {proc.returncode}): {(lines or ['?'])[-1][:300]}")
     peaks: list[float] = []
     if sampler is not None:
-        ranks = [pid for pid, c in sampler.cmdlines.items() if "--config" in c and pid != proc.pid]
-        peaks = [sampler.peaks[pid] / MIB for pid in (ranks or [proc.pid]) if pid in sampler.peaks]
+        ranks = [pid for pid, parent in sampler.parents.items() if parent == proc.pid] if launcher else [proc.pid]
+        peaks = [sampler.peaks[pid] / MIB for pid in ranks if pid in sampler.peaks]
     return stdout, peaks
 
 
@@ -261,7 +261,7 @@ def train(cfg: ScalingConfig, store: Path, run_dir: Path, parts_dir: Path | None
             "--json", "--no-progress", "--overwrite"]
     if parts_dir is not None:
         args += ["--parts-dir", str(parts_dir)]
-    _, peaks = _run_sampled(_cli(*args), cfg.timeout_s, one_core=one_core)
+    _, peaks = _run_sampled(_cli(*args), cfg.timeout_s, one_core=one_core, launcher=parts_dir is not None)
     fig = read_run(run_dir, label)
     fig.external_peak_anon_mb = peaks
     return fig

@@ -183,14 +183,14 @@ class TreeSampler(threading.Thread):
 
     Attributes:
         peaks: ``pid -> peak RssAnon`` in bytes, for the root and every descendant seen.
-        cmdlines: ``pid -> command line`` of each process seen.
+        parents: ``pid -> parent pid`` of each process seen.
     """
 
     def __init__(self, pid: int, interval: float = 0.01) -> None:
         super().__init__(daemon=True)
         self.pid, self.interval = pid, interval
         self.peaks: dict[int, int] = {}
-        self.cmdlines: dict[int, str] = {}
+        self.parents: dict[int, int] = {}
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -211,11 +211,11 @@ class TreeSampler(threading.Thread):
                 if anon is None:
                     continue
                 self.peaks[p.pid] = max(self.peaks.get(p.pid, 0), anon)
-                if p.pid not in self.cmdlines:
+                if p.pid not in self.parents:
                     try:
-                        self.cmdlines[p.pid] = " ".join(p.cmdline())
+                        self.parents[p.pid] = p.ppid()
                     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                        self.cmdlines[p.pid] = ""
+                        self.parents[p.pid] = -1
             self.done.wait(self.interval)
 
     def stop(self) -> None:
