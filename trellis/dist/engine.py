@@ -130,7 +130,7 @@ class Exchange:
         """The layer's aggregation of the owned rows ``x``, completed with the peers' rows or partial sums."""
         agg = aggregation_of(self.weights)
         rows = self.local.num_src
-        if self.fetch is not None:
+        if self.fetch is not None and self.fetch.comm.world_size > 1:  # (every rank must take part in a fetch)
             x = Fetch.apply(x, self.fetch, rows, self.traffic)
         if self.mode == "pull":  # every in-edge is here: the single process's SpMM on the part's rows
             return spmm(self.local, x, agg.edge_weight, reduce=reduce, self_weight=agg.self_weight)
