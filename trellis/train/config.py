@@ -78,6 +78,9 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
 #: Per-strategy defaults of fields that depend on the strategy (``None`` until resolved).
 STRATEGY_DEFAULTS: dict[str, dict[str, Any]] = {"pp": {"batch_size": 8192}}
 
+#: Seconds a distributed rank waits for its peers by default (``--timeout``).
+DEFAULT_TIMEOUT_S = 300.0
+
 #: Fields that describe one invocation rather than the experiment: not written to ``config.json`` and
 #: allowed to differ when a run is resumed.
 SESSION_FIELDS = frozenset({"json", "explain", "resume", "progress", "overwrite", "timeout"})
@@ -179,8 +182,8 @@ class TrainConfig:
     nproc: int | None = _f(None, "full with --parts-dir: ranks to start on this machine (127.0.0.1, gloo; nccl with "
                                  "--device cuda); must equal the layout's parts; under torchrun the launcher's "
                                  "ranks are used instead (default: the number of parts)")
-    timeout: float = _f(300.0, "full with --parts-dir: seconds a rank waits for its peers (rendezvous, exchanges, "
-                               "barriers) before it fails naming the missing rank (default: 300)")
+    timeout: float = _f(DEFAULT_TIMEOUT_S, "full with --parts-dir: seconds a rank waits for its peers (rendezvous, "
+                                           "exchanges, barriers) before it fails (default: 300)")
     prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
     deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
                                     "(default: off)")
@@ -267,7 +270,7 @@ class TrainConfig:
             _check_range("nproc", self.nproc, 1)
         if not 0.0 < self.timeout < float("inf"):
             raise TrellisUserError(f"--timeout must be a positive number of seconds (got {self.timeout})")
-        if self.timeout != 300.0 and self.parts_dir is None:
+        if self.timeout != DEFAULT_TIMEOUT_S and self.parts_dir is None:
             raise TrellisUserError("--timeout applies to distributed runs only; add --parts-dir PART_DIR or drop it")
         if self.nproc is not None and self.parts_dir is None:
             raise TrellisUserError("--nproc needs --parts-dir PART_DIR (ranks train the parts of a partitioned "
