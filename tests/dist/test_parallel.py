@@ -134,4 +134,3 @@ def test_a_layout_refuses_what_it_cannot_train(dist_store, layouts, tmp_path):
     with pytest.raises(TrellisUserError, match="trellis partition .* --parts 1"):
         Trainer(_cfg(dist_store, "gcn", tmp_path / "b", parts_dir=str(layouts[("metis", 2)]), nproc=1)).fit()
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-    torch.set_num_threads(1)
