@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import print_table
+from trellis.utils.memory import status_of
 from trellis.utils.sizes import format_size, parse_size
 
 MODULE = "benchmarks.bench_outofcore"
@@ -207,20 +208,6 @@ def last_line(text: str) -> str:
     return (lines[-1] if lines else "failed")[:200]
 
 
-def read_status(pid: int) -> dict[str, int]:
-    """``RssAnon`` and ``VmRSS`` of ``pid`` in bytes; empty once it has exited (a zombie has neither)."""
-    out: dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("RssAnon", "VmRSS"):
-                    out[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError):
-        pass
-    return out
-
-
 @dataclass
 class Watched:
     """What :func:`run_watched` saw of a child: exit status, peaks, output."""
@@ -252,7 +239,7 @@ class _Sampler(threading.Thread):
     def run(self) -> None:
         next_spill = 0.0
         while not self.done.is_set():
-            status = read_status(self.proc.pid)
+            status = status_of(self.proc.pid)
             if not status:
                 break
             self.peak_anon = max(self.peak_anon, status.get("RssAnon", 0))

@@ -15,6 +15,8 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.train.helpers import wait_for_epochs
+
 from trellis.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,16 +29,6 @@ def _records(run: Path) -> list[dict]:
     drop = ("time_s", "step_time_s", "eval_exchange_bytes")
     return [{k: v for k, v in json.loads(line).items() if k not in drop}
             for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _wait_for_epochs(out: Path, proc: subprocess.Popen, n: int) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        m = out / "metrics.jsonl"
-        if m.is_file() and len(m.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {n} epochs (exit {proc.poll()})")
 
 
 def _ranks() -> list[psutil.Process]:
@@ -76,7 +68,7 @@ def test_killed_rank_is_named_every_rank_exits_and_resume_finishes_the_run(dist_
     proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(dist_store), "--parts-dir",
                              str(layouts[("metis", 2)]), "--out", str(out), *TRAIN], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_for_epochs(out, proc, 10)
+    wait_for_epochs(out, proc, 10)
     pid = _kill_rank(1)
     t0 = time.monotonic()
     _, err = proc.communicate(timeout=60)
@@ -97,7 +89,7 @@ def test_torchrun_restart_resumes_from_the_checkpoint_by_itself(dist_store, layo
                              "--max-restarts", "1", "-m", "trellis.cli", "train", str(dist_store), "--parts-dir",
                              str(layouts[("metis", 2)]), "--out", str(out), *TRAIN], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_for_epochs(out, proc, 10)
+    wait_for_epochs(out, proc, 10)
     _kill_rank(1)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()[-3000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 
 from trellis.train.runs import read_json, read_jsonl
@@ -23,3 +25,14 @@ def summary_without_timing(run_dir: Path) -> dict:
     out = {k: v for k, v in s.items() if k not in VOLATILE_SUMMARY}
     out["per_run"] = [{k: v for k, v in r.items() if k not in TIMING} for r in s["per_run"]]
     return out
+
+
+def wait_for_epochs(out: Path, proc: subprocess.Popen, n: int, timeout: float = 120.0) -> None:
+    """Wait until the run ``out`` of the child ``proc`` has logged ``n`` epochs (fail if it exits first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = out / "metrics.jsonl"
+        if m.is_file() and len(m.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} epochs (exit {proc.poll()}): {proc.stderr.read().decode() if proc.stderr else ''}")

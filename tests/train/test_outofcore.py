@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.train.helpers import metrics_without_timing
+from tests.train.helpers import metrics_without_timing, wait_for_epochs
 from tests.train.stubmodel import make_sbm_store
 from trellis.cli.main import main
 from trellis.train.config import TrainConfig
@@ -90,16 +89,6 @@ def _spawn(store: Path, out: Path, *extra: str) -> subprocess.Popen:
                              "--out", str(out), *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _wait_for_epochs(out: Path, proc: subprocess.Popen, n: int) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        m = out / "metrics.jsonl"
-        if m.is_file() and len(m.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {n} epochs: {proc.stderr.read().decode() if proc.stderr else ''}")
-
-
 def _spill_dirs(root: Path) -> list[Path]:
     return list(root.glob(f"{PREFIX}*")) if root.is_dir() else []
 
@@ -107,7 +96,7 @@ def _spill_dirs(root: Path) -> list[Path]:
 def test_sigterm_removes_the_spills(store, tmp_path):
     out = tmp_path / "run"
     proc = _spawn(store, out)
-    _wait_for_epochs(out, proc, 2)
+    wait_for_epochs(out, proc, 2)
     assert _spill_dirs(out / "spill")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) != 0
@@ -118,7 +107,7 @@ def test_sigterm_removes_the_spills(store, tmp_path):
 def test_kill_9_leaves_spills_that_resume_removes(store, tmp_path):
     out, spill = tmp_path / "run", tmp_path / "spill"
     proc = _spawn(store, out, "--spill-dir", str(spill), "--epochs", "400")
-    _wait_for_epochs(out, proc, 3)
+    wait_for_epochs(out, proc, 3)
     proc.kill()
     proc.wait(timeout=60)
     stale = _spill_dirs(spill)
