@@ -133,3 +133,11 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(dist_store, lay
     (damaged / "part-00001" / "indices.npy").unlink()
     assert "missing" in _bad([*base, "--parts-dir", str(damaged)], capsys)
     assert not out.exists()
+
+
+def test_explain_describes_the_layout_and_the_plan_without_starting_ranks(dist_store, layouts, capsys):
+    assert main(["train", str(dist_store), "--parts-dir", str(layouts[("hash", 4)]), "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "distributed: 4 ranks over" in out and "src-owned: push exchange" in out
+    assert "gcn[0]: pushdown=yes" in out and "exchange per layer at width 16" in out
+    assert not _ranks()

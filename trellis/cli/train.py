@@ -120,7 +120,15 @@ def run_train(args: argparse.Namespace) -> int:
         from trellis.dist.comm import RankEnv
 
         env = RankEnv.from_environ()
-        if env is None and not cfg.explain and (cfg.nproc or 0) != 1:
+        if cfg.explain:
+            from trellis.dist.strategy import explain_distributed
+
+            text = explain_distributed(cfg, getattr(args, "model_factory", None))
+            print(text)
+            if cfg.json:
+                print(json.dumps({"explain": text}))
+            return 0
+        if env is None and (cfg.nproc or 0) != 1:
             from trellis.dist.launch import launch
 
             return launch(cfg)

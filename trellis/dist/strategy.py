@@ -32,9 +32,10 @@ from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
 from trellis.dist.comm import Comm, RankEnv, rank_threads
-from trellis.dist.engine import RankGraph, build_rank_graph
+from trellis.dist.engine import MODES, RankGraph, build_rank_graph
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of
+from trellis.ops.graph import CSRGraph
 from trellis.ops.dropout import keyed_rows
 from trellis.partition.layout import PartitionedGraph
 from trellis.plan.cost import GraphStats
@@ -107,6 +108,40 @@ def _edge_keys(comm: Comm, graph: Any, node_ids: np.ndarray, num_nodes: int) -> 
     rows = torch.repeat_interleave(torch.arange(sl.num_dst), local_len)
     pos = row_start[rows] + (torch.arange(sl.num_edges) - local_indptr[:-1][rows])
     return pos.numpy()
+
+
+def explain_distributed(cfg: TrainConfig, factory: ModelFactory | None = None) -> str:
+    """``--explain`` with ``--parts-dir``: the layout, its exchange per layer, and the plan every rank runs.
+
+    Joins no job: every rank plans from the whole graph's statistics, so the plan is the single process's,
+    and the exchange is the partition's estimate (which the measured bytes equal).
+    """
+    from trellis.train.build import build_run_model, default_model_factory
+    from trellis.train.tasks import resolve_task
+
+    store = GraphStore(str(cfg.store))
+    layout = check_layout(cfg, store, cfg.nproc)
+    q = layout.quality or {}
+    task = resolve_task(cfg.task, store.task, np.asarray(store.y), store.num_classes)
+    spec = ModelSpec(max(1, store.num_features) if cfg.features == "store" else 1, task.num_outputs,
+                     int(store.edge_feat.shape[1]) if store.edge_feat is not None else 0, store.num_nodes, 0)
+    model = build_run_model(cfg, spec, factory or default_model_factory)
+    lines = [f"distributed: {layout.num_parts} ranks over {cfg.parts_dir} ({layout.ownership}-owned: "
+             f"{MODES[layout.ownership]} exchange)"]
+    if q:
+        lines.append(f"exchange per layer at width {q['width']} (all ranks): forward "
+                     f"{q['exchange_fwd_bytes'] / 2**20:,.1f} MiB, backward {q['exchange_bwd_bytes'] / 2**20:,.1f} "
+                     "MiB; a layer exchanges at the width its plan aggregates (scale by width / "
+                     f"{q['width']}); halo per part {q['part_halo']}")
+    try:
+        family_of(model)
+    except TrellisUserError:
+        lines.append(f"{cfg.model}: aggregates by itself; each layer's input rows are fetched at its input width")
+    else:
+        b = BatchedGNN([model])
+        b.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
+        lines += ["", b.explain(CSRGraph.from_numpy(np.zeros(1, np.int64), np.zeros(0, np.int64)))]
+    return "\n".join(lines)
 
 
 @register_partitioned("full")
