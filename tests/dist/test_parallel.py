@@ -33,6 +33,7 @@ MODELS = ("gcn", "sage", "gin", "gat", "gate")
 
 #: World size -> (method, model) jobs: every model on a pull layout, GCN/SAGE/GIN on every other ownership.
 JOBS = {
+    1: [("metis", "gcn"), ("metis", "gat")],
     2: [("metis", "gcn"), ("hash", "sage"), ("metis", "gat")],
     4: [("metis", m) for m in MODELS]
        + [(method, m) for method in ("hash", "reverse", "vertex-cut") for m in ("gcn", "sage", "gin")],
