@@ -45,7 +45,7 @@ from trellis.train.data import SPLITS, load_labels, normalize_features
 from trellis.train.features import parse_features
 from trellis.train.strategy import Strategy, register_partitioned
 from trellis.train.tasks import Task, evaluate_logits
-from trellis.utils.memory import PeakMemory, return_freed_memory
+from trellis.utils.memory import PeakMemory, trim_heap
 
 #: Models whose layers need every in-edge of a node at its owner (attention's softmax): pull layouts only.
 PULL_ONLY_MODELS = ("gat", "gate")
@@ -163,8 +163,6 @@ class DistributedFull(Strategy):
     def load(self) -> None:
         """Join the job, open this rank's part and build its graph, view and exchange."""
         cfg = self.cfg
-        # freed exchange buffers go back to the kernel instead of staying in RssAnon as heap fragments
-        return_freed_memory()
         env = RankEnv.from_environ()
         store = GraphStore(str(cfg.store))
         self.store = store
@@ -300,6 +298,7 @@ class DistributedFull(Strategy):
         optimizer.step()
         total = self.comm.sum([float(loss.detach())])[0]
         self._step_traffic = self._job_traffic()
+        trim_heap()  # freed exchange buffers leave RssAnon before evaluation allocates its own
         return torch.tensor(total, dtype=torch.float32)
 
     def _job_traffic(self) -> dict[str, Any]:
@@ -345,7 +344,10 @@ class DistributedFull(Strategy):
         model.eval()
         logits, y, splits = self._gathered(self.forward(model))
         self._eval_bytes = self.rg.traffic.take()["exchange_bytes"]
-        return evaluate_logits(task, logits, y, splits)
+        metrics = evaluate_logits(task, logits, y, splits)
+        del logits
+        trim_heap()
+        return metrics
 
     def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
         """What ``trellis predict`` rebuilds the model from (it predicts in one process, on the store)."""
