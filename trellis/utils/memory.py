@@ -10,10 +10,12 @@ steps misses.
 
 from __future__ import annotations
 
+import functools
 import resource
 import sys
 import threading
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -144,14 +146,10 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
     fragments. A memory budget is about live memory; with the threshold fixed, every tile's buffers go back
     to the kernel when freed. Returns False where glibc's ``mallopt`` is not available (other C libraries).
     """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold = -1, -3
         ok = libc.mallopt(m_mmap_threshold, int(threshold)) == 1
         ok = libc.mallopt(m_trim_threshold, int(threshold)) == 1 and ok
@@ -231,13 +229,23 @@ def trim_heap() -> bool:
     phases of a step (training, evaluation) returns them without paying for an ``mmap`` and its page faults
     on every allocation, as :func:`return_freed_memory` does.
     """
+    libc = _libc()
+    if libc is None:
+        return False
+    try:
+        return bool(libc.malloc_trim(0))
+    except AttributeError:  # not glibc
+        return False
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library (``ctypes.CDLL``), loaded once; None where it cannot be found."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        return bool(ctypes.CDLL(name).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+        return None if name is None else ctypes.CDLL(name)
+    except OSError:
+        return None
