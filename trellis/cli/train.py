@@ -152,6 +152,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"rank {rank} stopped: {str(exc).strip().splitlines()[0][:300]}", file=sys.stderr)
         return 1
     except TrainingInterrupted as exc:
+        if rank:  # a distributed run's peers: rank 0 says where the checkpoint is
+            return 128 + int(exc.signum)
         print(f"stopped at run {exc.run}, epoch {exc.epoch}; checkpoint written. Continue with:\n"
               f"  trellis train --resume {exc.run_dir}", file=sys.stderr)
         return 128 + int(exc.signum)

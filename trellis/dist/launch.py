@@ -79,6 +79,16 @@ def warm_kernels() -> None:
         dropout(torch.ones(2, 2), 0.5, True)
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Ask Linux to SIGTERM this rank when the launcher dies (``PR_SET_PDEATHSIG``); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -115,8 +125,10 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
     try:
         for r in range(nproc):
             env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+            # Own session: a terminal's Ctrl-C reaches only the launcher, which passes it on once (two
+            # SIGINTs would make a rank abort without its checkpoint); ranks die with the launcher.
             procs.append(subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", "--config", str(cfg_file)],
-                                          env=env))
+                                          env=env, start_new_session=True, preexec_fn=_die_with_parent))
         return _watch(procs, err, stopping)
     finally:
         for s, h in previous.items():

@@ -35,8 +35,8 @@ from trellis.dist.comm import Comm, RankEnv, rank_threads
 from trellis.dist.engine import MODES, RankGraph, build_rank_graph
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of
-from trellis.ops.graph import CSRGraph
 from trellis.ops.dropout import keyed_rows
+from trellis.ops.graph import CSRGraph
 from trellis.partition.layout import PartitionedGraph
 from trellis.plan.cost import GraphStats
 from trellis.train.build import ModelFactory, ModelSpec
