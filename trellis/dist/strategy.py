@@ -317,15 +317,10 @@ class DistributedFull(Strategy):
     def _gathered(self, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """Logits of every split's nodes from every rank, in the store's split order, with their labels."""
         assert self.comm is not None
-        node_ids = torch.from_numpy(self.rg.node_ids)
-        rows, gids = [], []
-        for s in SPLITS:
-            idx = self.local_splits[s].cpu()
-            rows.append(logits.detach().cpu()[idx])
-            gids.append(node_ids[idx])
-        mine = torch.cat(rows)
+        idx = torch.cat([self.local_splits[s] for s in SPLITS])
+        mine = logits.detach()[idx].cpu()  # only the scored rows leave the device
         all_rows = torch.cat(self.comm.all_gather_rows(mine))
-        all_ids = torch.cat(self.comm.all_gather_rows(torch.cat(gids))).numpy()
+        all_ids = torch.cat(self.comm.all_gather_rows(torch.from_numpy(self.rg.node_ids[idx.cpu().numpy()]))).numpy()
         order = np.argsort(all_ids, kind="stable")
         sorted_ids = all_ids[order]
         parts, ys, splits, at = [], [], {}, 0
