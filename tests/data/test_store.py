@@ -144,11 +144,22 @@ def test_validation_errors_write_nothing(tmp_path):
         assert_nothing_written(out)
 
 
-def test_preferred_feature_norm_follows_the_importer(tmp_path, data_dir):
+def test_feature_norm_auto_reads_the_features_not_the_importer(tmp_path, data_dir):
+    """The same Cora features get the same choice from either importer; Computers' long rows get l2."""
     from trellis.data.importers import import_graph
-    from trellis.data.store import open_store
+    from trellis.data.store import feature_norm_of, open_store
 
     cora = import_graph(data_dir / "cora", tmp_path / "cora", format="planetoid", progress=False)
     assert open_store(cora).preferred_feature_norm == "row"
     npz = import_graph(data_dir / "cora-npz", tmp_path / "coranpz", format="npz", progress=False)
-    assert open_store(npz).preferred_feature_norm == "none"
+    assert open_store(npz).preferred_feature_norm == "row"
+    comp = import_graph(data_dir / "amazon-computers" / "amazon_electronics_computers.npz", tmp_path / "comp",
+                        format="npz", progress=False)
+    assert open_store(comp).preferred_feature_norm == "l2"
+    rng = np.random.default_rng(0)
+    assert feature_norm_of(rng.normal(size=(100, 8)))[0] == "none"  # signed
+    assert feature_norm_of(rng.random((100, 8)))[0] == "none"  # dense
+    bow = (rng.random((100, 1000)) < 0.02).astype(np.float32)  # ~20 words per row
+    assert feature_norm_of(bow)[0] == "row"
+    long_rows = (rng.random((100, 1000)) < 0.3).astype(np.float32)  # ~300 words per row
+    assert feature_norm_of(long_rows)[0] == "l2"

@@ -196,10 +196,12 @@ def test_feature_norm():
     assert mode == "none" and torch.equal(y, torch.tensor([[1.0, -1.0]]))
     y, mode = normalize_features(torch.tensor([[1.0, -3.0]]), "row")
     assert mode == "row" and torch.allclose(y, torch.tensor([[0.25, -0.75]]))
+    y, mode = normalize_features(torch.tensor([[3.0, -4.0], [0.0, 0.0]]), "l2")
+    assert mode == "l2" and torch.allclose(y, torch.tensor([[0.6, -0.8], [0.0, 0.0]]))
 
 
 def test_feature_norm_recorded(tmp_path):
-    # auto follows the store: row for Planetoid imports (the GCN paper's preprocessing), none otherwise
+    # auto reads the features: dense non-negative ones are left alone
     store = make_sbm_store(tmp_path / "nonneg", nonneg=True)
     assert train(cfg_for(store, tmp_path / "r1", epochs=2))["feature_norm"] == "none"
     assert train(cfg_for(store, tmp_path / "r2", epochs=2, feature_norm="row"))["feature_norm"] == "row"

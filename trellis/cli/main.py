@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "trellis.cli.preprocess",
     "trellis.cli.train",
     "trellis.cli.sweep",
+    "trellis.cli.tune",
     "trellis.cli.compare",
     "trellis.cli.bench",
     "trellis.cli.demo",

@@ -194,7 +194,7 @@ class DistributedFull(Strategy):
         self.x = x.to(self.device)
         if self.rg.pull_view is not None:
             self.rg.pull_view.constant = self.x
-        y, splits, task = load_labels(store, cfg.task, torch.device("cpu"))
+        y, splits, task = load_labels(store, cfg.task, torch.device("cpu"), cfg.split_seed)
         self.task = task
         self.y_local = y[torch.from_numpy(owned.copy())].to(self.device)
         self.local_splits = {s: torch.from_numpy(np.array(part.splits.get(s, np.empty(0, np.int64)),

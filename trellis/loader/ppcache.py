@@ -51,7 +51,7 @@ from trellis.ops.propagate import (
     default_block_rows,
     gather_rows,
     iter_hops,
-    l1_normalize_rows,
+    normalize_rows,
 )
 from trellis.utils.atomic import MANIFEST, clean_stale_temps, replace_dir, temp_sibling
 from trellis.utils.manifest import ManifestField, ManifestFormat
@@ -122,8 +122,8 @@ class PPSettings:
         split_rows_only: Keep only rows of nodes in some split (None = automatic: keep all rows unless
             only the split rows fit the free disk space).
         shuffle_seed: Seed of the one-time shuffle of training rows (default: 0).
-        feature_norm: ``auto``, ``none`` or ``row`` (L1 row normalization of X before propagating; auto =
-            the store's preference, the full-batch trainer's rule) (default: auto).
+        feature_norm: ``auto``, ``none``, ``row`` or ``l2`` (L1 or L2 row normalization of X before
+            propagating; auto = chosen from the features' content, the full-batch trainer's rule) (default: auto).
     """
 
     operator: OperatorSpec = field(default_factory=OperatorSpec)
@@ -397,7 +397,7 @@ def estimate_bytes(store: GraphStore, settings: PPSettings, split_rows: int) -> 
     n = store.num_nodes
     per_hop_all = n * f * 4
     iterates = {"sym": 2, "rw": 2, "ppr": 3, "heat": 4}[settings.operator.name]
-    iterates += settings.feature_norm == "row"  # the normalized copy of X
+    iterates += settings.feature_norm in ("row", "l2")  # the normalized copy of X
     return {
         "all_rows": (settings.hops + 1) * per_hop_all,
         "split_rows": (settings.hops + 1) * split_rows * f * 4,
@@ -455,8 +455,8 @@ def build_pp(store: GraphStore, out: str | os.PathLike[str], settings: PPSetting
         bar = _progress_bar(total, f"preprocess {settings.operator.name} R={settings.hops}", progress)
         hop_files = []
         x = store.x
-        if settings.feature_norm == "row":  # a normalized copy of X is hop 0 and the start of propagation
-            x = l1_normalize_rows(x, Scratch(tmp / "scratch").new((store.num_nodes, f)))
+        if settings.feature_norm in ("row", "l2"):  # a normalized copy of X is hop 0 and the start of propagation
+            x = normalize_rows(x, Scratch(tmp / "scratch").new((store.num_nodes, f)), settings.feature_norm)
         try:
             for r, h in iter_hops(store.indptr, store.indices, x, settings.operator, settings.hops,
                                   edge_weight=store.edge_weight, scratch_dir=tmp / "scratch",

@@ -255,15 +255,19 @@ def scales(op: str, deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------------------------------
 
 #: ``feature_norm`` modes: row = divide each row by its L1 norm (Kipf & Welling's preprocessing of
-#: bag-of-words features), none, auto = the store's preference (``GraphStore.preferred_feature_norm``).
-FEATURE_NORMS = ("auto", "none", "row")
+#: bag-of-words features), l2 = by its L2 norm, none, auto = chosen from the features' content
+#: (``GraphStore.preferred_feature_norm``).
+FEATURE_NORMS = ("auto", "none", "row", "l2")
 
 
-def l1_normalize_rows(x: np.ndarray, out: np.ndarray, *, block_rows: int = 1 << 16) -> np.ndarray:
-    """``out[i] = x[i] / Σ_j |x[i, j]|`` block by block (all-zero rows stay zero)."""
+def normalize_rows(x: np.ndarray, out: np.ndarray, mode: str = "row", *, block_rows: int = 1 << 16) -> np.ndarray:
+    """``out[i] = x[i] / ||x[i]||`` (L1 for ``row``, L2 for ``l2``) block by block; all-zero rows stay zero."""
     for a, b in row_ranges(x.shape[0], block_rows):
         blk = np.asarray(x[a:b], dtype=np.float32)
-        norm = np.abs(blk).sum(axis=1, keepdims=True, dtype=np.float64)
+        if mode == "row":
+            norm = np.abs(blk).sum(axis=1, keepdims=True, dtype=np.float64)
+        else:
+            norm = np.sqrt(np.square(blk, dtype=np.float64).sum(axis=1, keepdims=True))
         norm[norm == 0] = 1.0
         out[a:b] = blk / norm
     return out

@@ -51,7 +51,7 @@ CLUSTER_METHODS = ("metis", "grem", "hash")
 #: Per-layer fanouts when ``--fanouts`` is not given, target layer first (truncated to ``--layers``).
 DEFAULT_FANOUTS = (15, 10, 5)
 
-FEATURE_NORMS = ("auto", "none", "row")
+FEATURE_NORMS = ("auto", "none", "row", "l2")
 
 #: Hyperparameters every model starts from (the GCN paper's), overridden per model below.
 BASE_DEFAULTS: dict[str, Any] = {
@@ -147,9 +147,14 @@ class TrainConfig:
     target_acc: float | None = _f(None, "target of the selection metric on validation, in (0, 1]: the summary "
                                         "reports each run's time and epochs to reach it (default: none)",
                                   metavar="X")
+    split_seed: int | None = _f(None, "re-draw the store's per-class split (the npz importer's protocol) with this "
+                                      "seed, as `trellis data import --split-seed` would (default: the store's "
+                                      "split)", metavar="N")
     feature_norm: str = _f("auto", "feature normalization: row = divide each row by its L1 norm (the GCN "
-                                   "paper's preprocessing), none, or auto = the store's preference: row for "
-                                   "Planetoid imports, none otherwise (default: auto)", choices=FEATURE_NORMS)
+                                   "paper's), l2 = by its L2 norm, none, or auto = chosen from the features: row "
+                                   "for bag-of-words rows, l2 for rows with many active words (L1 would shrink "
+                                   "them too far), none for dense or signed features (default: auto)",
+                           choices=FEATURE_NORMS)
     strategy: str = _f("full", "training strategy: full = full-batch, mini = neighbour-sampled mini-batches, "
                                "cluster = cluster-batches, pp = pre-propagation (default: full); the choices are "
                                "the registered strategies (trellis.train.strategies)")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trellis.data.splits import per_class_split
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.ops.graph import CSRGraph
@@ -79,15 +80,15 @@ def normalize_features(x: Tensor, mode: str) -> tuple[Tensor, str]:
     ``row`` divides each row by its L1 norm (Kipf & Welling's preprocessing of bag-of-words features).
     ``auto`` is resolved by the caller from the store (:attr:`GraphStore.preferred_feature_norm`).
     """
-    if mode == "row":
-        norm = x.abs().sum(dim=1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
-        x.div_(norm)  # all-zero rows stay zero
+    if mode in ("row", "l2"):
+        norm = (x.abs().sum(dim=1, keepdim=True) if mode == "row" else x.norm(dim=1, keepdim=True))
+        x.div_(norm.clamp_(min=torch.finfo(x.dtype).tiny))  # all-zero rows stay zero
     return x, mode
 
 
 def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device, task: str = "auto",
                     feature_norm: str = "auto", need_labels: bool = True, features: str = "store",
-                    in_memory_graph: bool = True) -> GraphData:
+                    in_memory_graph: bool = True, split_seed: int | None = None) -> GraphData:
     """Open a store and move its graph, features, labels and splits to ``device``.
 
     Args:
@@ -100,6 +101,7 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
         features: ``--features`` (``store``, or computed inputs: :mod:`trellis.train.features`).
         in_memory_graph: Copy the CSR (and its cached reverse) into a :class:`CSRGraph` on the device;
             False leaves it memory-mapped in the store and loads only the edge data.
+        split_seed: ``--split-seed`` (None: the store's split; see :func:`load_labels`).
     """
     store = GraphStore(store_path)
     where = str(store.path)
@@ -129,7 +131,7 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
     splits: dict[str, Tensor] = {}
     task_obj: Task | None = None
     if need_labels:
-        y_t, splits, task_obj = load_labels(store, task, device)
+        y_t, splits, task_obj = load_labels(store, task, device, split_seed)
     return GraphData(store=store, graph=graph, x=x.to(device), y=y_t, splits=splits, task=task_obj,
                      feature_norm=resolved_norm, features=features, embedding_dim=emb_dim,
                      edge_weight=ew, edge_feat=ef)
@@ -137,11 +139,18 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
 
 
 
-def load_labels(store: GraphStore, task: str, device: torch.device) -> tuple[Tensor, dict[str, Tensor], Task]:
+def load_labels(store: GraphStore, task: str, device: torch.device,
+                split_seed: int | None = None) -> tuple[Tensor, dict[str, Tensor], Task]:
     """The store's labels and train/val/test ids on ``device``, and the task that reads them.
 
+    ``split_seed`` re-draws the store's per-class split (Shchur et al.'s protocol, recorded by the npz
+    importer: ``train_per_class`` and ``val_per_class`` nodes per class, the rest for testing) with another
+    seed, as ``trellis data import --split-seed`` would have: the protocol's "several random splits" without
+    one store per split. The importer's own seed gives the store's split back exactly.
+
     Raises:
-        TrellisUserError: The store has no labels or lacks a split, or the labels do not fit the task.
+        TrellisUserError: The store has no labels or lacks a split, the labels do not fit the task, or
+            ``split_seed`` is given for a store whose split is not the per-class protocol.
     """
     where = str(store.path)
     y = store.y
@@ -156,7 +165,18 @@ def load_labels(store: GraphStore, task: str, device: torch.device) -> tuple[Ten
                                    "train/val/test node ids (the npz importer makes a random split)")
         split_ids[s] = np.array(ids, dtype=np.int64)  # a copy: torch warns on read-only store maps
     y_np = np.asarray(y)
+    if split_seed is not None:
+        split_ids = redraw_split(store, y_np, split_seed)
     task_obj = resolve_task(task, store.task, y_np, store.num_classes)
     task_obj.check_labels(y_np, split_ids, where)
     y_t = task_obj.labels_tensor(y_np).to(device)
     return y_t, {s: torch.from_numpy(ids).to(device) for s, ids in split_ids.items()}, task_obj
+
+
+def redraw_split(store: GraphStore, y: np.ndarray, split_seed: int) -> dict[str, np.ndarray]:
+    """The store's per-class split protocol drawn again with ``split_seed`` (see :func:`load_labels`)."""
+    source = store.manifest.get("source", {})
+    if source.get("split") != "per-class" or y.ndim != 1:
+        raise TrellisUserError(f"--split-seed {split_seed}: {store.path} does not record a per-class split protocol "
+                               "(npz imports do); its split is fixed — train without --split-seed")
+    return per_class_split(y, int(source["train_per_class"]), int(source["val_per_class"]), split_seed)

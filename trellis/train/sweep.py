@@ -37,7 +37,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -135,7 +135,7 @@ def parse_grid(items: Sequence[str] | None) -> dict[str, list[Any]]:
             raise TrellisUserError(f"--grid {item}: {key} needs comma-separated values, e.g. {key}="
                                    + {"float": "0.01,0.005", "int": "64,128"}.get(GRID_KEYS[key].kind,
                                                                                   ",".join(GRID_KEYS[key].choices[:2])))
-        parsed = [_parse_value(GRID_KEYS[key], t, item) for t in texts]
+        parsed = [parse_grid_value(GRID_KEYS[key], t, item) for t in texts]
         for a, b in itertools.combinations(range(len(parsed)), 2):
             if parsed[a] == parsed[b]:
                 raise TrellisUserError(f"--grid {item}: value {texts[b]} of {key} is given twice "
@@ -144,7 +144,8 @@ def parse_grid(items: Sequence[str] | None) -> dict[str, list[Any]]:
     return grid
 
 
-def _parse_value(k: GridKey, text: str, item: str) -> Any:
+def parse_grid_value(k: GridKey, text: str, item: str) -> Any:
+    """One value of hyperparameter ``k`` from its text (``item`` names it in errors)."""
     if k.kind == "float":
         try:
             value = float(text)
@@ -247,13 +248,13 @@ class SweepEntry:
     cfg: TrainConfig
 
 
-def make_entries(sc: SweepConfig) -> list[SweepEntry]:
-    """Expand the grid into validated configurations.
+def make_entries(sc: SweepConfig, combos: list[dict[str, Any]] | None = None) -> list[SweepEntry]:
+    """Validated configurations of the grid's combinations (or of ``combos``, e.g. a tune's random draws).
 
     Raises:
         TrellisUserError: A combination ``trellis train`` would refuse (e.g. ``dropout=1.5``), naming it.
     """
-    combos = expand_grid(sc.grid)
+    combos = expand_grid(sc.grid) if combos is None else combos
     width = max(2, len(str(len(combos) - 1)))
     entries = []
     for i, params in enumerate(combos):
@@ -269,7 +270,7 @@ def make_entries(sc: SweepConfig) -> list[SweepEntry]:
             cfg = TrainConfig.from_dict(values, source="trellis sweep")
         except TrellisUserError as exc:
             shown = " ".join(f"{k}={v}" for k, v in params.items())
-            raise TrellisUserError(f"--grid configuration {shown}: {exc}") from None
+            raise TrellisUserError(f"configuration {shown}: {exc}") from None
         entries.append(SweepEntry(f"c{i:0{width}d}", params, cfg))
     return entries
 
@@ -370,11 +371,16 @@ def _params_text(params: dict[str, Any]) -> str:
 
 # ---- training ----------------------------------------------------------------------------------------
 @dataclass
-class _State:
-    """Where one configuration of a batch stands."""
+class ConfigState:
+    """Where one configuration stands: its model, optimizer, dropout generator, early stopping and log.
+
+    A state outlives a batch: ``trellis tune`` trains a configuration for a few epochs in one batch, ranks it,
+    and continues the survivors in new batches, so everything a configuration's next epoch depends on is here.
+    """
 
     entry: SweepEntry
     model: nn.Module
+    generator: torch.Generator
     optimizer: Any
     log: MetricsLog
     stopper: EarlyStopping
@@ -406,43 +412,57 @@ class _One(nn.Module):
         self.active.clear()
 
 
-def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: str, device: torch.device,
-                 root: Path, sc: SweepConfig, batchable: bool, err: IO[str],
-                 factory: ModelFactory, meter: PeakMemory) -> list[dict[str, Any]]:
-    """Train one batch of configurations to their early stops; returns one result per configuration."""
+def open_state(entry: SweepEntry, strategy: FullBatch, metric: str, device: torch.device, root: Path,
+               factory: ModelFactory = default_model_factory) -> ConfigState:
+    """A configuration's fresh state (built as its solo run builds it) and its run directory under ``root``."""
+    model, gen = build_config_model(entry, strategy, device, factory)
+    cfg = entry.cfg
+    d = root / "configs" / entry.id
+    (d / "models").mkdir(parents=True, exist_ok=True)
+    write_json_atomic(d / "config.json", cfg.to_dict())
+    stopper = EarlyStopping(metric, cfg.patience, strategy.task.higher_is_better.get(metric, True))
+    return ConfigState(entry, model, gen, build_run_optimizer(cfg, model), MetricsLog(d / "metrics.jsonl"), stopper)
+
+
+def advance(states: list[ConfigState], strategy: FullBatch, *, until: int | None = None, batchable: bool = True,
+            rewrites: Sequence[str] = DEFAULT_REWRITES, splits: dict[str, Tensor] | None = None,
+            err: IO[str] | None = None, desc: str = "", progress: bool = True, tag: dict[str, Any] | None = None,
+            deadline: float | None = None, clock: Callable[[], float] | None = None) -> bool:
+    """Train ``states`` together, one model-batched step per epoch, until each stops or reaches ``until``.
+
+    A configuration stops at its early-stopping patience or its ``epochs``; ``until`` (an epoch count) pauses
+    the others, which a later call continues exactly. ``splits`` are the ones evaluated (default: the data's;
+    ``trellis tune`` leaves the test split out while it searches). ``tag`` fields go into every log record.
+    Returns False when ``deadline`` (a ``time.perf_counter`` value) passed before every state was done.
+    """
     task = strategy.task
-    built = [build_config_model(e, strategy, device, factory) for e in batch]
-    states = []
-    for e, (model, _) in zip(batch, built):
-        cfg = e.cfg
-        opt = build_run_optimizer(cfg, model)
-        d = root / "configs" / e.id
-        (d / "models").mkdir(parents=True, exist_ok=True)
-        write_json_atomic(d / "config.json", cfg.to_dict())
-        stopper = EarlyStopping(metric, cfg.patience, task.higher_is_better.get(metric, True))
-        states.append(_State(e, model, opt, MetricsLog(d / "metrics.jsonl"), stopper))
-    bm: nn.Module
-    if batchable:
-        bm = BatchedGNN([m for m, _ in built], [g for _, g in built], rewrites=sc.rewrites)
-    else:
-        assert len(built) == 1
-        bm = _One(*built[0])
-    active: list[int] = bm.active
-    max_epochs = max(s.entry.cfg.epochs for s in states)
-    cuda = device.type == "cuda"
     data = strategy.data
-    graph, x, y, splits = data.graph, data.x, data.y, data.splits
+    graph, x, y = data.graph, data.x, data.y
+    splits = data.splits if splits is None else splits
     assert y is not None
     train_idx = splits["train"]
-    bar = tqdm(total=max_epochs, desc=f"batch {b} ({len(batch)} configs)", unit="ep", file=err,
-               disable=None if sc.progress else True, dynamic_ncols=True, leave=False)
+    limit = [min(s.entry.cfg.epochs, until if until is not None else s.entry.cfg.epochs) for s in states]
+    run_ids = [k for k, s in enumerate(states) if not s.stopped and s.epochs < limit[k]]
+    if not run_ids:
+        return True
+    bm: nn.Module
+    if batchable:
+        bm = BatchedGNN([states[k].model for k in run_ids], [states[k].generator for k in run_ids], rewrites=rewrites)
+    else:
+        assert len(run_ids) == 1
+        bm = _One(states[run_ids[0]].model, states[run_ids[0]].generator)
+    active: list[int] = bm.active  # indices into run_ids
+    cuda = x.device.type == "cuda"
+    first = min(states[k].epochs for k in run_ids)
+    bar = tqdm(total=max(limit[k] for k in run_ids) - first, desc=desc, unit="ep", file=err or sys.stderr,
+               disable=None if progress else True, dynamic_ncols=True, leave=False)
     try:
-        for epoch in range(max_epochs):
-            if not active:
-                break
-            run = [states[k] for k in active]
+        while active:
+            if deadline is not None and time.perf_counter() > deadline:
+                return False
+            run = [states[run_ids[j]] for j in active]
             if cuda:
-                torch.cuda.synchronize(device)
+                torch.cuda.synchronize(x.device)
             t0 = time.perf_counter()
             bm.train()
             for s in run:
@@ -453,7 +473,7 @@ def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: s
             for s in run:
                 s.optimizer.step()
             if cuda:
-                torch.cuda.synchronize(device)
+                torch.cuda.synchronize(x.device)
             step = time.perf_counter() - t0
             loss_values = [float(v) for v in torch.stack(losses).detach().cpu()]
             with torch.no_grad():
@@ -462,35 +482,49 @@ def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: s
                 evs = [evaluate_logits(task, lg, y, splits) for lg in logits]
             del logits
             if cuda:
-                torch.cuda.synchronize(device)
+                torch.cuda.synchronize(x.device)
             share = (time.perf_counter() - t0) / len(run)
             stop: list[int] = []
-            for k, s, loss, ev in zip(list(active), run, loss_values, evs):
+            for j, s, loss, ev in zip(list(active), run, loss_values, evs):
+                epoch = s.epochs
                 s.stopper.update(epoch, ev, s.model)
                 s.time_s += share
                 s.step_times.append(step / len(run))
                 s.epochs = epoch + 1
                 s.log.write({"run": 0, "seed": s.entry.cfg.seed, "epoch": epoch, "loss": loss, **ev,
                              "best_epoch": s.stopper.best_epoch, "step_time_s": step / len(run), "time_s": s.time_s,
-                             "batch": b, "batch_size": len(run), "batch_step_time_s": step})
+                             **(tag or {}), "batch_size": len(run), "batch_step_time_s": step,
+                             **({"clock_s": clock()} if clock is not None else {})})
                 if s.stopper.should_stop:
                     s.stopped = "patience"
-                elif epoch + 1 >= s.entry.cfg.epochs:
+                elif s.epochs >= s.entry.cfg.epochs:
                     s.stopped = "epochs"
-                if s.stopped:
-                    stop.append(k)
-            for k in stop:
-                bm.drop(k)
+                if s.stopped or s.epochs >= limit[run_ids[j]]:
+                    stop.append(j)
+            for j in stop:
+                bm.drop(j)
             bar.set_postfix_str(f"{len(active)} active", refresh=False)
             bar.update(1)
     finally:
         bar.close()
+    return True
+
+
+def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: str, device: torch.device,
+                 root: Path, sc: SweepConfig, batchable: bool, err: IO[str],
+                 factory: ModelFactory, meter: PeakMemory) -> list[dict[str, Any]]:
+    """Train one batch of configurations to their early stops; returns one result per configuration."""
+    states = [open_state(e, strategy, metric, device, root, factory) for e in batch]
+    try:
+        advance(states, strategy, batchable=batchable, rewrites=sc.rewrites, err=err,
+                desc=f"batch {b} ({len(batch)} configs)", progress=sc.progress, tag={"batch": b})
+    finally:
         for s in states:
             s.log.close()
     return [_finish(s, b, strategy, metric, root, meter.report()) for s in states]
 
 
-def _finish(s: _State, b: int, strategy: FullBatch, metric: str, root: Path,
+def _finish(s: ConfigState, b: int, strategy: FullBatch, metric: str, root: Path,
             peaks: dict[str, float]) -> dict[str, Any]:
     """Write the configuration's run directory (model, summary) as its solo run would; return its row.
 

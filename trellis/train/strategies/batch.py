@@ -47,7 +47,8 @@ class BatchStrategy(GraphStrategy):
         """Load inputs, labels and edge data; keep the CSR memory-mapped; build the batch loader."""
         cfg = self.cfg
         self.data = d = load_graph_data(str(cfg.store), device=self.device, task=cfg.task,
-                                        feature_norm=cfg.feature_norm, features=cfg.features, in_memory_graph=False)
+                                        feature_norm=cfg.feature_norm, features=cfg.features,
+                                        split_seed=cfg.split_seed, in_memory_graph=False)
         assert d.task is not None
         self.store, self.task, self.feature_norm = d.store, d.task, d.feature_norm
         self.spec = ModelSpec(d.in_dim, d.task.num_outputs, d.edge_dim, d.store.num_nodes, d.embedding_dim)

@@ -38,7 +38,8 @@ class GraphStrategy(Strategy):
         """Load the store's graph, inputs, labels and splits onto the device."""
         cfg = self.cfg
         self.data = d = load_graph_data(str(cfg.store), device=self.device, task=cfg.task,
-                                        feature_norm=cfg.feature_norm, features=cfg.features)
+                                        feature_norm=cfg.feature_norm, features=cfg.features,
+                                        split_seed=cfg.split_seed)
         assert d.task is not None
         self.store, self.task, self.feature_norm = d.store, d.task, d.feature_norm
         self.spec = ModelSpec(d.in_dim, d.task.num_outputs, d.edge_dim, d.store.num_nodes, d.embedding_dim)

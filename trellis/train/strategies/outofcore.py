@@ -113,7 +113,7 @@ class OutOfCoreFull(Strategy):
         ef = store.edge_feat
         edge_dim = 0 if ef is None else int(np.prod(ef.shape[1:])) if ef.ndim > 1 else 1
         if self.predict_task is None:
-            self.y, self.splits, self.task = load_labels(store, cfg.task, self.device)
+            self.y, self.splits, self.task = load_labels(store, cfg.task, self.device, cfg.split_seed)
         else:  # prediction: no labels needed; the task is the trained model's
             self.y, self.splits, self.task = torch.empty(0), {s: torch.empty(0, dtype=torch.int64) for s in SPLITS}, \
                 self.predict_task

@@ -1,0 +1,149 @@
+"""``trellis tune``: halving on validation only, the final report, exact replay, resume after SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.train.stubmodel import make_sbm_store
+from trellis.cli.main import main
+from trellis.train import sweep as sweep_mod
+from trellis.train import tune as tune_mod
+from trellis.train.tune import TuneConfig, run_tune
+
+ARGS = ["--candidates", "9", "--epochs", "24", "--min-epochs", "3", "--patience", "30", "--seeds", "2",
+        "--batch-models", "3", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return str(make_sbm_store(tmp_path_factory.mktemp("tune") / "sbm", n=300, features=8))
+
+
+def _rows(board):
+    return [{k: v for k, v in r.items() if k != "time_s"} for r in board["rows"]]
+
+
+def test_search_never_reads_the_test_split(store, tmp_path, monkeypatch):
+    seen: list[tuple[str, bool]] = []
+    real_eval, real_final = sweep_mod.evaluate_logits, tune_mod.Tune.final_runs
+    state = {"final": False}
+
+    def spy_eval(task, logits, y, splits):
+        seen.append((",".join(sorted(splits)), state["final"]))
+        return real_eval(task, logits, y, splits)
+
+    def spy_final(self, best):
+        state["final"] = True
+        return real_final(self, best)
+
+    monkeypatch.setattr(sweep_mod, "evaluate_logits", spy_eval)
+    monkeypatch.setattr(tune_mod.Tune, "final_runs", spy_final)
+    tc = TuneConfig(store=store, candidates=9, epochs=24, min_epochs=3, patience=30, seeds=2, batch_models=3,
+                    out=str(tmp_path / "t"), progress=False)
+    board = run_tune(tc)
+    search = [s for s, final in seen if not final]
+    assert search and set(search) == {"train,val"}  # every search evaluation, and none with test
+    assert {s for s, final in seen if final} == {"test,train,val"}
+    for r in board["rows"]:
+        assert not any(k.startswith("test") for k in r)
+        recs = [json.loads(line) for line in open(tmp_path / "t" / "configs" / r["config"] / "metrics.jsonl")]
+        assert recs and not any(k.startswith("test") for rec in recs for k in rec)
+    # the schedule: 9 candidates for 3 epochs, the best third for 24
+    assert [(s["candidates"], s["kept"], s["epochs"]) for s in board["schedule"]] == [(9, 3, 3), (3, 3, 24)]
+    assert sum(r["epochs"] == 24 or r["stopped"] == "patience" for r in board["rows"]) >= 3
+    # the choice is the best validation among the finalists, ties to the cheaper configuration
+    finalists = [r for r in board["rows"] if r["rung"] == 1]
+    best = max(finalists, key=lambda r: (r["val_acc"], -r["cost"][1]))
+    assert board["best"]["config"] == best["config"] == board["rows"][0]["config"]
+    assert len(board["final"]) == 2 and all(f["test_acc"] is not None for f in board["final"])
+    for name in ("leaderboard.csv", "leaderboard.json", "leaderboard.png", "report.md", "best/config.json"):
+        assert (tmp_path / "t" / name).is_file()
+    assert "test acc" in (tmp_path / "t" / "report.md").read_text()
+
+
+def test_ties_go_to_the_cheaper_configuration():
+    from types import SimpleNamespace as NS
+
+    def state(i, value, hidden, loss=0.5):
+        cfg = NS(layers=2, hidden=hidden, heads=1)
+        return NS(stopper=NS(best_value=value, best_val_loss=loss), entry=NS(id=i, cfg=cfg, params={}))
+
+    ranked = tune_mod.rank_states([state("a", 0.9, 256), state("b", 0.9, 16, loss=0.9), state("c", 0.8, 8)])
+    assert [s.entry.id for s in ranked] == ["b", "a", "c"]
+
+
+def test_best_config_replays_its_reported_test_accuracy(store, tmp_path, capsys):
+    out = tmp_path / "t"
+    assert main(["tune", store, *ARGS, "--out", str(out), "--json"]) == 0
+    board = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    first = board["final"][0]
+    assert first["run"] == "s0-r0"
+    assert main(["train", "--config", str(out / "best" / "config.json"), "--out", str(tmp_path / "replay"),
+                 "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["test_acc"] == [first["test_acc"]] and summary["val_acc"] == [first["val_acc"]]
+
+
+def test_gat_tunes_one_candidate_at_a_time(store, tmp_path):
+    tc = TuneConfig(store=store, model="gat", grid=["lr=0.01,0.005", "hidden=4"], epochs=4, seeds=1,
+                    out=str(tmp_path / "g"), progress=False, base={"heads": "2"})
+    board = run_tune(tc)
+    assert board["candidates"] == 2 and len(board["final"]) == 1
+    assert all(len(b) == 1 for s in board["schedule"] for b in s["batches"])
+
+
+def test_resume_after_sigterm_gives_the_same_leaderboard(store, tmp_path):
+    ref = tmp_path / "ref"
+    assert main(["tune", store, *ARGS, "--out", str(ref)]) == 0
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "trellis.cli", "tune", store, *ARGS, "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((out / "state").glob("*.pt")):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"trellis tune --resume {out}" in err
+    assert not (out / "leaderboard.json").exists()
+    assert main(["tune", "--resume", str(out), "--no-progress"]) == 0
+    a = json.loads((ref / "leaderboard.json").read_text())
+    b = json.loads((out / "leaderboard.json").read_text())
+    assert _rows(a) == _rows(b)
+    assert [{k: v for k, v in f.items() if k != "time_s"} for f in a["final"]] == \
+        [{k: v for k, v in f.items() if k != "time_s"} for f in b["final"]]
+    for r in a["rows"]:  # the candidates' logs hold each epoch once
+        recs = [json.loads(x) for x in open(out / "configs" / r["config"] / "metrics.jsonl")]
+        assert [x["epoch"] for x in recs] == list(range(r["epochs"]))
+
+
+def test_split_seed_redraws_the_importers_split(data_dir, tmp_path):
+    from trellis.data.importers import import_graph
+    from trellis.data.store import open_store
+    from trellis.train.data import redraw_split
+
+    src = data_dir / "cora-npz"
+    s0 = open_store(import_graph(src, tmp_path / "s0", format="npz", progress=False))
+    s1 = open_store(import_graph(src, tmp_path / "s1", format="npz", split_seed=1, progress=False))
+    y = np.asarray(s0.y)
+    for name, ids in redraw_split(s0, y, 1).items():
+        assert np.array_equal(np.sort(ids), np.sort(np.asarray(s1.split(name))))
+    for name, ids in redraw_split(s0, y, 0).items():
+        assert np.array_equal(np.sort(ids), np.sort(np.asarray(s0.split(name))))
+
+
+def test_split_seed_is_refused_without_the_protocol(store, tmp_path, capsys):
+    rc = main(["train", store, "--split-seed", "1", "--epochs", "1", "--out", str(tmp_path / "r"), "--no-progress"])
+    assert rc == 2 and "does not record a per-class split protocol" in capsys.readouterr().err
+    assert not Path(tmp_path / "r").exists()

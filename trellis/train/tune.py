@@ -1,0 +1,645 @@
+"""``trellis tune``: model selection on the model-batched sweep — successive halving, then a multi-seed report.
+
+``trellis tune STORE --model gcn --budget 20m --out TUNE_DIR`` draws candidates from a search space
+(:mod:`trellis.train.space`), trains them model-batched (K configurations per pass over the graph, the
+sweep's :func:`~trellis.train.sweep.advance`), and stops weak candidates early by successive halving
+(Jamieson & Talwalkar 2016; Li et al. 2018): every candidate trains to the first rung's epoch count, the best
+``1/eta`` by validation go on to ``eta`` times more epochs, and so on up to ``--epochs``. Only validation
+decides — the search evaluates the training and validation splits only, so the test split is not even
+computed until the final report — and ties go to the cheaper configuration (fewer layers, then narrower).
+The chosen configuration is then retrained over ``--splits`` random per-class splits (the store's
+protocol, :func:`trellis.train.data.redraw_split`) × ``--seeds`` seeds, and the report gives its validation
+and test mean ± std.
+
+Why halving on a batched sweep: Lotan built model batching for model selection (its §1 and §7: a grid of
+learning rate × optimizer × dropout with early stopping on validation). A grid trained to the end spends most
+of its time on configurations that were visibly worse after a tenth of the epochs; halving spends it on the
+survivors, and batching makes each pass over the graph serve K of them.
+
+``TUNE_DIR`` (written in place, so that ``--resume TUNE_DIR`` continues an interrupted tune)::
+
+    tune.json           the tune's settings, the space and the candidates (what --resume reads)
+    progress.json       where the search stands (rung, batches done, promotions); state/<id>.pt per candidate
+    leaderboard.csv     one row per candidate: rung reached, epochs, best validation metric, time, why it stopped
+    leaderboard.json    the rows, the halving schedule, the batches, the selection and the final runs
+    leaderboard.png     validation against the tune's wall clock for every candidate, and the final runs
+    configs/<id>/       each candidate's config.json, metrics.jsonl (train and validation only) and model
+    final/configs/<run>/  the chosen configuration retrained per split and seed (the only runs with test metrics)
+    best/config.json    the chosen configuration: `trellis train --config` replays its first final run exactly
+    report.md           one paragraph: the choice, how sure it is, what it cost
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import shutil
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from trellis.errors import TrellisUserError
+from trellis.plan import GraphStats
+from trellis.plan.batching import balanced_batches, choose_k, default_budget_bytes
+from trellis.train.build import ModelFactory, default_model_factory
+from trellis.train.data import redraw_split, resolve_device
+from trellis.train.runs import MetricsLog, read_jsonl, write_json_atomic
+from trellis.train.space import Dim, Space, candidates, load_space, parse_space, space_to_json
+from trellis.train.strategies.full import FullBatch
+from trellis.train.sweep import (
+    ConfigState,
+    SweepConfig,
+    SweepEntry,
+    _finish,
+    advance,
+    build_config_model,
+    load_sweep_data,
+    make_entries,
+    open_state,
+    parse_grid,
+)
+from trellis.utils.atomic import check_output
+from trellis.utils.manifest import format_of
+from trellis.utils.memory import PeakMemory
+
+TUNE_FORMAT = "trellis-tune"
+
+#: Fewest epochs a first rung gets: below it a slow-starting learning rate is judged before it moved.
+MIN_RUNG_EPOCHS = 20
+
+
+@dataclass
+class TuneConfig:
+    """A tune: what to search, how, and how to report.
+
+    Attributes:
+        store: Graph store directory.
+        model: Model family (every candidate's).
+        space: ``default`` or a JSON space file (ignored when ``grid`` is given).
+        grid: ``--grid KEY=V1,V2`` items: a finite space given on the command line.
+        search: ``auto`` (grid when the space has at most ``candidates`` points, else random), ``grid``, ``random``.
+        candidates: Number of random candidates (the first rung's size).
+        budget_s: Wall-time budget in seconds (None: the whole halving schedule, however long).
+        eta: Halving rate: each rung keeps the best ``1/eta`` and trains them ``eta`` times longer.
+        min_epochs: Epochs of the first rung (None: ``epochs / eta^s``, at least :data:`MIN_RUNG_EPOCHS`).
+        epochs: Epochs of the last rung, every candidate's maximum (None: the model's default).
+        patience: Early-stopping patience (None: the model's default).
+        seed: Seed of the draws and of every candidate; the final runs use ``seed .. seed + seeds - 1``.
+        seeds: Seeds per split in the final retraining.
+        splits: Random per-class splits in the final retraining (None: 3 when the store records the per-class
+            protocol, else 1: its fixed split).
+        base: Values every candidate shares (``--set KEY=VALUE``).
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        batch_models: Configurations per batch (None: the cost model's choice).
+        memory_budget_mb: Memory the batches may use (None: 60% of the available memory).
+        out: TUNE_DIR.
+        overwrite: Replace an existing TUNE_DIR.
+        progress: Progress bars on a terminal.
+    """
+
+    store: str
+    model: str = "gcn"
+    space: str | None = None
+    grid: list[str] | None = None
+    search: str = "auto"
+    candidates: int = 27
+    budget_s: float | None = None
+    eta: int = 3
+    min_epochs: int | None = None
+    epochs: int | None = None
+    patience: int | None = None
+    seed: int = 0
+    seeds: int = 3
+    splits: int | None = None
+    base: dict[str, Any] = field(default_factory=dict)
+    device: str = "auto"
+    batch_models: int | None = None
+    memory_budget_mb: float | None = None
+    out: str = "tune"
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name, low in (("candidates", 1), ("eta", 2), ("seeds", 1), ("splits", 1), ("min_epochs", 1),
+                          ("epochs", 1), ("patience", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise TrellisUserError(f"--{name.replace('_', '-')} must be an integer >= {low} (got {value})")
+        if self.search not in ("auto", "grid", "random"):
+            raise TrellisUserError(f"--search {self.search}: choose auto, grid or random")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise TrellisUserError(f"--budget must be a positive duration, e.g. 20m (got {self.budget_s} s)")
+
+    def search_space(self) -> Space:
+        """The space to draw from: ``--grid`` items, a space file, or the model's default."""
+        if self.grid:
+            grid = parse_grid(self.grid)
+            return parse_space({k: v for k, v in grid.items()}, "--grid")
+        return load_space(self.space, self.model)
+
+
+def parse_duration(text: str, flag: str = "--budget") -> float:
+    """``90s``, ``20m``, ``1.5h`` (a bare number is minutes) -> seconds.
+
+    Raises:
+        TrellisUserError: Not a positive number with an optional s/m/h unit.
+    """
+    t = text.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    unit = t[-1] if t and t[-1] in scale else "m"
+    number = t[:-1] if t and t[-1] in scale else t
+    try:
+        value = float(number) * scale[unit]
+    except ValueError:
+        raise TrellisUserError(f"{flag} {text!r}: expected a duration such as 90s, 20m or 1.5h") from None
+    if not (math.isfinite(value) and value > 0):
+        raise TrellisUserError(f"{flag} {text!r}: the duration must be positive")
+    return value
+
+
+# ---- the halving schedule ----------------------------------------------------------------------------
+def rung_epochs(n: int, max_epochs: int, eta: int, min_epochs: int | None = None) -> list[int]:
+    """Epoch counts of the rungs: ``max_epochs / eta^s, ..., max_epochs / eta, max_epochs``.
+
+    ``s`` halvings are as many as ``n`` candidates allow (one survivor at most at the end) and as the first
+    rung's floor (``min_epochs`` or :data:`MIN_RUNG_EPOCHS`) allows.
+    """
+    floor = min(min_epochs or MIN_RUNG_EPOCHS, max_epochs)
+    s = 0
+    while eta ** (s + 1) <= n and max_epochs / eta ** (s + 1) >= floor:
+        s += 1
+    if min_epochs is not None and s > 0:
+        # An explicit first rung: geometric from min_epochs up to max_epochs in s steps.
+        ratio = (max_epochs / min_epochs) ** (1 / s)
+        return sorted({max(1, round(min_epochs * ratio ** i)) for i in range(s)} | {max_epochs})
+    return sorted({max(1, round(max_epochs / eta ** (s - i))) for i in range(s)} | {max_epochs})
+
+
+def cost_key(cfg: Any) -> tuple[int, int]:
+    """Cheaper first: fewer layers, then a narrower hidden layer (heads x width)."""
+    return (int(cfg.layers), int(cfg.hidden) * int(getattr(cfg, "heads", 1) or 1))
+
+
+def rank_states(states: list[ConfigState]) -> list[ConfigState]:
+    """Best first, by validation only.
+
+    Best validation metric, then the cheaper configuration, then the lower validation loss at that epoch,
+    then the id: a total order, so ranks never depend on timing.
+    """
+    return sorted(states, key=lambda s: (-s.stopper.best_value, cost_key(s.entry.cfg),
+                                         s.stopper.best_val_loss, s.entry.id))
+
+
+# ---- state on disk (--resume) ------------------------------------------------------------------------
+def save_state(s: ConfigState, path: Path) -> None:
+    """Everything a candidate's next epoch depends on, atomically."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
+                "generator": s.generator.get_state(), "stopper": s.stopper.state_dict(), "epochs": s.epochs,
+                "time_s": s.time_s, "step_times": s.step_times, "stopped": s.stopped,
+                "log_offset": s.log.offset}, tmp)
+    tmp.replace(path)
+
+
+def load_state(s: ConfigState, path: Path, device: torch.device) -> None:
+    """Restore a candidate saved by :func:`save_state` (its log truncated back to the saved offset)."""
+    st = torch.load(path, map_location=device, weights_only=False)
+    s.model.load_state_dict(st["model"])
+    s.optimizer.load_state_dict(st["optimizer"])
+    s.generator.set_state(st["generator"])
+    s.stopper.load_state_dict(st["stopper"], device)
+    s.epochs, s.time_s, s.step_times, s.stopped = st["epochs"], st["time_s"], list(st["step_times"]), st["stopped"]
+    s.log.close()
+    s.log = MetricsLog(s.log.path, offset=st["log_offset"])
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt, so a killed tune stops at an epoch boundary like Ctrl-C does."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# ---- the tune ----------------------------------------------------------------------------------------
+class Tune:
+    """One tune: its candidates, their states and the scheduler's position (see the module docstring)."""
+
+    def __init__(self, tc: TuneConfig, err: IO[str] | None = None, factory: ModelFactory | None = None,
+                 resume: bool = False) -> None:
+        self.tc, self.err = tc, err if err is not None else sys.stderr
+        self.factory = factory or default_model_factory
+        self.root = Path(tc.out)
+        self.space = tc.search_space()
+        fixed = {k.replace("-", "_") for k in tc.base} & set(self.space)
+        if fixed:
+            raise TrellisUserError(f"--set {sorted(fixed)[0]}: it is also in the search space; give it in one place")
+        self.sc = SweepConfig(store=tc.store, model=tc.model, grid={k: [0] for k in self.space}, base=tc.base,
+                              epochs=tc.epochs, patience=tc.patience, seed=tc.seed, device=tc.device,
+                              batch_models=tc.batch_models, memory_budget_mb=tc.memory_budget_mb,
+                              progress=tc.progress)
+        draws, self.how = candidates(self.space, tc.candidates, tc.seed, tc.search)
+        self.entries = make_entries(self.sc, draws)
+        self.entries = [replace(e, id=f"c{i:03d}") for i, e in enumerate(self.entries)]
+        self.max_epochs = max(e.cfg.epochs for e in self.entries)
+        self.rungs = rung_epochs(len(self.entries), self.max_epochs, tc.eta, tc.min_epochs)
+        if not resume:
+            if not (self.root.is_dir() and not self.root.is_symlink() and not any(self.root.iterdir())):
+                check_output(self.root, overwrite=tc.overwrite, owned=is_tune_dir, what="tune directory (no tune.json)")
+        self.device = resolve_device(tc.device)
+        self.strategy: FullBatch = load_sweep_data(self.entries, self.device)
+        self.task = self.strategy.task
+        self.metric = self.task.select_metric(self.entries[0].cfg.metric)
+        self.split_seeds = self._split_seeds()
+        self.states: dict[str, ConfigState] = {}
+        self.progress: dict[str, Any] = {"rung": 0, "batches_done": 0, "elapsed_s": 0.0, "rungs": [],
+                                         "active": [e.id for e in self.entries], "batches": None, "cut": None,
+                                         "done": False}
+
+    def _split_seeds(self) -> list[int | None]:
+        source = self.strategy.store.manifest.get("source", {})
+        protocol = source.get("split") == "per-class" and self.strategy.data.y is not None \
+            and self.strategy.data.y.ndim == 1
+        if not protocol:
+            if self.tc.splits not in (None, 1):
+                raise TrellisUserError(f"--splits {self.tc.splits}: {self.strategy.store.path} does not record a "
+                                       "per-class split protocol (npz imports do); use --splits 1 (its fixed split)")
+            return [None]
+        first = int(source.get("split_seed") or 0)
+        return [None] + [first + i for i in range(1, self.tc.splits or 3)]
+
+    # -- files
+    def write_settings(self) -> None:
+        """``tune.json``: what --resume needs to rebuild the same candidates."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.root / "tune.json", {
+            "format": TUNE_FORMAT, "version": 1, "settings": asdict(self.tc), "space": space_to_json(self.space),
+            "search": self.how, "rungs": self.rungs, "eta": self.tc.eta,
+            "candidates": [{"id": e.id, **e.params} for e in self.entries]})
+
+    def _save_progress(self) -> None:
+        write_json_atomic(self.root / "progress.json", self.progress)
+
+    def _state(self, e: SweepEntry) -> ConfigState:
+        if e.id not in self.states:
+            s = open_state(e, self.strategy, self.metric, self.device, self.root, self.factory)
+            saved = self.root / "state" / f"{e.id}.pt"
+            if saved.exists():
+                load_state(s, saved, self.device)
+            else:  # epochs an interrupted batch logged before its states were saved are run again
+                s.log.close()
+                s.log = MetricsLog(s.log.path, offset=0)
+            self.states[e.id] = s
+        return self.states[e.id]
+
+    # -- the search
+    def _batches(self, ids: list[str]) -> list[list[str]]:
+        """Batches of the candidates ``ids``: by depth, K from the cost model (fixed per rung once chosen)."""
+        graph = self.strategy.explain_graph()
+        stats = GraphStats.of(graph)
+        budget = (self.tc.memory_budget_mb * 2**20 if self.tc.memory_budget_mb is not None
+                  else default_budget_bytes())
+        by_id = {e.id: e for e in self.entries}
+        by_depth: dict[int, list[str]] = {}
+        for i in ids:
+            by_depth.setdefault(by_id[i].cfg.layers, []).append(i)
+        out: list[list[str]] = []
+        for group in by_depth.values():
+            from trellis.nn.batched import family_of, model_decl
+
+            models = [build_config_model(by_id[i], self.strategy, torch.device("cpu"), self.factory)[0] for i in group]
+            try:
+                family = family_of(models[0])
+            except TrellisUserError:
+                out += [[i] for i in group]
+                continue
+            decls = [model_decl(m, family) for m in models]
+            k = choose_k(decls, stats, budget_bytes=budget, override=self.tc.batch_models).k
+            out += [[group[j] for j in r] for r in balanced_batches(len(group), k)]
+        return out
+
+    def _batchable(self, ids: list[str]) -> bool:
+        from trellis.nn.batched import family_of
+
+        if len(ids) > 1:
+            return True
+        try:
+            family_of(self._state(next(e for e in self.entries if e.id == ids[0])).model)
+            return True
+        except TrellisUserError:
+            return False
+
+    def search(self, t_start: float) -> None:
+        """Run (or continue) the halving schedule until its last rung or the budget's deadline."""
+        p = self.progress
+        by_id = {e.id: e for e in self.entries}
+        search_splits = {k: v for k, v in self.strategy.data.splits.items() if k != "test"}
+        self._base = base = p["elapsed_s"]
+        clock = lambda: base + time.perf_counter() - t_start  # noqa: E731
+        (self.root / "state").mkdir(exist_ok=True)
+        while p["rung"] < len(self.rungs):
+            r = p["rung"]
+            if p["batches"] is None:
+                p["batches"] = self._batches([i for i in p["active"] if not self._state(by_id[i]).stopped])
+                self._save_progress()
+            for b in range(p["batches_done"], len(p["batches"])):
+                ids = p["batches"][b]
+                states = [self._state(by_id[i]) for i in ids]
+                finished = advance(states, self.strategy, until=self.rungs[r], batchable=self._batchable(ids),
+                                   splits=search_splits, err=self.err, progress=self.tc.progress,
+                                   desc=f"rung {r} ({self.rungs[r]} ep) batch {b + 1}/{len(p['batches'])}",
+                                   tag={"rung": r, "batch": b}, deadline=self._deadline(t_start), clock=clock)
+                if not finished:
+                    p["cut"] = {"rung": r, "batches_done": b, "epochs": self.rungs[r]}
+                    break
+                for s in states:
+                    save_state(s, self.root / "state" / f"{s.entry.id}.pt")
+                p["batches_done"] = b + 1
+                p["elapsed_s"] = clock()
+                self._save_progress()
+            active = [self._state(by_id[i]) for i in p["active"]]
+            ranked = rank_states(active)
+            last = r == len(self.rungs) - 1 or p["cut"] is not None
+            keep = len(ranked) if last else max(1, math.ceil(len(ranked) / self.tc.eta))
+            p["rungs"].append({"rung": r, "epochs": self.rungs[r], "candidates": len(ranked), "kept": keep,
+                               "batches": p["batches"], "cut": p["cut"] is not None,
+                               "best": {s.entry.id: s.stopper.best_value for s in ranked}})
+            p["active"] = [s.entry.id for s in ranked[:keep]]
+            p.update(rung=r + 1, batches_done=0, batches=None, elapsed_s=clock())
+            self._save_progress()
+            if p["cut"] is not None:
+                break
+
+    def _deadline(self, t_start: float) -> float | None:
+        """When the search must stop so that the final runs still fit in the budget.
+
+        The final runs are priced at the slowest active candidate's measured time per epoch (its share of its
+        batch), for ``--epochs`` epochs, ``splits x seeds`` times, divided by the batch size they will share.
+        """
+        if self.tc.budget_s is None:
+            return None
+        measured = [s.time_s / s.epochs for s in self.states.values() if s.epochs and s.entry.id in
+                    self.progress["active"]]
+        per_epoch = max(measured) if measured else 0.0
+        final_s = per_epoch * self.max_epochs * len(self.split_seeds) * self.tc.seeds
+        return t_start + self.tc.budget_s - self._base - final_s
+
+    # -- the final runs
+    def final_runs(self, best: SweepEntry) -> list[dict[str, Any]]:
+        """Retrain ``best`` per split and seed (one batch per split), with the test split evaluated."""
+        root = self.root / "final"
+        rows = []
+        meter = PeakMemory(device=self.device).start()
+        try:
+            for j, split_seed in enumerate(self.split_seeds):
+                entries = [SweepEntry(f"s{j}-r{r}", {**best.params, "seed": best.cfg.seed + r,
+                                                     "split_seed": split_seed},
+                                      replace(best.cfg, seed=best.cfg.seed + r, split_seed=split_seed))
+                           for r in range(self.tc.seeds)]
+                data = self.strategy
+                splits = data.data.splits if split_seed is None else {
+                    k: torch.from_numpy(np.asarray(v, dtype=np.int64)).to(self.device)
+                    for k, v in redraw_split(data.store, np.asarray(data.store.y), split_seed).items()}
+                states = [open_state(e, data, self.metric, self.device, root, self.factory) for e in entries]
+                batchable = self._batchable([best.id])
+                groups = [states] if batchable else [[s] for s in states]
+                try:
+                    for g in groups:
+                        advance(g, data, batchable=batchable, splits=splits, err=self.err, progress=self.tc.progress,
+                                desc=f"final split {j + 1}/{len(self.split_seeds)}", tag={"split": j})
+                finally:
+                    for s in states:
+                        s.log.close()
+                for s in states:
+                    row = _finish(s, 0, data, self.metric, root, meter.report())
+                    rows.append({"run": s.entry.id, "split": j, "split_seed": split_seed, "seed": s.entry.cfg.seed,
+                                 **{k: row["metrics"].get(k) for k in (f"val_{self.metric}", f"test_{self.metric}")},
+                                 "best_epoch": row["best_epoch"], "epochs": row["epochs"], "time_s": row["time_s"]})
+        finally:
+            meter.stop()
+        return rows
+
+
+def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFactory | None = None,
+             resume: bool = False) -> dict[str, Any]:
+    """Search, select on validation, retrain the choice over splits and seeds, and write TUNE_DIR.
+
+    Raises:
+        TrellisUserError: Bad space, store, options or TUNE_DIR (checked before anything is written).
+    """
+    t_wall = time.perf_counter()
+    tune = Tune(tc, err, model_factory, resume=resume)
+    before = 0.0
+    if not resume:
+        if tune.root.exists():
+            shutil.rmtree(tune.root)
+        tune.write_settings()
+    else:
+        saved = tune.root / "progress.json"
+        if saved.exists():
+            tune.progress = json.loads(saved.read_text())
+            before = tune.progress["elapsed_s"]
+    with _sigterm_interrupts():
+        try:
+            t0 = time.perf_counter()
+            if not tune.progress["done"]:
+                tune.search(t0)
+                tune.progress["done"] = True
+                tune._save_progress()
+            search_s = tune.progress["elapsed_s"]
+            by_id = {e.id: e for e in tune.entries}
+            finalists = rank_states([tune._state(by_id[i]) for i in tune.progress["active"]])
+            best = finalists[0].entry
+            t_final = time.perf_counter()
+            final = tune.final_runs(best)
+            final_s = time.perf_counter() - t_final
+        except KeyboardInterrupt:
+            print(f"tune interrupted; continue it with: trellis tune --resume {tune.root}", file=tune.err)
+            raise
+        finally:
+            for s in tune.states.values():
+                s.log.close()
+    board = _board(tune, best, final, search_s, final_s, before + time.perf_counter() - t_wall)
+    write_json_atomic(tune.root / "leaderboard.json", board)
+    (tune.root / "leaderboard.csv").write_text(leaderboard_csv(board))
+    (tune.root / "best").mkdir(exist_ok=True)
+    best_cfg = replace(best.cfg, split_seed=tune.split_seeds[0])
+    write_json_atomic(tune.root / "best" / "config.json", best_cfg.to_dict())
+    (tune.root / "report.md").write_text(report_text(board) + "\n")
+    plot_tune(tune.root, board)
+    return board
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: float, final_s: float,
+           wall_s: float) -> dict[str, Any]:
+    """The leaderboard and the report's facts, JSON-ready."""
+    m = tune.metric
+    last_rung = {i: -1 for i in (e.id for e in tune.entries)}
+    for rung in tune.progress["rungs"]:
+        for i in rung["best"]:
+            last_rung[i] = rung["rung"]
+    rows = []
+    for e in tune.entries:
+        s = tune.states.get(e.id)
+        if s is None:
+            continue
+        reached = last_rung[e.id]
+        why = s.stopped or ("selected" if e.id == best.id else
+                            "finalist" if e.id in tune.progress["active"] else f"halved after rung {reached}")
+        rows.append({"config": e.id, **e.params, "rung": reached, "epochs": s.epochs,
+                     f"val_{m}": s.stopper.best_metrics.get(f"val_{m}"), "val_loss": s.stopper.best_val_loss,
+                     "best_epoch": s.stopper.best_epoch, "time_s": s.time_s, "stopped": why,
+                     "cost": list(cost_key(e.cfg))})
+    order = {s.entry.id: k for k, s in enumerate(rank_states(list(tune.states.values())))}
+    rows.sort(key=lambda r: (-r["rung"], order[r["config"]]))
+    for k, r in enumerate(rows, 1):
+        r["rank"] = k
+    val = [r[f"val_{m}"] for r in final]
+    test = [r[f"test_{m}"] for r in final]
+    top5 = [r[f"val_{m}"] for r in rows[:5]]
+    return {
+        "format": TUNE_FORMAT, "version": 1, "store": str(tune.strategy.store.path),
+        "store_name": tune.strategy.store.name, "model": tune.tc.model, "metric": m, "search": tune.how,
+        "space": space_to_json(tune.space), "candidates": len(tune.entries), "eta": tune.tc.eta,
+        "rungs": tune.rungs, "schedule": [{k: v for k, v in r.items() if k != "best"} for r in tune.progress["rungs"]],
+        "cut": tune.progress["cut"], "budget_s": tune.tc.budget_s, "search_time_s": search_s,
+        "final_time_s": final_s, "wall_time_s": wall_s, "device": str(tune.device),
+        "best": {"config": best.id, "params": best.params, "train_config": best.cfg.to_dict()},
+        "final": final, "split_seeds": tune.split_seeds, "seeds": tune.tc.seeds,
+        "val_mean": _mean_std(val)[0], "val_std": _mean_std(val)[1],
+        "test_mean": _mean_std(test)[0], "test_std": _mean_std(test)[1],
+        "test_min": min(test), "test_max": max(test),
+        "top5_val": top5, "rows": rows, "out": str(tune.root),
+    }
+
+
+def is_tune_dir(path: Path) -> bool:
+    """Whether ``path`` holds a tune (``--overwrite`` replaces only such a directory)."""
+    return format_of(path / "tune.json") == TUNE_FORMAT
+
+
+def leaderboard_csv(board: dict[str, Any]) -> str:
+    """One row per candidate: rank, id, its values, rung reached, epochs, best validation metric, time."""
+    m = board["metric"]
+    cols = ["rank", "config", *board["space"], "rung", "epochs", f"val_{m}", "val_loss", "best_epoch", "time_s",
+            "stopped"]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in board["rows"]:
+        w.writerow({c: (f"{r[c]:.6g}" if isinstance(r.get(c), float) else r.get(c)) for c in cols})
+    return buf.getvalue()
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.2f}"
+
+
+def report_text(board: dict[str, Any]) -> str:
+    """The one-paragraph report."""
+    m, best = board["metric"], board["best"]
+    params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
+    sched = " → ".join(f"{r['candidates']} × {r['epochs']} ep" for r in board["schedule"])
+    cut = (f" The budget cut the search in rung {board['cut']['rung']}; the choice is among the candidates that "
+           "reached it." if board["cut"] else "")
+    top5 = board["top5_val"]
+    budget = f" of a {board['budget_s'] / 60:.0f}-minute budget" if board["budget_s"] else ""
+    n_final = len(board["final"])
+    return (
+        f"Tuned {board['model']} on {board['store_name']}: {board['candidates']} candidates ({board['search']} "
+        f"draws from the search space), successive halving with eta = {board['eta']} ({sched}), selected on "
+        f"validation {m} only, ties to the cheaper configuration.{cut} Chosen: {best['config']} ({params}). "
+        f"Retrained over {len(board['split_seeds'])} split(s) × {board['seeds']} seed(s) ({n_final} runs): "
+        f"validation {m} {_pct(board['val_mean'])} ± {_pct(board['val_std'])}, test {m} "
+        f"{_pct(board['test_mean'])} ± {_pct(board['test_std'])} (runs from {_pct(board['test_min'])} to "
+        f"{_pct(board['test_max'])}); the test split was read only for these runs. The top five candidates "
+        f"scored {_pct(min(top5))} to {_pct(max(top5))} on validation, so the choice is "
+        f"{'clear' if max(top5) - min(top5) > 2 * board['val_std'] else 'within the noise of the runners-up'}. "
+        f"Wall time {board['wall_time_s']:.0f} s{budget} (search {board['search_time_s']:.0f} s, final runs "
+        f"{board['final_time_s']:.0f} s) on {board['device']}. "
+        f"`trellis train --config {board['out']}/best/config.json` replays run s0-r0."
+    )
+
+
+def format_tune(board: dict[str, Any], top: int = 10) -> str:
+    """The leaderboard's top rows and the report, as plain text."""
+    m = board["metric"]
+    keys = list(board["space"])
+    head = ["#", "config", *keys, "rung", "epochs", f"val {m}", "time s", "stopped"]
+    table = [[str(r["rank"]), r["config"], *(str(r.get(k)) for k in keys), str(r["rung"]), str(r["epochs"]),
+              f"{r[f'val_{m}']:.4f}", f"{r['time_s']:.1f}", r["stopped"]] for r in board["rows"][:top]]
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(t, widths)) for t in table]
+    return "\n".join(lines) + "\n\n" + report_text(board)
+
+
+def plot_tune(root: Path, board: dict[str, Any]) -> None:
+    """``leaderboard.png``: every candidate's validation metric against the tune's wall clock, and the final runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = board["metric"]
+    fig, (ax, ax_f) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+    for r in board["rows"]:
+        recs = read_jsonl(root / "configs" / r["config"] / "metrics.jsonl")
+        top = r["rank"] <= 5
+        ax.plot([q["clock_s"] for q in recs], [q.get(f"val_{m}") for q in recs], lw=1.3 if top else 0.6,
+                alpha=1.0 if top else 0.4, label=f"#{r['rank']} {r['config']}" if top else None)
+    ax.set(xlabel="tune wall clock (s)", ylabel=f"val {m}", title="candidates (top 5 labelled)")
+    ax.legend(fontsize=7)
+    final = board["final"]
+    ax_f.scatter([f["split"] for f in final], [f[f"test_{m}"] for f in final], label="test")
+    ax_f.scatter([f["split"] + 0.1 for f in final], [f[f"val_{m}"] for f in final], label="val")
+    ax_f.set(xlabel="split", ylabel=m, title=f"{board['best']['config']}: final runs")
+    ax_f.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(root / "leaderboard.png", dpi=100)
+    plt.close(fig)
+
+
+def load_resume(tune_dir: str) -> TuneConfig:
+    """The settings of the tune in ``tune_dir`` (``--resume``).
+
+    Raises:
+        TrellisUserError: Not a tune directory, or its tune.json is unreadable.
+    """
+    path = Path(tune_dir) / "tune.json"
+    if not is_tune_dir(Path(tune_dir)):
+        raise TrellisUserError(f"--resume {tune_dir}: not a tune directory (no tune.json of a trellis tune)")
+    try:
+        settings = json.loads(path.read_text())["settings"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise TrellisUserError(f"--resume {tune_dir}: cannot read {path} ({exc})") from None
+    return TuneConfig(**settings)
+
+
+__all__ = ["Dim", "TuneConfig", "format_tune", "load_resume", "parse_duration", "run_tune", "rung_epochs"]
