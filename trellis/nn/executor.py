@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from trellis.nn.runtime import AggregationCache
 from trellis.ops import spmm
 from trellis.ops.graph import CSRGraph
+from trellis.ops.sparse_rows import is_sparse, linear
 from trellis.plan.decl import LayerDecl
 from trellis.plan.ir import LayerPlan
 
@@ -111,10 +111,14 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
     zs: dict[int, Tensor] = {}  # configuration position -> its pre-transformed input (GIN's root term)
     agg_input: dict[int, int] = {}  # id of an aggregate-first input -> part
     tr_groups: dict[int, list[int]] = {}
+    # A sparse input (bag-of-words rows, trellis.ops.sparse_rows) is always transformed first: its transform
+    # is an SpMM over its non-zeros, and aggregating it first would need a dense [N, F] result.
+    first = [plan.order(j) and not is_sparse(h) for j, h in enumerate(hs)]
+    cached_j = [plan.is_cached(j) and not is_sparse(h) for j, h in enumerate(hs)]
     for j, h in enumerate(hs):
-        if plan.is_cached(j):
+        if cached_j[j]:
             continue
-        if plan.order(j):
+        if first[j]:
             if id(h) not in agg_input:
                 agg_input[id(h)] = len(parts)
                 parts.append(h)
@@ -124,7 +128,7 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
             tr_groups.setdefault(id(h), []).append(j)
     for group in tr_groups.values():
         weights = [convs[j].transform_weight() for j in group]
-        z = F.linear(hs[group[0]], torch.cat(weights, 0) if len(weights) > 1 else weights[0])
+        z = linear(hs[group[0]], torch.cat(weights, 0) if len(weights) > 1 else weights[0])
         widths = [w.shape[0] for w in weights]
         for q, (j, zj) in enumerate(zip(group, z.split(widths, dim=1) if len(group) > 1 else (z,))):
             zs[j] = zj
@@ -145,14 +149,14 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
     cached: Tensor | None = None
     results = []
     for j, (conv, h) in enumerate(zip(convs, hs)):
-        if plan.is_cached(j):
+        if cached_j[j]:
             if cached is None:
                 cached = _cached_aggregation(convs[0], graph, h, agg, cache, constant)
             a = cached
         else:
             part, piece = where[j]
             a = aggs[part][piece]
-        results.append(conv.epilogue(a, h, zs.get(j), plan.order(j), n))
+        results.append(conv.epilogue(a, h, zs.get(j), first[j], n))
     return results
 
 

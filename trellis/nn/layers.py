@@ -22,6 +22,7 @@ from trellis.nn.executor import Aggregation, run_layer
 from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
 from trellis.ops.dropout import dropout
 from trellis.ops.graph import CSRGraph
+from trellis.ops.sparse_rows import head_rows, linear
 from trellis.plan import GraphStats, LayerDecl, LayerPlan, plan_layer, plan_layer_step
 
 #: Plans a layer keeps, per graph shape and mode: sampled blocks differ in shape every batch, so the memo
@@ -172,7 +173,7 @@ class SAGEConv(PushdownConv):
     def epilogue(self, a: Tensor, h: Tensor, z: Tensor | None, aggregate_first: bool, n: int) -> Tensor:
         """``W_l a + b_l`` (or ``a + b_l`` when ``a`` is already transformed) plus the root term ``W_r x_i``."""
         neigh = self.lin_l(a) if aggregate_first else a + self.lin_l.bias
-        return neigh + self.lin_r(h[:n])
+        return neigh + linear(head_rows(h, n), self.lin_r.weight)
 
 
 class GINConv(PushdownConv):
@@ -253,7 +254,7 @@ class GATConv(MessagePassing):
         """
         g = graph.with_self_loops()
         h, d = self.heads, self.out_dim
-        z = self.lin(x).view(-1, h, d)
+        z = linear(x, self.lin.weight).view(-1, h, d)
         logits = sddmm(g, (z * self.att_src).sum(-1), (z[: g.num_dst] * self.att_dst).sum(-1), op="add")
         ef = None
         if self.edge_dim:

@@ -120,7 +120,7 @@ def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | No
     """
     if not training or p == 0.0:
         return x
-    if hash_dropout.applies(x):
+    if hash_dropout.applies(x) or x.layout == torch.sparse_csr:  # sparse input rows: dropout of their values
         return hash_dropout.dropout(x, p, True, generator)
     with generator_scope(generator):
         return F.dropout(x, p, True)

@@ -116,7 +116,8 @@ def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None, keys: np.nda
 
 def applies(x: Tensor) -> bool:
     """Whether ``x`` takes the counter-based path (numba present, a float32/64 CPU tensor)."""
-    return WITH_NUMBA and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+    return (WITH_NUMBA and x.device.type == "cpu" and x.layout == torch.strided
+            and x.dtype in (torch.float32, torch.float64))
 
 
 def draw_seed(generator: torch.Generator | None = None) -> int:
@@ -174,6 +175,12 @@ def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | No
     """
     if not training or p == 0.0:
         return x
+    if x.layout == torch.sparse_csr:  # sparse input rows: one mask value per stored value (zeros stay zero)
+        values = x.values()
+        seed = draw_seed(generator)
+        kept = values * 0.0 if p >= 1.0 else _run(values, seed, p) if WITH_NUMBA else \
+            values * torch.empty_like(values).bernoulli_(1.0 - p, generator=generator) / (1.0 - p)
+        return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), kept, x.shape, check_invariants=False)
     if p >= 1.0:
         return torch.zeros_like(x)
     if not applies(x):

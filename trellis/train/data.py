@@ -19,6 +19,7 @@ from trellis.data.splits import per_class_split
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.ops.graph import CSRGraph
+from trellis.ops.sparse_rows import to_sparse_rows
 from trellis.train.features import node_inputs, parse_features
 from trellis.train.tasks import Task, resolve_task
 
@@ -88,7 +89,8 @@ def normalize_features(x: Tensor, mode: str) -> tuple[Tensor, str]:
 
 def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device, task: str = "auto",
                     feature_norm: str = "auto", need_labels: bool = True, features: str = "store",
-                    in_memory_graph: bool = True, split_seed: int | None = None) -> GraphData:
+                    in_memory_graph: bool = True, split_seed: int | None = None,
+                    sparse_rows: bool = False) -> GraphData:
     """Open a store and move its graph, features, labels and splits to ``device``.
 
     Args:
@@ -102,6 +104,8 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
         in_memory_graph: Copy the CSR (and its cached reverse) into a :class:`CSRGraph` on the device;
             False leaves it memory-mapped in the store and loads only the edge data.
         split_seed: ``--split-seed`` (None: the store's split; see :func:`load_labels`).
+        sparse_rows: Keep mostly-zero store features as a CSR tensor on CPU
+            (:mod:`trellis.ops.sparse_rows`); only for callers that run the whole graph's first layer.
     """
     store = GraphStore(store_path)
     where = str(store.path)
@@ -116,6 +120,8 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
         if feature_norm == "auto":
             feature_norm = store.preferred_feature_norm
         x, resolved_norm = normalize_features(x, feature_norm)
+        if sparse_rows and device.type == "cpu":
+            x = to_sparse_rows(x)
     else:
         x = node_inputs(kind, store.num_nodes, np.asarray(store.indptr), np.asarray(store.indices))
         resolved_norm = "none"

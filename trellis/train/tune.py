@@ -395,15 +395,17 @@ class Tune:
     def _deadline(self, t_start: float) -> float | None:
         """When the search must stop so that the final runs still fit in the budget.
 
-        The final runs are priced at the slowest active candidate's measured time per epoch (its share of its
-        batch), for ``--epochs`` epochs, ``splits x seeds`` times, divided by the batch size they will share.
+        The final runs are priced at the current leader's measured time per epoch (its share of its batch:
+        the likely choice, and the one whose runs are to come), for ``--epochs`` epochs, ``splits x seeds``
+        times. Before any candidate has a measured epoch there is no deadline.
         """
         if self.tc.budget_s is None:
             return None
-        measured = [s.time_s / s.epochs for s in self.states.values() if s.epochs and s.entry.id in
-                    self.progress["active"]]
-        per_epoch = max(measured) if measured else 0.0
-        final_s = per_epoch * self.max_epochs * len(self.split_seeds) * self.tc.seeds
+        measured = [s for s in self.states.values() if s.epochs and s.entry.id in self.progress["active"]]
+        if not measured:
+            return None
+        leader = rank_states(measured)[0]
+        final_s = leader.time_s / leader.epochs * self.max_epochs * len(self.split_seeds) * self.tc.seeds
         return t_start + self.tc.budget_s - self._base - final_s
 
     # -- the final runs

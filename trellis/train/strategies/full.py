@@ -33,13 +33,15 @@ class GraphStrategy(Strategy):
     """
 
     data: GraphData
+    #: Keep mostly-zero features sparse (:mod:`trellis.ops.sparse_rows`): only whole-graph first layers read them.
+    sparse_rows = False
 
     def load(self) -> None:
         """Load the store's graph, inputs, labels and splits onto the device."""
         cfg = self.cfg
         self.data = d = load_graph_data(str(cfg.store), device=self.device, task=cfg.task,
                                         feature_norm=cfg.feature_norm, features=cfg.features,
-                                        split_seed=cfg.split_seed)
+                                        split_seed=cfg.split_seed, sparse_rows=self.sparse_rows)
         assert d.task is not None
         self.store, self.task, self.feature_norm = d.store, d.task, d.feature_norm
         self.spec = ModelSpec(d.in_dim, d.task.num_outputs, d.edge_dim, d.store.num_nodes, d.embedding_dim)
@@ -79,6 +81,10 @@ def fit_warning(cfg: TrainConfig) -> str:
             f"available; train out of core with --memory-budget {format_size(int(0.8 * avail))} (80% of it)")
 
 
+#: Models whose first layer takes sparse input rows (its dropout and transform, :mod:`trellis.ops.sparse_rows`).
+SPARSE_ROW_MODELS = frozenset({"gcn", "sage", "gin", "gat", "gate"})
+
+
 @register_strategy("full")
 class FullBatch(GraphStrategy):
     """Full-batch training: the loss over the training nodes of one forward pass over the whole graph.
@@ -111,10 +117,14 @@ class FullBatch(GraphStrategy):
         return cls
 
     def load(self) -> None:
-        """Say when the in-memory run will not fit (and which budget would), then load as every graph strategy."""
+        """Say when the in-memory run will not fit (and which budget would), then load as every graph strategy.
+
+        Bag-of-words features stay sparse for the message-passing models (the MLP slices its rows).
+        """
         warning = fit_warning(self.cfg)
         if warning:
             print(warning, file=sys.stderr)
+        self.sparse_rows = self.cfg.model in SPARSE_ROW_MODELS
         super().load()
 
     def forward(self, model: nn.Module) -> Tensor:
