@@ -56,7 +56,7 @@ from trellis.plan.batching import balanced_batches, choose_k, default_budget_byt
 from trellis.train.build import ModelFactory, default_model_factory
 from trellis.train.data import redraw_split, resolve_device
 from trellis.train.runs import MetricsLog, read_jsonl, write_json_atomic
-from trellis.train.space import Dim, Space, candidates, load_space, parse_space, space_to_json
+from trellis.train.space import Space, candidates, load_space, parse_space, space_to_json
 from trellis.train.strategies.full import FullBatch
 from trellis.train.sweep import (
     ConfigState,
@@ -525,6 +525,10 @@ def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: 
     val = [r[f"val_{m}"] for r in final]
     test = [r[f"test_{m}"] for r in final]
     top5 = [r[f"val_{m}"] for r in rows[:5]]
+    # Two sources of spread: the seed (initialization, dropout) within a split, and the split itself.
+    per_split = [[r[f"test_{m}"] for r in final if r["split"] == j] for j in range(len(tune.split_seeds))]
+    seed_std = statistics.fmean(_mean_std(t)[1] for t in per_split)
+    split_std = _mean_std([statistics.fmean(t) for t in per_split])[1]
     return {
         "format": TUNE_FORMAT, "version": 1, "store": str(tune.strategy.store.path),
         "store_name": tune.strategy.store.name, "model": tune.tc.model, "metric": m, "search": tune.how,
@@ -536,7 +540,7 @@ def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: 
         "final": final, "split_seeds": tune.split_seeds, "seeds": tune.tc.seeds,
         "val_mean": _mean_std(val)[0], "val_std": _mean_std(val)[1],
         "test_mean": _mean_std(test)[0], "test_std": _mean_std(test)[1],
-        "test_min": min(test), "test_max": max(test),
+        "test_min": min(test), "test_max": max(test), "test_seed_std": seed_std, "test_split_std": split_std,
         "top5_val": top5, "rows": rows, "out": str(tune.root),
     }
 
@@ -580,7 +584,9 @@ def report_text(board: dict[str, Any]) -> str:
         f"Retrained over {len(board['split_seeds'])} split(s) × {board['seeds']} seed(s) ({n_final} runs): "
         f"validation {m} {_pct(board['val_mean'])} ± {_pct(board['val_std'])}, test {m} "
         f"{_pct(board['test_mean'])} ± {_pct(board['test_std'])} (runs from {_pct(board['test_min'])} to "
-        f"{_pct(board['test_max'])}); the test split was read only for these runs. The top five candidates "
+        f"{_pct(board['test_max'])}; standard deviation over seeds within a split {_pct(board['test_seed_std'])}, "
+        f"of the split means {_pct(board['test_split_std'])}); the test split was read only for these runs. "
+        f"The top five candidates "
         f"scored {_pct(min(top5))} to {_pct(max(top5))} on validation, so the choice is "
         f"{'clear' if max(top5) - min(top5) > 2 * board['val_std'] else 'within the noise of the runners-up'}. "
         f"Wall time {board['wall_time_s']:.0f} s{budget} (search {board['search_time_s']:.0f} s, final runs "
@@ -612,9 +618,18 @@ def plot_tune(root: Path, board: dict[str, Any]) -> None:
     m = board["metric"]
     fig, (ax, ax_f) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 1]})
     for r in board["rows"]:
-        recs = read_jsonl(root / "configs" / r["config"] / "metrics.jsonl")
+        xs: list[float] = []
+        ys: list[float] = []
+        prev = None
+        for k, q in enumerate(read_jsonl(root / "configs" / r["config"] / "metrics.jsonl")):
+            if k and q.get("rung") != prev:  # a gap while other candidates train: the line breaks
+                xs.append(math.nan)
+                ys.append(math.nan)
+            xs.append(q["clock_s"])
+            ys.append(q.get(f"val_{m}", math.nan))
+            prev = q.get("rung")
         top = r["rank"] <= 5
-        ax.plot([q["clock_s"] for q in recs], [q.get(f"val_{m}") for q in recs], lw=1.3 if top else 0.6,
+        ax.plot(xs, ys, lw=1.3 if top else 0.6,
                 alpha=1.0 if top else 0.4, label=f"#{r['rank']} {r['config']}" if top else None)
     ax.set(xlabel="tune wall clock (s)", ylabel=f"val {m}", title="candidates (top 5 labelled)")
     ax.legend(fontsize=7)
@@ -644,4 +659,4 @@ def load_resume(tune_dir: str) -> TuneConfig:
     return TuneConfig(**settings)
 
 
-__all__ = ["Dim", "TuneConfig", "format_tune", "load_resume", "parse_duration", "run_tune", "rung_epochs"]
+__all__ = ["TuneConfig", "format_tune", "load_resume", "parse_duration", "run_tune", "rung_epochs"]

@@ -1,0 +1,74 @@
+"""Sparse input rows: the first layer's transform and dropout on a CSR input equal the dense ones."""
+
+from __future__ import annotations
+
+import torch
+
+from trellis.ops.dropout import dropout
+from trellis.ops.sparse_rows import is_sparse, linear, to_sparse_rows
+
+
+def _bow(n=60, f=200, density=0.03, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(n, f, generator=g) < density
+    return mask.float() * torch.randint(1, 4, (n, f), generator=g).float()
+
+
+def test_only_sparse_float_matrices_are_converted():
+    x = _bow()
+    assert is_sparse(to_sparse_rows(x))
+    dense = torch.rand(10, 5)
+    assert to_sparse_rows(dense) is dense  # 100% non-zero
+    ids = torch.zeros(10, 5, dtype=torch.int64)
+    assert to_sparse_rows(ids) is ids
+
+
+def test_linear_and_its_gradients_equal_the_dense_ones():
+    x = _bow()
+    xs = to_sparse_rows(x)
+    w1 = torch.randn(7, x.shape[1], requires_grad=True)
+    w2 = w1.detach().clone().requires_grad_(True)
+    b = torch.randn(7)
+    out_s, out_d = linear(xs, w1, b), linear(x, w2, b)
+    assert torch.allclose(out_s, out_d, atol=1e-5)
+    g = torch.randn_like(out_d)
+    out_s.backward(g)
+    out_d.backward(g)
+    assert torch.allclose(w1.grad, w2.grad, atol=1e-4)
+
+
+def test_dropout_keeps_the_structure_and_zeros():
+    x = _bow(n=400, f=300, density=0.05)
+    xs = to_sparse_rows(x)
+    gen = torch.Generator().manual_seed(1)
+    d = dropout(xs, 0.5, True, gen)
+    assert is_sparse(d) and torch.equal(d.crow_indices(), xs.crow_indices())
+    kept = d.values() != 0
+    assert torch.allclose(d.values()[kept], 2 * xs.values()[kept])  # inverted dropout's scale
+    assert 0.4 < kept.float().mean().item() < 0.6
+    assert dropout(xs, 0.5, False) is xs
+    again = dropout(xs, 0.5, True, torch.Generator().manual_seed(1))
+    assert torch.equal(again.values(), d.values())  # the mask is the generator's
+
+
+def test_a_gcn_on_sparse_rows_equals_the_dense_model():
+    from trellis.nn.batched import BatchedGNN
+    from trellis.nn.models import build_model
+    from trellis.ops.graph import CSRGraph
+
+    torch.manual_seed(0)
+    n = 60
+    src = torch.randint(0, n, (300,))
+    dst = torch.randint(0, n, (300,))
+    order = torch.argsort(dst * n + src)
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.bincount(dst, minlength=n), 0)
+    graph = CSRGraph(indptr=indptr, indices=src[order], num_src=n)
+    x = _bow(n=n)
+    for name in ("gcn", "sage", "gin", "gat"):
+        model = build_model(name, x.shape[1], 3, hidden=8, layers=2, dropout=0.0, heads=2)
+        model.eval()
+        run = BatchedGNN([model]) if name != "gat" else None
+        out_d = run(graph, x)[0] if run else model(graph, x)
+        out_s = run(graph, to_sparse_rows(x))[0] if run else model(graph, to_sparse_rows(x))
+        assert torch.allclose(out_s, out_d, atol=1e-4), name
