@@ -50,7 +50,7 @@ def test_every_model_has_complete_defaults():
     ({"metric": "aucc"}, "--metric"),
     ({"task": "multiclass", "metric": "auc"}, "--metric auc does not fit --task multiclass"),
     ({"task": "binary", "metric": "f1_micro"}, "--metric f1_micro does not fit --task binary"),
-    ({"feature_norm": "l2"}, "--feature-norm"),
+    ({"feature_norm": "l1"}, "--feature-norm"),
     ({"hidden": 1.5}, "--hidden"),
     ({"hidden": True}, "--hidden"),
     ({"json": "yes"}, "--json"),
