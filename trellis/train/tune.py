@@ -425,6 +425,9 @@ class Tune:
                     k: torch.from_numpy(np.asarray(v, dtype=np.int64)).to(self.device)
                     for k, v in redraw_split(data.store, np.asarray(data.store.y), split_seed).items()}
                 states = [open_state(e, data, self.metric, self.device, root, self.factory) for e in entries]
+                for s in states:  # a resumed tune runs its final runs again from the start
+                    s.log.close()
+                    s.log = MetricsLog(s.log.path, offset=0)
                 batchable = self._batchable([best.id])
                 groups = [states] if batchable else [[s] for s in states]
                 try:
