@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from trellis.errors import TrellisUserError
+from trellis.nn.batched import family_of, model_decl
 from trellis.plan import GraphStats
 from trellis.plan.batching import balanced_batches, choose_k, default_budget_bytes
 from trellis.train.build import ModelFactory, default_model_factory
@@ -146,7 +147,7 @@ class TuneConfig:
         """The space to draw from: ``--grid`` items, a space file, or the model's default."""
         if self.grid:
             grid = parse_grid(self.grid)
-            return parse_space({k: v for k, v in grid.items()}, "--grid")
+            return parse_space(dict(grid), "--grid")
         return load_space(self.space, self.model)
 
 
@@ -327,8 +328,6 @@ class Tune:
             by_depth.setdefault(by_id[i].cfg.layers, []).append(i)
         out: list[list[str]] = []
         for group in by_depth.values():
-            from trellis.nn.batched import family_of, model_decl
-
             models = [build_config_model(by_id[i], self.strategy, torch.device("cpu"), self.factory)[0] for i in group]
             try:
                 family = family_of(models[0])
@@ -341,8 +340,7 @@ class Tune:
         return out
 
     def _batchable(self, ids: list[str]) -> bool:
-        from trellis.nn.batched import family_of
-
+        """Whether a batch runs as a BatchedGNN (a singleton of a family that cannot batch runs alone)."""
         if len(ids) > 1:
             return True
         try:
