@@ -72,3 +72,19 @@ def test_a_gcn_on_sparse_rows_equals_the_dense_model():
         out_d = run(graph, x)[0] if run else model(graph, x)
         out_s = run(graph, to_sparse_rows(x))[0] if run else model(graph, to_sparse_rows(x))
         assert torch.allclose(out_s, out_d, atol=1e-4), name
+
+
+def test_sparse_dropout_is_the_dense_mask_at_every_stored_value():
+    """A stored value at (row, column) gets the dense mask's value there, keyed rows included."""
+    import numpy as np
+
+    from trellis.ops.dropout import keyed_rows
+
+    x = _bow(n=300, f=211, density=0.04)
+    xs = to_sparse_rows(x)
+    for keys in (None, np.random.default_rng(3).permutation(10_000)[:300].astype(np.int64)):
+        with keyed_rows({} if keys is None else {300: keys}):
+            d = dropout(xs, 0.5, True, torch.Generator().manual_seed(9)).to_dense()
+            dense = dropout(x, 0.5, True, torch.Generator().manual_seed(9))
+        assert torch.equal(d, dense)
+        assert int((d != 0).sum()) < int((x != 0).sum())  # something was dropped

@@ -66,6 +66,22 @@ if WITH_NUMBA:
                 else:
                     out[r, c] = x[r, c] * scale
 
+    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    def _apply_mask_csr(values, out, crow, col, keys, keyed, width, seed, threshold, scale):  # pragma: no cover
+        rows = crow.shape[0] - 1
+        for r in prange(rows):
+            row = np.uint64(keys[r]) if keyed else np.uint64(r)
+            base = row * np.uint64(width)
+            for k in range(crow[r], crow[r + 1]):
+                z = np.uint64(seed) + (base + np.uint64(col[k])) * _M1
+                z = (z ^ (z >> np.uint64(30))) * _M2
+                z = (z ^ (z >> np.uint64(27))) * _M3
+                z = z ^ (z >> np.uint64(31))
+                if (z >> np.uint64(11)) < threshold:
+                    out[k] = 0.0
+                else:
+                    out[k] = values[k] * scale
+
 #: Row keys in force (see :func:`keyed_rows`): number of rows -> ``int64`` key of each row.
 _ROW_KEYS: dict[int, np.ndarray] = {}
 
@@ -152,6 +168,33 @@ def apply_into(x: Tensor, p: float, out: Tensor, generator: torch.Generator | No
     return out.copy_(_run(x, seed, p))
 
 
+def _sparse_dropout(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
+    """Dropout of sparse input rows: each stored value gets the dense mask's value at its (row, column).
+
+    Why not one mask value per stored value in storage order: the same rows read densely (a distributed
+    rank's part, an out-of-core tile) hash ``row * width + column``, so the masks, and the losses, would
+    differ between one process and P ranks. Zeros stay zero whether dropped or not, so this is dense
+    dropout exactly, evaluated at the non-zeros only. Rows are keyed like dense rows (:func:`keyed_rows`).
+    """
+    values = x.values()
+    seed = draw_seed(generator)
+    if p >= 1.0:
+        kept = values * 0.0
+    elif WITH_NUMBA and values.dtype in (torch.float32, torch.float64):
+        keys = _keys_for(x)
+        crow = x.crow_indices().to(torch.int64).numpy()
+        col = x.col_indices().to(torch.int64).numpy()
+        src = values.contiguous()
+        kept = torch.empty_like(src)
+        threshold = np.uint64(int(p * float(1 << 53)))
+        scale = src.new_tensor(1.0 / (1.0 - p)).item()
+        _apply_mask_csr(src.numpy(), kept.numpy(), crow, col, keys if keys is not None else crow[:1],
+                        keys is not None, np.uint64(x.shape[1]), np.uint64(seed), threshold, scale)
+    else:
+        kept = values * torch.empty_like(values).bernoulli_(1.0 - p, generator=generator) / (1.0 - p)
+    return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), kept, x.shape, check_invariants=False)
+
+
 class _HashDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, seed: int, p: float) -> Tensor:
@@ -175,12 +218,8 @@ def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | No
     """
     if not training or p == 0.0:
         return x
-    if x.layout == torch.sparse_csr:  # sparse input rows: one mask value per stored value (zeros stay zero)
-        values = x.values()
-        seed = draw_seed(generator)
-        kept = values * 0.0 if p >= 1.0 else _run(values, seed, p) if WITH_NUMBA else \
-            values * torch.empty_like(values).bernoulli_(1.0 - p, generator=generator) / (1.0 - p)
-        return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(), kept, x.shape, check_invariants=False)
+    if x.layout == torch.sparse_csr:
+        return _sparse_dropout(x, p, generator)
     if p >= 1.0:
         return torch.zeros_like(x)
     if not applies(x):
