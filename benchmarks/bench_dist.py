@@ -6,9 +6,9 @@
 
 Two tables (markdown, pasteable into docs/distributed.md):
 
-1. **Scaling on this machine** (what ``trellis bench dist --predict`` prints, :mod:`trellis.dist.scaling`):
+1. **Scaling on this machine** (what ``python -m benchmarks.scaling --predict`` prints, :mod:`benchmarks.scaling`):
    on a generated SBM graph, the single process, then ``trellis train --parts-dir`` at each P for each
-   partitioner (every run its own process), with the step time the cost model (:mod:`trellis.dist.cost`)
+   partitioner (every run its own process), with the step time the cost model (:mod:`trellis.plan.rank_cost`)
    predicts from the P = 1 step, the layouts' per-part counts and the loopback gloo all-to-all's measured
    bandwidth and latency. Bytes and per-rank peak ``RssAnon`` come from the run directories.
 2. **16 machines, 100M nodes**: the same model with the serial work per (edge + node) and the thread
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import print_table
-from trellis.dist.cost import CostInputs, halo_sent_bytes, predict, work_shares
-from trellis.dist.scaling import ScalingConfig, format_rows, generate, partition, run_scaling
+from benchmarks.scaling import ScalingConfig, format_rows, generate, partition, run_scaling
+from trellis.plan.rank_cost import CostInputs, halo_sent_bytes, predict, work_shares
 
 #: Links of the extrapolation: label -> (bytes/s, seconds per message).
 LINKS = {"100 Gb/s": (100e9 / 8, 10e-6), "10 Gb/s": (10e9 / 8, 50e-6)}
@@ -117,7 +117,7 @@ def main() -> int:
     p.add_argument("--save", type=Path, default=None, help="write the scaling result (JSON) here")
     p.add_argument("--extrapolate-from", type=Path, default=None,
                    help="skip the scaling runs: extrapolate from a saved result (--save, or "
-                        "`trellis bench dist --predict --json`)")
+                        "`python -m benchmarks.scaling --predict --json`)")
     p.add_argument("--no-extrapolate", action="store_true", help="only the scaling table")
     p.add_argument("--cut-nodes", default=None, help="size of the graphs partitioned into 16 parts for the "
                                                      "extrapolation (default: --nodes)")

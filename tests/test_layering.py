@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "trellis"
-ORDER = ["data", "partition", "ops", "plan", "nn", "loader", "train", "dist", "cli"]
+ORDER = ["data", "partition", "ops", "distributed", "plan", "nn", "loader", "train", "cli"]
 
 #: Violations still being fixed elsewhere: ``"upward: a -> b"`` or ``"cycle: a <-> b"`` (sorted members).
 #: Empty: ``plan -> nn.decl`` and ``train.pp <-> train.trainer`` were fixed before this test landed.

@@ -116,21 +116,20 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     rank = None
     if cfg.parts_dir is not None:
-        import trellis.dist  # noqa: F401 - registers the partition-parallel strategy
-        from trellis.dist.comm import RankEnv
+        from trellis.distributed.comm import RankEnv
 
         env = RankEnv.from_environ()
         if cfg.explain:
-            from trellis.dist.strategy import explain_distributed
+            from trellis.train.strategies.partitioned import explain_distributed
 
             text = explain_distributed(cfg, getattr(args, "model_factory", None))
             print(text)
             if cfg.json:
                 print(json.dumps({"explain": text}))
             return 0
-        if env is None and (cfg.nproc or 0) != 1:
-            from trellis.dist.launch import launch
+        from trellis.train.launch import launch, needs_launch
 
+        if needs_launch(cfg):
             return launch(cfg)
         if env is not None:
             rank = env.rank

@@ -13,7 +13,7 @@ Definitions (``E`` stored edges, ``N`` nodes, ``P`` parts):
   its in-edges (``dst``), the destinations of its out-edges (``src``), both (``reverse``), or the
   mirrors of the nodes whose edges it holds (``vertex-cut``).
 * ``replication_factor``: ``(N + sum of halo sizes) / N`` — copies of a node's state per node.
-* **exchange** for one full-batch layer of width ``F`` (float32): the rows :mod:`trellis.dist` sends, 4F
+* **exchange** for one full-batch layer of width ``F`` (float32): the rows :mod:`trellis.distributed` sends, 4F
   bytes per (node, remote part) pair that is *in use* (GraphTheta §4.1: only masters in use are
   synchronized). The distributed engine's measured bytes per layer equal these figures:
 

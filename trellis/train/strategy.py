@@ -181,11 +181,6 @@ STRATEGY_OPTIONS = frozenset({"labor", "clusters", "clusters_per_batch", "bounda
                               "pp_dir", "pp_loader", "chunk_size", "memory_budget", "spill_dir",
                               "prefetch", "parts_dir", "nproc", "timeout"})
 
-#: Partition-parallel variants of strategies (strategy name -> class), registered by :mod:`trellis.dist`
-#: with :func:`register_partitioned`; ``--parts-dir`` selects them.
-PARTITIONED: dict[str, type[Strategy]] = {}
-
-
 def register_strategy(name: str) -> Any:
     """Class decorator that registers a :class:`Strategy` under ``name``."""
 
@@ -194,17 +189,6 @@ def register_strategy(name: str) -> Any:
             raise ValueError(f"strategy {name!r} registered twice")
         cls.name = name
         STRATEGIES[name] = cls
-        return cls
-
-    return deco
-
-
-def register_partitioned(name: str) -> Any:
-    """Class decorator: the class trains strategy ``name`` partition-parallel (``--parts-dir``)."""
-
-    def deco(cls: type[Strategy]) -> type[Strategy]:
-        cls.name = name
-        PARTITIONED[name] = cls
         return cls
 
     return deco

@@ -404,5 +404,16 @@ def _num_parameters(model_file: Path) -> int:
 
 
 def train(cfg: TrainConfig, **kwargs: Any) -> dict[str, Any]:
-    """Train with ``cfg`` and return the summary (see :class:`Trainer`)."""
+    """Train with ``cfg`` and return the summary (see :class:`Trainer`).
+
+    With ``parts_dir`` outside a launched rank this starts the ranks itself (:func:`trellis.train.launch.train_ranks`)
+    and returns the job's summary, as ``trellis train --parts-dir`` does.
+    """
+    from trellis.train.launch import needs_launch, train_ranks
+
+    if needs_launch(cfg):
+        if kwargs.get("model_factory") is not None:
+            raise TrellisUserError("a model_factory cannot travel to ranks started here; start the ranks with "
+                                   "torchrun (each calls trellis.train.trainer.train) or pass nproc=1")
+        return train_ranks(cfg, err=kwargs.get("err"))
     return Trainer(cfg, **kwargs).fit()

@@ -20,7 +20,8 @@ from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_graph_data
 from trellis.train.strategies.outofcore import OutOfCoreFull
-from trellis.train.strategy import PARTITIONED, Strategy, register_strategy
+from trellis.train.strategies.partitioned import PartitionedFull
+from trellis.train.strategy import Strategy, register_strategy
 from trellis.train.tasks import Task, evaluate_logits
 from trellis.utils.sizes import format_size
 
@@ -106,9 +107,7 @@ class FullBatch(GraphStrategy):
             if cfg.memory_budget is not None:
                 raise TrellisUserError("--parts-dir and --memory-budget cannot be combined yet: train out of core "
                                        "in one process, or partition-parallel in memory")
-            if "full" not in PARTITIONED:
-                raise TrellisUserError("--parts-dir needs trellis.dist (import it, as the CLI does)")
-            return PARTITIONED["full"]
+            return PartitionedFull
         if cfg.memory_budget is not None:
             return OutOfCoreFull
         if cfg.spill_dir is not None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trellis.dist.comm import Comm
+from trellis.distributed.comm import Comm
 
 
 @dataclass

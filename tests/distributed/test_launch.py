@@ -16,7 +16,6 @@ import psutil
 import pytest
 
 from tests.train.helpers import wait_for_epochs
-
 from trellis.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]

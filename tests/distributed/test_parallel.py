@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trellis.data.store import GraphStore
-from trellis.dist.strategy import free_port
+from trellis.distributed.comm import free_port
 from trellis.partition import evaluate
 from trellis.partition.layout import PartitionedGraph
 from trellis.train.config import TrainConfig
@@ -54,7 +53,6 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict[str, Any]]) -> Non
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    import trellis.dist  # noqa: F401 - registers the partition-parallel strategy
 
     for job in jobs:
         Trainer(TrainConfig(**job), err=io.StringIO()).fit()
@@ -73,7 +71,6 @@ def single(dist_store: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 @pytest.fixture(scope="module")
 def parallel(dist_store: Path, layouts: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
     """``(world, method, model) -> RUN_DIR`` of every job of :data:`JOBS`, trained by spawned ranks."""
-    import trellis.dist  # noqa: F401
 
     root = tmp_path_factory.mktemp("parallel")
     runs = {}
@@ -89,7 +86,6 @@ def parallel(dist_store: Path, layouts: dict, tmp_path_factory: pytest.TempPathF
 
 
 def test_world_size_one_is_the_single_process_bit_for_bit(dist_store, layouts, single, tmp_path):
-    import trellis.dist  # noqa: F401
 
     out = tmp_path / "one"
     Trainer(_cfg(dist_store, "gcn", out, parts_dir=str(layouts[("metis", 1)]), nproc=1), err=io.StringIO()).fit()
@@ -128,7 +124,6 @@ def test_measured_bytes_equal_the_partition_estimate(parallel, layouts, dist_sto
 def test_a_layout_refuses_what_it_cannot_train(dist_store, layouts, tmp_path):
     from trellis.errors import TrellisUserError
 
-    import trellis.dist  # noqa: F401
 
     with pytest.raises(TrellisUserError, match="needs each node's in-edges on its owner"):
         Trainer(_cfg(dist_store, "gat", tmp_path / "a", parts_dir=str(layouts[("hash", 2)]), nproc=2)).fit()

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from trellis.dist.cost import (
+from trellis.plan.rank_cost import (
     CostInputs,
     exchange_row_floats,
     halo_sent_bytes,

@@ -1,6 +1,6 @@
 """A rank's graph, its graph view and its exchange, one per edge ownership of the partitioned layout.
 
-Every ownership becomes two optional halo exchanges around the same local SpMM (see :mod:`trellis.dist.halo`):
+Every ownership becomes two optional halo exchanges around the same local SpMM (see :mod:`trellis.distributed.halo`):
 
 =============  ======================================  =============================================
 ownership      before the layer (graph view: Fetch)    after the local aggregation (exchange: Reduce)
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trellis.dist.comm import Comm
-from trellis.dist.halo import Fetch, Reduce, Route, Traffic, reduce_rows
+from trellis.distributed.comm import Comm
+from trellis.distributed.halo import Fetch, Reduce, Route, Traffic, reduce_rows
 from trellis.errors import TrellisUserError
 from trellis.ops import spmm
 from trellis.ops.graph import CSRGraph

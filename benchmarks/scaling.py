@@ -1,11 +1,11 @@
 """Measured scaling of partition-parallel training, and the cost model's prediction beside it.
 
-``trellis bench dist`` and ``benchmarks/bench_dist.py`` run this: on one store, the single process
+``python -m benchmarks.scaling`` and ``benchmarks/bench_dist.py`` run this: on one store, the single process
 (``trellis train`` without ``--parts-dir``) as the baseline, then ``trellis train --parts-dir`` at each P
 for each partitioning method, every run a separate ``python -m trellis.cli train`` process. Figures come
 from the run directories: the median training step over epochs >= 1 (``step_time_s``; epoch 0 includes
 setup), the bytes every rank sent in a step (``exchange_bytes_per_rank``) and each rank's peak ``RssAnon``
-(summary). The prediction (:mod:`trellis.dist.cost`) uses the P = 1 step pinned to one core (the serial
+(summary). The prediction (:mod:`trellis.plan.rank_cost`) uses the P = 1 step pinned to one core (the serial
 work ``W``) and on all cores (the thread efficiency, unless given), the layouts' per-part counts, the
 model's exchange shape (floats per halo row and exchanges per step, read off the first multi-rank run:
 they depend on the model and the planner, not on P), a bandwidth and latency (measured by
@@ -15,6 +15,7 @@ multi-rank run enters the prediction.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -29,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from trellis.data.store import GraphStore
-from trellis.dist.cost import (
+from trellis.errors import TrellisUserError
+from trellis.plan.rank_cost import (
     CostInputs,
     exchange_row_floats,
     halo_sent_bytes,
@@ -179,14 +181,14 @@ def probe_loopback(nbytes: int = 16 * MIB, iters: int = 10, timeout: float = 120
     Each rank sends ``nbytes`` to its peer; the latency is the median time of a 4-byte all-to-all, the
     bandwidth ``nbytes / (t_big - latency)`` with ``t_big`` the median of ``iters`` big ones.
     """
-    from trellis.dist.strategy import free_port
+    from trellis.distributed.comm import free_port
 
     port = free_port()
     procs = []
     for rank in range(2):
         env = {**_env(1), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "trellis.dist.scaling", "probe", str(nbytes),
+        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.scaling", "probe", str(nbytes),
                                        str(iters)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outs = []
@@ -205,7 +207,7 @@ def probe_loopback(nbytes: int = 16 * MIB, iters: int = 10, timeout: float = 120
 
 
 def _probe_rank(nbytes: int, iters: int) -> None:
-    """One rank of :func:`probe_loopback` (``python -m trellis.dist.scaling probe NBYTES ITERS``)."""
+    """One rank of :func:`probe_loopback` (``python -m benchmarks.scaling probe NBYTES ITERS``)."""
     import torch
     import torch.distributed as dist
 
@@ -453,8 +455,99 @@ def format_rows(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # pragma: no cover - the probe's ranks
-    if len(sys.argv) == 4 and sys.argv[1] == "probe":
-        _probe_rank(int(sys.argv[2]), int(sys.argv[3]))
-    else:
-        sys.exit("usage: python -m trellis.dist.scaling probe NBYTES ITERS")
+# ---- command line (python -m benchmarks.scaling [STORE] --predict ...) --------------------------------
+def _count(text: str) -> int:
+    """``"200k"`` -> 200000, ``"1.5m"`` -> 1500000 (decimal suffixes k, m, g)."""
+    t = text.strip().lower()
+    mult = {"k": 10**3, "m": 10**6, "g": 10**9}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 200000, 200k, 1m)") from None
+
+
+def _dist_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", metavar="STORE", nargs="?", default=None,
+                   help="graph store directory (default: generate one with --generator/--nodes)")
+    p.add_argument("--generator", default="sbm", choices=("sbm", "rmat"), help="generated graph (default: sbm)")
+    p.add_argument("--nodes", type=_count, default=200_000, help="nodes of the generated graph (default: 200k)")
+    p.add_argument("--avg-degree", type=float, default=10.0, help="edges per node when generating (default: 10)")
+    p.add_argument("--features", type=int, default=64, help="feature width when generating (default: 64)")
+    p.add_argument("--classes", type=int, default=8, help="classes when generating (default: 8)")
+    p.add_argument("--methods", default="grem,hash-dst", metavar="M1,M2",
+                   help="partitioning methods (default: grem,hash-dst)")
+    p.add_argument("--procs", default="1,2,4", metavar="P1,P2", help="rank counts, 1 included (default: 1,2,4)")
+    p.add_argument("--epochs", type=int, default=10, help="epochs per run (default: 10)")
+    p.add_argument("--model", default="gcn", help="model (default: gcn)")
+    p.add_argument("--hidden", type=int, default=16, help="hidden width (default: 16)")
+    p.add_argument("--layers", type=int, default=2, help="layers (default: 2)")
+    p.add_argument("--predict", action="store_true",
+                   help="add the cost model's prediction (trellis.plan.rank_cost) from the P=1 step, the layouts' "
+                        "per-part counts and the measured loopback bandwidth")
+    p.add_argument("--bandwidth", default=None, metavar="BYTES/S",
+                   help="link bandwidth for --predict, e.g. 1.25G or 1250000000 (default: measured loopback)")
+    p.add_argument("--latency", type=float, default=None, metavar="S",
+                   help="seconds per message for --predict (default: measured loopback)")
+    p.add_argument("--cores", type=int, default=None, help="cores of this machine (default: all)")
+    p.add_argument("--thread-efficiency", type=float, default=None, metavar="E",
+                   help="intra-op thread efficiency in [0, 1] (default: measured, P=1 on one core)")
+    p.add_argument("--workdir", default=None, help="keep stores, layouts and runs here (default: a temporary "
+                                                   "directory, removed)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def _dist_run(args: argparse.Namespace) -> int:
+    from trellis.partition import available_methods
+    from trellis.utils.sizes import parse_size
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in available_methods()]
+    if not methods or bad:
+        raise TrellisUserError(f"--methods {args.methods}: choose partitioners among {', '.join(available_methods())}")
+    try:
+        procs = sorted({int(v) for v in args.procs.split(",") if v.strip()})
+    except ValueError:
+        raise TrellisUserError(f"--procs {args.procs}: comma-separated positive integers, e.g. 1,2,4") from None
+    if not procs or procs[0] < 1:
+        raise TrellisUserError(f"--procs {args.procs}: comma-separated positive integers, e.g. 1,2,4")
+    if args.predict and 1 not in procs:
+        raise TrellisUserError("--predict needs 1 in --procs: the P=1 step is the model's reference")
+    if args.nodes < 2 * max(procs) or args.epochs < 2 or args.hidden < 1 or args.layers < 1:
+        raise TrellisUserError("--nodes must be at least 2 x the largest P, --epochs at least 2, --hidden and "
+                               "--layers positive")
+    if args.thread_efficiency is not None and not 0.0 <= args.thread_efficiency <= 1.0:
+        raise TrellisUserError(f"--thread-efficiency must lie in [0, 1] (got {args.thread_efficiency})")
+    if args.store is not None and not (Path(args.store) / "manifest.json").exists():
+        raise TrellisUserError(f"{args.store}: not a graph store (no manifest.json); create one with "
+                               "`trellis data generate` or leave STORE out")
+    bandwidth = None if args.bandwidth is None else float(parse_size(args.bandwidth, flag="--bandwidth"))
+    if bandwidth is not None and bandwidth <= 0:
+        raise TrellisUserError("--bandwidth must be positive")
+    cfg = ScalingConfig(store=None if args.store is None else Path(args.store), generator=args.generator,
+                        nodes=args.nodes, avg_degree=args.avg_degree, features=args.features, classes=args.classes,
+                        methods=tuple(methods), procs=tuple(procs), epochs=args.epochs, model=args.model,
+                        hidden=args.hidden, layers=args.layers, predict=args.predict, bandwidth=bandwidth,
+                        latency_s=args.latency, cores=args.cores, thread_efficiency=args.thread_efficiency,
+                        workdir=None if args.workdir is None else Path(args.workdir))
+    result = run_scaling(cfg, log=(lambda s: None) if args.json else (lambda s: print(s, flush=True)))
+    print(json.dumps(result) if args.json else format_rows(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.scaling``: the scaling table (``probe NBYTES ITERS`` is one probe rank)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 3 and argv[0] == "probe":
+        _probe_rank(int(argv[1]), int(argv[2]))
+        return 0
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.split("\n\n")[0])
+    _dist_args(p)
+    try:
+        return _dist_run(p.parse_args(argv))
+    except TrellisUserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

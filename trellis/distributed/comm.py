@@ -10,6 +10,7 @@ matches a peer's collective of another kind. The control group is always gloo, b
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,6 +56,13 @@ class RankEnv:
         if not 0 <= rank < world:
             raise TrellisUserError(f"RANK={rank} outside [0, WORLD_SIZE={world})")
         return cls(rank, world, local, local_world, os.environ["MASTER_ADDR"], port, restarts)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bind port 0 and read what the kernel chose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def rank_threads(local_world_size: int) -> int:

@@ -3,7 +3,7 @@
 ``trellis train STORE --parts-dir PART_DIR`` selects this strategy (``full`` with ``--parts-dir``). Each rank
 loads only its part (:meth:`PartitionedGraph.part`) and the store's metadata and labels, runs the same model
 code as one process on its owned rows, and exchanges halo rows through the graph view and the exchange of
-its layout's ownership (:mod:`trellis.dist.engine`). What makes the result the single process's:
+its layout's ownership (:mod:`trellis.distributed.ownership`). What makes the result the single process's:
 
 * **loss**: each rank's mean loss over its training rows is scaled by ``local / global`` training count, so
   the ranks' gradients sum to the gradient of the global mean; parameter gradients are summed by one
@@ -23,7 +23,6 @@ has passed the barrier after it.
 from __future__ import annotations
 
 import hashlib
-import socket
 from typing import Any
 
 import numpy as np
@@ -31,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
-from trellis.dist.comm import Comm, RankEnv, rank_threads
-from trellis.dist.engine import MODES, RankGraph, build_rank_graph
+from trellis.distributed.comm import Comm, RankEnv, free_port, rank_threads
+from trellis.distributed.ownership import MODES, RankGraph, build_rank_graph
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of
 from trellis.ops.dropout import keyed_rows
@@ -43,19 +42,12 @@ from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import SPLITS, load_labels, normalize_features
 from trellis.train.features import parse_features
-from trellis.train.strategy import Strategy, register_partitioned
+from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task, evaluate_logits
 from trellis.utils.memory import PeakMemory, trim_heap
 
 #: Models whose layers need every in-edge of a node at its owner (attention's softmax): pull layouts only.
 PULL_ONLY_MODELS = ("gat", "gate")
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (bind port 0 and read what the kernel chose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) -> PartitionedGraph:
@@ -144,10 +136,10 @@ def explain_distributed(cfg: TrainConfig, factory: ModelFactory | None = None) -
     return "\n".join(lines)
 
 
-@register_partitioned("full")
-class DistributedFull(Strategy):
-    """Full-batch training of one part per rank (see the module docstring)."""
+class PartitionedFull(Strategy):
+    """Full-batch training of one part per rank (see the module docstring); ``full`` with ``--parts-dir``."""
 
+    name = "full"
     options = frozenset({"parts_dir", "nproc", "timeout"})
     eval_splits = ("train", "val", "test")
 

@@ -23,7 +23,7 @@ engine runs one thread per partition. This module keeps that shape and names the
   parts and no halo ``max_r f_r = 1 / P`` and the first term is Eq. 3's ``W / P * max(P / (M L), 1)``;
 * ``s(t) = 1 + e (t - 1)``: the speedup of a rank on ``t`` intra-op threads, with ``e`` the threads'
   efficiency (0: threads beyond the first add nothing, Lotan's one thread per partition; 1: perfect).
-  A rank gets ``t = max(1, L // P_m)`` threads (:func:`trellis.dist.comm.rank_threads`), ``P_m =
+  A rank gets ``t = max(1, L // P_m)`` threads (:func:`trellis.distributed.comm.rank_threads`), ``P_m =
   ceil(P / M)`` ranks per machine; ``max(P_m / L, 1)`` is Eq. 3's rounds when ranks share cores;
 * ``B_r``: bytes rank ``r`` sends in a step, ``beta`` the bandwidth of a rank's link (bytes/s) and
   ``alpha`` the latency of one message (s). Each of the step's ``X`` halo exchanges is one all-to-all in
@@ -31,13 +31,13 @@ engine runs one thread per partition. This module keeps that shape and names the
   rings. These latency terms are Eq. 3's ``f_overhead``: they grow with ``P``.
 
 Assumptions (each one a way the prediction can be wrong): the exchanges are synchronous and nothing
-overlaps (so step time is compute plus communication, as in :mod:`trellis.dist.engine`); compute is linear
+overlaps (so step time is compute plus communication, as in :mod:`trellis.distributed.ownership`); compute is linear
 in edges, nodes and halo rows; bytes leave each rank at the full ``beta`` whatever the other ranks send (a switch with
 full bisection bandwidth, or loopback); ranks sharing cores are scheduled fairly; memory bandwidth is not
 a bottleneck; no part of a step is a fixed cost that does not shrink with a rank's share (Python and
 optimizer overheads do not, so small graphs scale worse than predicted).
 
-Pure Python, no torch: the benchmark (:mod:`trellis.dist.scaling`) and the docs' extrapolation use it.
+Pure Python, no torch: the benchmark (:mod:`benchmarks.scaling`) and the docs' extrapolation use it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ cluster (``python -m trellis.cli train ...`` with ``RANK``, ``WORLD_SIZE``, ``MA
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -29,11 +30,12 @@ from typing import Any
 import torch
 
 from trellis.data.store import GraphStore
-from trellis.dist.comm import rank_threads
-from trellis.dist.strategy import check_layout, free_port
+from trellis.distributed.comm import RankEnv, free_port, rank_threads
 from trellis.errors import TrellisUserError
 from trellis.train.config import TrainConfig
+from trellis.train.runs import default_run_dir
 from trellis.train.strategies import strategy_class
+from trellis.train.strategies.partitioned import check_layout
 
 #: Seconds the launcher waits for ranks to stop after SIGTERM before it kills them.
 GRACE_S = 10.0
@@ -134,6 +136,34 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         cfg_file.unlink(missing_ok=True)
+
+
+def needs_launch(cfg: TrainConfig) -> bool:
+    """Whether training ``cfg`` here means starting ranks: ``--parts-dir`` outside a rank, unless ``--nproc 1``.
+
+    A process started by ``torchrun`` (or by :func:`launch`) is a rank and trains its part itself; so is a
+    world of one, which needs no launcher.
+    """
+    return cfg.parts_dir is not None and RankEnv.from_environ() is None and (cfg.nproc or 0) != 1
+
+
+def train_ranks(cfg: TrainConfig, err: Any = None) -> dict[str, Any]:
+    """Start the ranks of ``cfg`` on this machine, wait for them and return the job's summary.
+
+    The library's counterpart of ``trellis train --parts-dir PART_DIR --nproc P``: the same launcher, and the
+    summary rank 0 wrote (the one a single process's :func:`trellis.train.trainer.train` returns).
+
+    Raises:
+        TrellisUserError: Bad input, refused before any rank starts.
+        RuntimeError: A rank died or the job was interrupted (the message names the exit code).
+    """
+    if cfg.out is None:  # the ranks must agree on the run directory, and the caller must find it
+        cfg = dataclasses.replace(cfg, out=str(default_run_dir(Path(str(cfg.store)).name, cfg.model)))
+    code = launch(cfg, err)
+    if code != 0:
+        raise RuntimeError(f"the distributed run in {cfg.out} stopped with exit code {code}; continue it with "
+                           f"resume={cfg.out!r}")
+    return dict(json.loads(Path(str(cfg.out), "summary.json").read_text()))
 
 
 def _watch(procs: list[subprocess.Popen[bytes]], err: Any, stopping: list[int]) -> int:
