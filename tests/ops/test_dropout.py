@@ -35,3 +35,22 @@ def test_tile_seed_gives_each_slice_its_part_of_the_whole_mask():
     for r0, r1 in ((0, 1), (1, 8), (8, 30), (30, 37)):
         part = apply_(x[r0:r1].clone(), 0.4, seed=tile_seed(seed, r0 * 5))
         assert torch.equal(part, whole[r0:r1])
+
+
+def test_keyed_rows_give_each_row_the_mask_of_its_key_and_refuse_other_row_counts():
+    import numpy as np
+    import pytest
+
+    from trellis.ops.dropout import keyed_rows
+
+    x = torch.randn(50, 6)
+    torch.manual_seed(3)
+    whole = dropout(x, 0.5, True)
+    keys = np.array([7, 3, 41, 0], dtype=np.int64)
+    torch.manual_seed(3)
+    with keyed_rows(nodes=keys):
+        part = dropout(x[keys], 0.5, True)
+        with pytest.raises(RuntimeError, match="5 nodes rows under 4 row keys"):
+            dropout(x[:5], 0.5, True)
+        dropout(x[:5], 0.5, True, rows="edges")  # no edge keys: positional
+    assert torch.equal(part, whole[keys])

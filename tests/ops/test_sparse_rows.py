@@ -83,7 +83,7 @@ def test_sparse_dropout_is_the_dense_mask_at_every_stored_value():
     x = _bow(n=300, f=211, density=0.04)
     xs = to_sparse_rows(x)
     for keys in (None, np.random.default_rng(3).permutation(10_000)[:300].astype(np.int64)):
-        with keyed_rows({} if keys is None else {300: keys}):
+        with keyed_rows(nodes=keys):
             d = dropout(xs, 0.5, True, torch.Generator().manual_seed(9)).to_dense()
             dense = dropout(x, 0.5, True, torch.Generator().manual_seed(9))
         assert torch.equal(d, dense)

@@ -12,7 +12,9 @@ reverse        —                                        as push; backward push
 vertex-cut     mirrors used as sources, from masters    mirrors' partial sums, to masters
 =============  ======================================  =============================================
 
-GCN, SAGE and GIN layers run on a graph of the ``L`` owned rows whose :class:`Exchange` completes each
+Each ownership is one class (:data:`OWNERSHIPS`, keyed by the layout's ownership) that builds its rank's
+graphs and routes and implements the graph engine's :class:`~trellis.ops.graph.Exchange` protocol.
+GCN, SAGE and GIN layers run on a graph of the ``L`` owned rows whose exchange completes each
 aggregation (:func:`trellis.nn.executor.aggregate` hands it the layer's rows after the planner's transform,
 so rows travel at the plan's width): it fetches halo sources, runs the local SpMM (under pull, the part's
 pull graph, which holds every in-edge of its rows), sends halo destinations' partial sums to their owners
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -37,12 +39,10 @@ from trellis.distributed.comm import Comm
 from trellis.distributed.halo import Fetch, Reduce, Route, Traffic, reduce_rows
 from trellis.errors import TrellisUserError
 from trellis.ops import spmm
-from trellis.ops.graph import CSRGraph
+from trellis.ops.graph import Aggregation, CSRGraph
 from trellis.ops.spmm import prim_spmm_sum
+from trellis.partition.base import methods_of_ownership
 from trellis.partition.layout import LocalGraph
-
-#: The exchange each edge ownership uses.
-MODES = {"dst": "pull", "src": "push", "reverse": "reverse", "vertex-cut": "mirror-reduce"}
 
 
 class HaloView:
@@ -70,86 +70,231 @@ class HaloView:
         return Fetch.apply(x, self.route, self.num_rows, self.traffic)
 
 
-class _PushForwardPullBackward(torch.autograd.Function):
-    """Lotan's reverse placement: push forward, and backward pushes partial gradients too.
+class OwnershipExchange:
+    """How a rank completes a layer's aggregation with its peers under one edge ownership.
 
-    Forward sums over the part's out-edges and sends halo destinations' partial sums to their owners;
-    backward runs on the layout's reversed in-edges and sends halo sources' partial gradients to their
-    owners (no gradient rows travel from owners to holders).
-    """
+    The layers hand over their input rows *after* the planner's transform (:attr:`CSRGraph.exchange`), so
+    rows travel at the width the plan chose: ``Â(XW)`` exchanges ``XW``, ``(ÂX)W`` exchanges ``X``.
+    A subclass builds, from its part, what its aggregation needs (collective: every rank builds its
+    exchange in the same order, since routes are agreed by a handshake).
 
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, ew: Tensor | None, ew_pull: Tensor | None, ex: Exchange) -> Tensor:
-        ctx.ex, ctx.ew_pull, ctx.layer = ex, ew_pull, ex.traffic.layer
-        assert ex.route is not None
-        partial = spmm(ex.local, x, ew, reduce="sum")
-        return reduce_rows(partial, ex.route, ex.num_local, ex.traffic, ctx.layer, "fwd")
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        ex: Exchange = ctx.ex
-        assert ex.pull is not None and ex.pull_route is not None
-        rev = ex.pull.reverse()
-        partial = prim_spmm_sum(rev, g.contiguous(), ctx.ew_pull, eid=ex.pull.perm)  # [L + H]: per source row
-        gx = reduce_rows(partial, ex.pull_route, ex.num_local, ex.traffic, ctx.layer, "bwd")
-        return gx, None, None, None
-
-
-class Exchange:
-    """How a rank completes a layer's aggregation with its peers (the graph's :attr:`CSRGraph.exchange`).
-
-    The layers hand over their input rows *after* the planner's transform, so rows travel at the width
-    the plan chose: ``Â(XW)`` exchanges ``XW``, ``(ÂX)W`` exchanges ``X``.
-
-    Args:
-        mode: ``pull``, ``push``, ``reverse`` or ``mirror-reduce``.
-        local: CSR the local SpMM runs on: the pull graph (``L`` rows over ``L + H`` sources) under pull;
-            every row the part holds edges for (``L + H`` rows) otherwise, over ``L`` sources (push,
-            reverse) or ``L + H`` (mirror-reduce).
-        weights: What the layer's aggregation (GCN's norm) is computed on: ``local`` with ``L + H``
+    Attributes:
+        ownership: The layout ownership the class serves (``dst``, ``src``, ``reverse``, ``vertex-cut``).
+        mode: Its exchange's name (``pull``, ``push``, ``reverse``, ``mirror-reduce``).
+        node_ids: ``int64 [L + H]`` global id of every local row (owned rows first).
+        num_local: ``L``.
+        weights: What a layer's aggregation (GCN's norm) is computed on: the local CSR with ``L + H``
             source rows and the global degrees.
-        fetch: Owner -> holder route of the halo rows read as sources (pull, mirror-reduce).
-        route: Owner -> holder route of the halo destinations, run backwards by the reduce (push,
-            reverse, mirror-reduce).
-        in_degree: ``float [L]`` global in-degree of the owned rows (a split mean divides by it).
-        traffic: Byte counter.
-        pull, pull_route: Reverse ownership only: the pull graph on the reversed in-edges and the route
-            of its halo sources, for the backward pass.
+        fetch: Owner -> holder route of the halo rows read as sources (None: the ownership fetches none).
+        pull_graph: The part's pull graph (``L`` rows over ``L + H`` sources) where the layout has one
+            (destination ownership), for models that aggregate by themselves; else None.
+        traffic: Byte counter shared with the rank's views.
     """
 
-    def __init__(self, mode: str, local: CSRGraph, weights: CSRGraph, fetch: Route | None, route: Route | None,
-                 in_degree: Tensor, traffic: Traffic, pull: CSRGraph | None = None,
-                 pull_route: Route | None = None) -> None:
-        self.mode, self.local, self.weights, self.fetch, self.route = mode, local, weights, fetch, route
-        self.traffic = traffic
-        self.num_local = int(in_degree.shape[0])
-        self.inv_degree = torch.where(in_degree > 0, 1.0 / in_degree.clamp_min(1), torch.zeros_like(in_degree))
-        self.pull, self.pull_route = pull, pull_route
+    ownership: ClassVar[str]
+    mode: ClassVar[str]
 
-    def aggregate(self, x: Tensor, aggregation_of: Callable[[CSRGraph], Any], reduce: str) -> Tensor:
+    def __init__(self, part: LocalGraph, comm: Comm, device: torch.device, traffic: Traffic) -> None:
+        self.comm, self.traffic = comm, traffic
+        self.node_ids = np.asarray(part.local_to_global, dtype=np.int64)
+        self.num_local = part.num_local
+        self.owners = np.asarray(part.halo_owner)
+        degree = np.asarray(part.in_degree)
+        in_degree = torch.from_numpy(degree[: self.num_local].astype(np.float32)).to(device)
+        self.inv_degree = torch.where(in_degree > 0, 1.0 / in_degree.clamp_min(1), torch.zeros_like(in_degree))
+        self.fetch: Route | None = None
+        self.pull_graph: CSRGraph | None = None
+        self.weights: CSRGraph
+
+    @property
+    def num_rows(self) -> int:
+        """``L + H``: owned and halo rows."""
+        return int(self.node_ids.shape[0])
+
+    def _sources_route(self, indices: np.ndarray) -> Route:
+        """The owner -> holder route of the halo rows ``indices`` reads."""
+        used = np.unique(indices)
+        return _route(self.comm, self.owners, self.node_ids, self.num_local, used[used >= self.num_local])
+
+    def _fetched(self, x: Tensor) -> Tensor:
+        """``x`` (owned rows) with the halo sources appended (every rank takes part in a fetch)."""
+        if self.fetch is None or self.comm.world_size == 1:
+            return x
+        return Fetch.apply(x, self.fetch, self.num_rows, self.traffic)
+
+    def aggregate(self, x: Tensor, aggregation_of: Callable[[CSRGraph], Aggregation], reduce: str) -> Tensor:
         """The layer's aggregation of the owned rows ``x``, completed with the peers' rows or partial sums."""
-        agg = aggregation_of(self.weights)
-        rows = self.local.num_src
-        if self.fetch is not None and self.fetch.comm.world_size > 1:  # (every rank must take part in a fetch)
-            x = Fetch.apply(x, self.fetch, rows, self.traffic)
-        if self.mode == "pull":  # every in-edge is here: the single process's SpMM on the part's rows
-            return spmm(self.local, x, agg.edge_weight, reduce=reduce, self_weight=agg.self_weight)
-        if reduce == "max":
-            raise TrellisUserError("max aggregation needs each maximum's edge at the owner and cannot be split "
-                                   "across parts: use a destination-owned partition (metis, grem, ldg, fennel, "
-                                   "random, hash-dst) or --model-args '{\"aggregate\": \"mean\"}'")
-        if self.pull is None:
-            out = Reduce.apply(spmm(self.local, x, agg.edge_weight, reduce="sum"), self.route, self.num_local,
-                               self.traffic)
-        else:
-            ew_pull = aggregation_of(self.pull).edge_weight
-            out = _PushForwardPullBackward.apply(x, agg.edge_weight, ew_pull, self)
+        raise NotImplementedError
+
+    def _split_finish(self, out: Tensor, x: Tensor, agg: Aggregation, reduce: str) -> Tensor:
+        """A split aggregation's owner-side end: a mean divides by the global in-degree, the self term once."""
         if reduce == "mean":
             out = out * self.inv_degree.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
         if agg.self_weight is not None:
             sw = agg.self_weight[: self.num_local].to(out.dtype)
             out = out + sw.view(-1, *([1] * (out.dim() - 1))) * x[: self.num_local]
         return out
+
+    def _refuse_max(self, reduce: str) -> None:
+        if reduce == "max":
+            raise TrellisUserError("max aggregation needs each maximum's edge at the owner and cannot be split "
+                                   f"across parts: use a destination-owned partition ({', '.join(dst_methods())}) "
+                                   "or --model-args '{\"aggregate\": \"mean\"}'")
+
+    def describe(self) -> dict[str, Any]:
+        """Rows this rank sends per fetch and per reduce."""
+        return {"fetch_rows": 0 if self.fetch is None else self.fetch.rows_sent, "reduce_rows": 0}
+
+
+#: Layout ownership -> its exchange class. A new ownership is one subclass registered here.
+OWNERSHIPS: dict[str, type[OwnershipExchange]] = {}
+
+
+def register_ownership(cls: type[OwnershipExchange]) -> type[OwnershipExchange]:
+    """Class decorator: ``cls`` serves layouts of ``cls.ownership``."""
+    OWNERSHIPS[cls.ownership] = cls
+    return cls
+
+
+def dst_methods() -> list[str]:  # noqa: N802 - reads as the constant it stands for
+    """Partitioning methods whose layouts hold every in-edge of a node at its owner (pull)."""
+    return methods_of_ownership("dst")
+
+
+@register_ownership
+class PullExchange(OwnershipExchange):
+    """Destination ownership: every in-edge of an owned row is here; halo sources are fetched, then one SpMM.
+
+    The local graph is the part's pull graph with its halo rows grouped by owner, so the rows each owner
+    sends land in one contiguous block (a fetch receives straight into its output: no scatter). Only the
+    column ids change; each row's edges keep their order, so every sum is the single process's.
+    """
+
+    ownership, mode = "dst", "pull"
+
+    def __init__(self, part: LocalGraph, comm: Comm, device: torch.device, traffic: Traffic) -> None:
+        super().__init__(part, comm, device, traffic)
+        graph = CSRGraph.from_partition(part)
+        num_local = self.num_local
+        order = np.argsort(self.owners, kind="stable")  # new halo position -> layout halo position
+        new_of_old = np.empty_like(order)
+        new_of_old[order] = np.arange(order.shape[0])
+        local = np.concatenate([np.arange(num_local), num_local + new_of_old])
+        rows = np.concatenate([np.arange(num_local), num_local + order])
+        graph.indices = torch.from_numpy(local)[graph.indices]
+        self.node_ids = self.node_ids[rows]
+        graph.node_ids = torch.from_numpy(self.node_ids)
+        assert graph.src_degree is not None
+        graph.src_degree = graph.src_degree[torch.from_numpy(rows)]
+        self.owners = self.owners[order]
+        self.pull_graph = self.weights = graph.to(device)
+        self.fetch = self._sources_route(self.pull_graph.indices.cpu().numpy())
+
+    def aggregate(self, x: Tensor, aggregation_of: Callable[[CSRGraph], Aggregation], reduce: str) -> Tensor:
+        """The single process's SpMM on the part's rows, after the halo sources arrive."""
+        agg = aggregation_of(self.weights)
+        return spmm(self.weights, self._fetched(x), agg.edge_weight, reduce=reduce, self_weight=agg.self_weight)
+
+
+class _SplitExchange(OwnershipExchange):
+    """Ownerships that split a node's in-edges: partial sums of halo destinations travel to their owners."""
+
+    def __init__(self, part: LocalGraph, comm: Comm, device: torch.device, traffic: Traffic) -> None:
+        super().__init__(part, comm, device, traffic)
+        indptr, indices = np.asarray(part.indptr), np.asarray(part.indices)
+        degree = np.asarray(part.in_degree)
+        with_edges = np.flatnonzero(np.diff(indptr[self.num_local:]) > 0) + self.num_local
+        #: Owner -> holder route of the halo destinations, run backwards by the reduce.
+        self.route = _route(comm, self.owners, self.node_ids, self.num_local, with_edges)
+        self.weights = _csr(indptr, indices, self.num_rows, device, src_degree=degree, dst_degree=degree)
+        self.indices = indices
+
+    def describe(self) -> dict[str, Any]:
+        """Rows this rank sends per fetch and per reduce."""
+        return {**super().describe(), "reduce_rows": self.route.reversed().rows_sent}
+
+
+@register_ownership
+class PushExchange(_SplitExchange):
+    """Source ownership: sums over the part's out-edges; halo destinations' partial sums go to their owners."""
+
+    ownership, mode = "src", "push"
+
+    def __init__(self, part: LocalGraph, comm: Comm, device: torch.device, traffic: Traffic) -> None:
+        super().__init__(part, comm, device, traffic)
+        if self.indices.size and int(self.indices.max()) >= self.num_local:
+            raise TrellisUserError(f"part {part.part}: out-edges from halo rows in a source-owned layout; "
+                                   "re-run `trellis partition`")
+        #: The same arrays as :attr:`weights`, over the owned sources only.
+        self.local = CSRGraph(self.weights.indptr, self.weights.indices, self.num_local)
+
+    def aggregate(self, x: Tensor, aggregation_of: Callable[[CSRGraph], Aggregation], reduce: str) -> Tensor:
+        """Local partial sums, reduced at the owners."""
+        self._refuse_max(reduce)
+        agg = aggregation_of(self.weights)
+        out = Reduce.apply(spmm(self.local, x, agg.edge_weight, reduce="sum"), self.route, self.num_local,
+                           self.traffic)
+        return self._split_finish(out, x, agg, reduce)
+
+
+@register_ownership
+class ReverseExchange(PushExchange):
+    """Lotan's reverse placement: push forward, and the backward pass pushes partial gradients too.
+
+    The backward runs on the layout's reversed in-edges (the part's pull graph of its sources) and sends
+    halo sources' partial gradients to their owners: no gradient rows travel from owners to holders.
+    """
+
+    ownership, mode = "reverse", "reverse"
+
+    def __init__(self, part: LocalGraph, comm: Comm, device: torch.device, traffic: Traffic) -> None:
+        super().__init__(part, comm, device, traffic)
+        self.pull = CSRGraph.from_partition(part).to(device)
+        self.pull_route = self._sources_route(self.pull.indices.cpu().numpy())
+
+    def aggregate(self, x: Tensor, aggregation_of: Callable[[CSRGraph], Aggregation], reduce: str) -> Tensor:
+        """Push forward, pushed partial gradients backward."""
+        self._refuse_max(reduce)
+        agg = aggregation_of(self.weights)
+        out = _PushForwardPullBackward.apply(x, agg.edge_weight, aggregation_of(self.pull).edge_weight, self)
+        return self._split_finish(out, x, agg, reduce)
+
+
+@register_ownership
+class MirrorReduceExchange(_SplitExchange):
+    """Vertex-cut: mirrors used as sources are fetched from their masters, mirrors' partial sums reduced there."""
+
+    ownership, mode = "vertex-cut", "mirror-reduce"
+
+    def __init__(self, part: LocalGraph, comm: Comm, device: torch.device, traffic: Traffic) -> None:
+        super().__init__(part, comm, device, traffic)
+        self.fetch = self._sources_route(self.indices)
+
+    def aggregate(self, x: Tensor, aggregation_of: Callable[[CSRGraph], Aggregation], reduce: str) -> Tensor:
+        """Fetch mirrors, local partial sums, reduce at the masters."""
+        self._refuse_max(reduce)
+        agg = aggregation_of(self.weights)
+        partial = spmm(self.weights, self._fetched(x), agg.edge_weight, reduce="sum")
+        out = Reduce.apply(partial, self.route, self.num_local, self.traffic)
+        return self._split_finish(out, x, agg, reduce)
+
+
+class _PushForwardPullBackward(torch.autograd.Function):
+    """:class:`ReverseExchange`'s aggregation: push forward, pushed partial gradients backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, ew: Tensor | None, ew_pull: Tensor | None, ex: ReverseExchange) -> Tensor:
+        ctx.ex, ctx.ew_pull, ctx.layer = ex, ew_pull, ex.traffic.layer
+        partial = spmm(ex.local, x, ew, reduce="sum")
+        return reduce_rows(partial, ex.route, ex.num_local, ex.traffic, ctx.layer, "fwd")
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        ex: ReverseExchange = ctx.ex
+        rev = ex.pull.reverse()
+        partial = prim_spmm_sum(rev, g.contiguous(), ctx.ew_pull, eid=ex.pull.perm)  # [L + H]: per source row
+        gx = reduce_rows(partial, ex.pull_route, ex.num_local, ex.traffic, ctx.layer, "bwd")
+        return gx, None, None, None
 
 
 @dataclass
@@ -167,6 +312,7 @@ class RankGraph:
         node_ids: ``int64 [L + H]`` global id of every local row (owned rows first).
         num_local: ``L``.
         traffic: Bytes sent per layer and direction.
+        exchange: The ownership's exchange (the one :attr:`graph` carries).
     """
 
     graph: CSRGraph
@@ -177,14 +323,12 @@ class RankGraph:
     node_ids: np.ndarray
     num_local: int
     traffic: Traffic
+    exchange: OwnershipExchange
 
     def describe(self) -> dict[str, Any]:
         """Rows and routes, for the banner and the summary."""
-        ex: Exchange = self.graph.exchange
         return {"mode": self.mode, "num_local": self.num_local,
-                "num_halo": int(self.node_ids.shape[0]) - self.num_local,
-                "fetch_rows": 0 if ex.fetch is None else ex.fetch.rows_sent,
-                "reduce_rows": 0 if ex.route is None else ex.route.reversed().rows_sent}
+                "num_halo": int(self.node_ids.shape[0]) - self.num_local, **self.exchange.describe()}
 
 
 def _csr(indptr: np.ndarray, indices: np.ndarray, num_src: int, device: torch.device, **kw: Any) -> CSRGraph:
@@ -197,72 +341,17 @@ def _route(comm: Comm, owners: np.ndarray, node_ids: np.ndarray, num_local: int,
     return Route.owner_to_holders(comm, node_ids, num_local, rows, owners[rows - num_local]).to(comm.device)
 
 
-def _halo_sources(comm: Comm, owners: np.ndarray, node_ids: np.ndarray, num_local: int,
-                  indices: np.ndarray) -> Route:
-    used = np.unique(indices)
-    return _route(comm, owners, node_ids, num_local, used[used >= num_local])
-
-
-def _pull_graph(part: LocalGraph, device: torch.device) -> tuple[CSRGraph, np.ndarray, np.ndarray]:
-    """The part's pull graph with its halo rows grouped by owner: ``(graph, node_ids, halo owners)``.
-
-    Why regroup: the rows each owner sends then land in one contiguous block of the local rows, so a fetch
-    receives straight into its output (no receive buffer, no scatter). Only the column ids change; each
-    row's edges keep their order, so every sum is the same as on the layout's order.
-    """
-    graph = CSRGraph.from_partition(part)
-    num_local = part.num_local
-    owners = np.asarray(part.halo_owner)
-    order = np.argsort(owners, kind="stable")  # new halo position -> layout halo position
-    new_of_old = np.empty_like(order)
-    new_of_old[order] = np.arange(order.shape[0])
-    local = np.concatenate([np.arange(num_local), num_local + new_of_old])
-    rows = np.concatenate([np.arange(num_local), num_local + order])
-    graph.indices = torch.from_numpy(local)[graph.indices]
-    node_ids = np.asarray(part.local_to_global, dtype=np.int64)[rows]
-    graph.node_ids = torch.from_numpy(node_ids)
-    assert graph.src_degree is not None
-    graph.src_degree = graph.src_degree[torch.from_numpy(rows)]
-    return graph.to(device), node_ids, owners[order]
-
-
 def build_rank_graph(part: LocalGraph, comm: Comm, device: torch.device) -> RankGraph:
-    """The graph, view and exchange of ``part`` under its layout's ownership (see the module table).
+    """The graph, views and exchange of ``part`` under its layout's ownership (see the module table).
 
     Collective: every rank calls it once, in the same order (routes are agreed by a handshake).
     """
-    mode = MODES[part.ownership]
     traffic = Traffic()
-    node_ids = np.asarray(part.local_to_global, dtype=np.int64)
-    num_local, num_rows = part.num_local, part.num_nodes
-    degree = np.asarray(part.in_degree)
-    owned_degree = torch.from_numpy(degree[:num_local].astype(np.float32)).to(device)
-    owners = np.asarray(part.halo_owner)
-    pull_graph = pull = pull_route = route = fetch = None
-    if mode == "pull":
-        pull_graph, node_ids, owners = _pull_graph(part, device)
-        local = weights = pull_graph
-        fetch = _halo_sources(comm, owners, node_ids, num_local, pull_graph.indices.cpu().numpy())
-    else:
-        indptr, indices = np.asarray(part.indptr), np.asarray(part.indices)
-        with_edges = np.flatnonzero(np.diff(indptr[num_local:]) > 0) + num_local
-        route = _route(comm, owners, node_ids, num_local, with_edges)
-        weights = _csr(indptr, indices, num_rows, device, src_degree=degree, dst_degree=degree)
-        if mode == "mirror-reduce":
-            local = weights
-            fetch = _halo_sources(comm, owners, node_ids, num_local, indices)
-        else:
-            if indices.size and int(indices.max()) >= num_local:
-                raise TrellisUserError(f"part {part.part}: out-edges from halo rows in a source-owned layout; "
-                                       "re-run `trellis partition`")
-            local = CSRGraph(weights.indptr, weights.indices, num_local)  # the same arrays, owned sources only
-            if mode == "reverse":
-                pull = CSRGraph.from_partition(part).to(device)
-                pull_route = _halo_sources(comm, owners, node_ids, num_local, pull.indices.cpu().numpy())
-    ex = Exchange(mode, local, weights, fetch, route, owned_degree, traffic, pull, pull_route)
+    ex = OWNERSHIPS[part.ownership](part, comm, device, traffic)
+    num_local, node_ids = ex.num_local, ex.node_ids
     graph = CSRGraph(torch.zeros(num_local + 1, dtype=torch.int64, device=device),
                      torch.zeros(0, dtype=torch.int64, device=device), num_local,
                      node_ids=torch.from_numpy(node_ids[:num_local].copy()).to(device), exchange=ex)
-    pull_view = HaloView(fetch, num_rows, traffic) if pull_graph is not None else None
-    return RankGraph(graph, HaloView(None, num_rows, traffic), pull_graph, pull_view, mode, node_ids, num_local,
-                     traffic)
+    pull_view = HaloView(ex.fetch, ex.num_rows, traffic) if ex.pull_graph is not None else None
+    return RankGraph(graph, HaloView(None, ex.num_rows, traffic), ex.pull_graph, pull_view, ex.mode, node_ids,
+                     num_local, traffic, ex)

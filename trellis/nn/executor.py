@@ -18,7 +18,6 @@ configuration k's columns equal its narrow aggregation).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -26,25 +25,10 @@ from torch import Tensor
 
 from trellis.nn.runtime import AggregationCache
 from trellis.ops import spmm
-from trellis.ops.graph import CSRGraph
+from trellis.ops.graph import Aggregation, CSRGraph
 from trellis.ops.sparse_rows import is_sparse, linear
 from trellis.plan.decl import LayerDecl
 from trellis.plan.ir import LayerPlan
-
-
-@dataclass(frozen=True)
-class Aggregation:
-    """What a layer aggregates on one graph: ``reduce_j w_ij x_j (+ self_weight_i x_i)``.
-
-    Attributes:
-        edge_weight: ``[E]`` fixed per-edge weights (None = 1).
-        self_weight: ``[num_dst]`` weight of each destination's own row, added after the reduction (None = none).
-        reduce: ``sum``, ``mean`` or ``max``.
-    """
-
-    edge_weight: Tensor | None
-    self_weight: Tensor | None
-    reduce: str
 
 
 class PushdownLayer(Protocol):

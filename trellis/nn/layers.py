@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trellis.nn.executor import Aggregation, run_layer
+from trellis.nn.executor import run_layer
 from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
 from trellis.ops.dropout import dropout
-from trellis.ops.graph import CSRGraph
+from trellis.ops.graph import Aggregation, CSRGraph
 from trellis.ops.sparse_rows import head_rows, linear
 from trellis.plan import GraphStats, LayerDecl, LayerPlan, plan_layer, plan_layer_step
 
@@ -263,7 +263,7 @@ class GATConv(MessagePassing):
             ef = g.edge_feat
             logits = logits + ef @ self.att_edge
         alpha = edge_softmax(g, F.leaky_relu(logits, self.negative_slope))
-        alpha = dropout(alpha, self.dropout, self.training)  # [E, heads]: the counter-based kernel
+        alpha = dropout(alpha, self.dropout, self.training, rows="edges")  # [E, heads]: counter-based
         out = spmm(g, z, alpha)
         if ef is not None:
             agg_e = segment_reduce(g, alpha.unsqueeze(-1) * ef.unsqueeze(1))  # [num_dst, heads, edge_dim]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 import torch
@@ -82,35 +83,44 @@ if WITH_NUMBA:
                 else:
                     out[k] = values[k] * scale
 
-#: Row keys in force (see :func:`keyed_rows`): number of rows -> ``int64`` key of each row.
-_ROW_KEYS: dict[int, np.ndarray] = {}
-
+#: Row keys in force (see :func:`keyed_rows`): row domain (``nodes``, ``edges``) -> ``int64`` key of each row.
+_ROW_KEYS: ContextVar[dict[str, np.ndarray] | None] = ContextVar("trellis_row_keys", default=None)
 
 @contextmanager
-def keyed_rows(keys: dict[int, np.ndarray]) -> Iterator[None]:
-    """Masks of tensors with ``n`` rows (a key in ``keys``) hash each row's *key* instead of its position.
+def keyed_rows(nodes: np.ndarray | None = None, edges: np.ndarray | None = None) -> Iterator[None]:
+    """Masks of node rows (and of edge rows) hash each row's *key* instead of its position.
 
-    Why: element ``(r, c)`` of a ``[rows, width]`` tensor normally hashes its flat index ``r * width + c``.
-    A distributed rank holds only some rows of each tensor (its nodes, its edges); keyed by their global
-    ids (row ``r`` hashes ``keys[r] * width + c``), its masks are exactly the single process's masks on
-    those rows, so P ranks train with the single process's dropout. Tensors whose row count is not a key
-    of ``keys`` are masked as usual.
+    Why: element ``(r, c)`` of a ``[rows, width]`` tensor hashes ``key(r) * width + c``, where ``key(r)`` is
+    ``r`` unless keys are in force. A distributed rank holds only some rows of each tensor (its nodes, its
+    edges); keyed by their global ids (``nodes``: global node id of each owned row; ``edges``: position of
+    each local edge in the whole graph's self-looped CSR), its masks are exactly the single process's masks
+    on those rows, for dense rows and sparse input rows alike (:func:`_sparse_dropout`), so P ranks train
+    with the single process's dropout. An out-of-core tile's offset seed (:func:`tile_seed`) is the same
+    hash with keys ``r0 .. r1``. A node-row tensor whose row count is not the keys' is an error, never a
+    silently different mask.
     """
-    saved = dict(_ROW_KEYS)
-    _ROW_KEYS.update({int(n): np.ascontiguousarray(k, dtype=np.int64) for n, k in keys.items()})
+    keys = {name: np.ascontiguousarray(k, dtype=np.int64) for name, k in (("nodes", nodes), ("edges", edges))
+            if k is not None}
+    token = _ROW_KEYS.set(keys)
     try:
         yield
     finally:
-        _ROW_KEYS.clear()
-        _ROW_KEYS.update(saved)
+        _ROW_KEYS.reset(token)
 
 
-def _keys_for(x: Tensor) -> np.ndarray | None:
-    """The row keys in force for ``x`` (see :func:`keyed_rows`), or None."""
-    return _ROW_KEYS.get(x.shape[0]) if _ROW_KEYS and x.dim() >= 1 else None
+def _keys_for(x: Tensor, rows: str = "nodes") -> np.ndarray | None:
+    """The keys in force for ``x``'s rows of domain ``rows`` (see :func:`keyed_rows`), or None."""
+    keys = (_ROW_KEYS.get() or {}).get(rows)
+    if keys is None or x.dim() == 0:
+        return None
+    if int(x.shape[0]) != int(keys.shape[0]):
+        raise RuntimeError(f"dropout of {x.shape[0]} {rows} rows under {keys.shape[0]} row keys: a layer dropped "
+                           "out rows other than the owned ones (its masks would differ from one process's)")
+    return keys
 
 
-def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None, keys: np.ndarray | None = None) -> Tensor:
+def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None, keys: np.ndarray | None = None,
+         rows: str = "nodes") -> Tensor:
     """``x`` with the mask of ``(seed, p)`` applied and kept values scaled by ``1/(1-p)``, into ``out``.
 
     ``out`` (default: new) must be contiguous and shaped like ``x``; it may be ``x`` itself (each element is
@@ -120,7 +130,7 @@ def _run(x: Tensor, seed: int, p: float, out: Tensor | None = None, keys: np.nda
     dst = torch.empty_like(flat) if out is None else out.view(-1)
     threshold = np.uint64(int(p * float(1 << 53)))
     scale = flat.new_tensor(1.0 / (1.0 - p)).item()
-    keys = _keys_for(x) if keys is None else keys
+    keys = _keys_for(x, rows) if keys is None else keys
     if keys is not None and flat.numel():
         width = flat.numel() // x.shape[0]
         _apply_mask_keyed(flat.numpy().reshape(-1, width), dst.numpy().reshape(-1, width), keys, np.uint64(seed),
@@ -197,16 +207,18 @@ def _sparse_dropout(x: Tensor, p: float, generator: torch.Generator | None) -> T
 
 class _HashDropout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, seed: int, p: float) -> Tensor:
-        ctx.seed, ctx.p, ctx.keys = seed, p, _keys_for(x)  # backward may run outside the keys' context
-        return _run(x, seed, p, keys=ctx.keys)
+    def forward(ctx, x: Tensor, seed: int, p: float, rows: str) -> Tensor:
+        ctx.seed, ctx.p, ctx.keys = seed, p, _keys_for(x, rows)  # backward may run outside the keys' context
+        ctx.rows = rows
+        return _run(x, seed, p, keys=ctx.keys, rows=rows)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _run(grad, ctx.seed, ctx.p, keys=ctx.keys), None, None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _run(grad, ctx.seed, ctx.p, keys=ctx.keys, rows=ctx.rows), None, None, None
 
 
-def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | None = None) -> Tensor:
+def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | None = None,
+            rows: str = "nodes") -> Tensor:
     """Inverted dropout with probability ``p`` (identity when not training or ``p == 0``).
 
     Args:
@@ -215,6 +227,7 @@ def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | No
         training: Apply only in training mode.
         generator: Where the per-call seed is drawn from (default: torch's global generator); model
             batching gives each configuration its own, seeded like its solo run.
+        rows: What ``x``'s rows are, for :func:`keyed_rows`: ``nodes`` (default) or ``edges``.
     """
     if not training or p == 0.0:
         return x
@@ -227,4 +240,4 @@ def dropout(x: Tensor, p: float, training: bool, generator: torch.Generator | No
             return torch.nn.functional.dropout(x, p, True)
         mask = torch.empty_like(x).bernoulli_(1.0 - p, generator=generator)
         return x * mask / (1.0 - p)
-    return _HashDropout.apply(x, draw_seed(generator), p)
+    return _HashDropout.apply(x, draw_seed(generator), p, rows)

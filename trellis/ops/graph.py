@@ -10,8 +10,9 @@ features, attention) follows its edge. It is built once and cached on the object
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -20,6 +21,36 @@ from trellis.utils.csr import build_reverse_csr
 
 if TYPE_CHECKING:
     from trellis.partition.layout import LocalGraph
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """What a layer aggregates on one graph: ``reduce_j w_ij x_j (+ self_weight_i x_i)``.
+
+    Attributes:
+        edge_weight: ``[E]`` fixed per-edge weights (None = 1).
+        self_weight: ``[num_dst]`` weight of each destination's own row, added after the reduction (None = none).
+        reduce: ``sum``, ``mean`` or ``max``.
+    """
+
+    edge_weight: torch.Tensor | None
+    self_weight: torch.Tensor | None
+    reduce: str
+
+
+class Exchange(Protocol):
+    """Completes an aggregation whose in-edges are split across processes (a graph's :attr:`CSRGraph.exchange`).
+
+    The executor hands it a layer's rows after the planner's transform and the layer's aggregation as a
+    function of a graph (the exchange evaluates it on its own local graphs, so normalization sees the
+    global degrees they carry); it returns the owned rows' aggregation, equal to the single process's.
+    :mod:`trellis.distributed.ownership` implements one per edge ownership.
+    """
+
+    def aggregate(self, x: torch.Tensor, aggregation_of: Callable[[CSRGraph], Aggregation],
+                  reduce: str) -> torch.Tensor:
+        """The aggregation of the owned rows ``x`` (``sum``, ``mean`` or ``max``)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -69,7 +100,7 @@ class CSRGraph:
     src_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     dst_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     edge_ids: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
-    exchange: Any = field(default=None, repr=False, kw_only=True)
+    exchange: Exchange | None = field(default=None, repr=False, kw_only=True)
 
     @property
     def num_dst(self) -> int:

@@ -245,6 +245,12 @@ def available_methods() -> list[str]:
     return list(_REGISTRY)
 
 
+def methods_of_ownership(ownership: str) -> list[str]:
+    """Registered method names whose layouts have ``ownership`` (e.g. ``dst``: every in-edge at its owner)."""
+    _load_builtin()
+    return [name for name, cls in _REGISTRY.items() if cls.ownership == ownership]
+
+
 def get_partitioner(method: str) -> type[Partitioner]:
     """Look a method up by name or alias; unknown names are a user error listing the known ones."""
     _load_builtin()

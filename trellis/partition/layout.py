@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 from trellis.data.store import SPLITS, GraphStore, sha256_file
 from trellis.errors import TrellisUserError
-from trellis.partition.base import BOOK_FILE, NODE_PARTS_FILE, PartitionBook, partition_dir
+from trellis.partition.base import BOOK_FILE, NODE_PARTS_FILE, PartitionBook, methods_of_ownership, partition_dir
 from trellis.partition.edges import edge_ranges, row_edges
 from trellis.partition.quality import PartitionQuality, mark_parts, new_mask
 from trellis.utils.csr import build_reverse_csr
@@ -479,7 +479,7 @@ class LocalGraph:
         raise TrellisUserError(
             f"part {self.part}: ownership {self.ownership!r} splits a node's in-edges across parts, so a part "
             "has no pull graph (it needs a push or mirror-reduce exchange); partition with a destination-owned "
-            "method (metis, grem, ldg, fennel, random, hash-dst) or reverse")
+            f"method ({', '.join(methods_of_ownership('dst'))}) or reverse")
 
 
 @dataclass

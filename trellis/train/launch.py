@@ -77,7 +77,7 @@ def warm_kernels() -> None:
     g = CSRGraph.from_numpy(np.array([0, 1, 2]), np.array([1, 0]))
     x = torch.ones(2, 2, requires_grad=True)
     spmm(g, x, torch.ones(2), self_weight=torch.ones(2)).sum().backward()
-    with keyed_rows({2: np.arange(2)}):
+    with keyed_rows(nodes=np.arange(2)):
         dropout(torch.ones(2, 2), 0.5, True)
 
 

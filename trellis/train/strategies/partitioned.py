@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
 from trellis.distributed.comm import Comm, RankEnv, free_port, rank_threads
-from trellis.distributed.ownership import MODES, RankGraph, build_rank_graph
+from trellis.distributed.ownership import OWNERSHIPS, RankGraph, build_rank_graph, dst_methods
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of
 from trellis.ops.dropout import keyed_rows
@@ -70,7 +70,7 @@ def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) ->
     if cfg.model in PULL_ONLY_MODELS and layout.ownership != "dst":
         raise TrellisUserError(f"--model {cfg.model} needs each node's in-edges on its owner (its softmax runs "
                                f"over them), but {cfg.parts_dir} is {layout.ownership}-owned; partition with a "
-                               "destination-owned method (metis, grem, ldg, fennel, random, hash-dst)")
+                               f"destination-owned method ({', '.join(dst_methods())})")
     kind, _ = parse_features(cfg.features)
     if kind not in ("store", "none"):
         raise TrellisUserError(f"--features {cfg.features} is not available with --parts-dir yet (store and none "
@@ -119,7 +119,7 @@ def explain_distributed(cfg: TrainConfig, factory: ModelFactory | None = None) -
                      int(store.edge_feat.shape[1]) if store.edge_feat is not None else 0, store.num_nodes, 0)
     model = build_run_model(cfg, spec, factory or default_model_factory)
     lines = [f"distributed: {layout.num_parts} ranks over {cfg.parts_dir} ({layout.ownership}-owned: "
-             f"{MODES[layout.ownership]} exchange)"]
+             f"{OWNERSHIPS[layout.ownership].mode} exchange)"]
     if q:
         lines.append(f"exchange per layer at width {q['width']} (all ranks): forward "
                      f"{q['exchange_fwd_bytes'] / 2**20:,.1f} MiB, backward {q['exchange_bwd_bytes'] / 2**20:,.1f} "
@@ -196,11 +196,13 @@ class PartitionedFull(Strategy):
         self.y_split = {s: y[splits[s]] for s in SPLITS}
         self.num_train = int(self.split_ids["train"].shape[0])
         self.spec = ModelSpec(int(self.x.shape[1]), task.num_outputs, self._edge_dim(part), store.num_nodes, 0)
-        keys = {num_local: owned}
-        pull = self.rg.pull_graph
-        if cfg.model in PULL_ONLY_MODELS and pull is not None and comm.world_size > 1:
-            keys[pull.with_self_loops().num_edges] = _edge_keys(comm, pull, self.rg.node_ids, store.num_nodes)
-        self.row_keys = keys if comm.world_size > 1 else {}
+        # dropout masks keyed by global node id (and attention's by the edge's position in the whole graph)
+        self.row_keys: dict[str, np.ndarray] = {}
+        if comm.world_size > 1:
+            self.row_keys["nodes"] = owned
+            pull = self.rg.pull_graph
+            if cfg.model in PULL_ONLY_MODELS and pull is not None:
+                self.row_keys["edges"] = _edge_keys(comm, pull, self.rg.node_ids, store.num_nodes)
         self.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
         self.meter.start()
 
@@ -267,7 +269,7 @@ class PartitionedFull(Strategy):
 
     def forward(self, model: nn.Module) -> Tensor:
         """Logits of the owned rows."""
-        with keyed_rows(self.row_keys):
+        with keyed_rows(**self.row_keys):
             return self._runner_for(model)(model.training)
 
     # ---- training -------------------------------------------------------------------------------
