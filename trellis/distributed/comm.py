@@ -10,6 +10,7 @@ matches a peer's collective of another kind. The control group is always gloo, b
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trellis.errors import TrellisUserError
+from trellis.utils.sizes import parse_size
 
 #: Environment variables every PyTorch launcher sets (``torchrun``, and ``trellis train --nproc``).
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -58,6 +60,76 @@ class RankEnv:
         return cls(rank, world, local, local_world, os.environ["MASTER_ADDR"], port, restarts)
 
 
+_LATENCY = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|µs)?\s*")
+
+
+@dataclass(frozen=True)
+class Link:
+    """An emulated network link: each exchange takes ``latency + bytes / rate`` at least (``--emulate-link``).
+
+    Why: on one host loopback moves rows at memory speed, so overlapping an exchange with compute shows
+    nothing. An exchange over an emulated link completes no earlier than its start plus this delay; the rank
+    *sleeps* for what remains when it needs the rows (no CPU is burnt, so on 2 cores compute is not slowed),
+    and an exchange that overlapped enough compute costs nothing more.
+
+    Attributes:
+        rate: Bytes per second.
+        latency_s: Seconds per exchange.
+    """
+
+    rate: float
+    latency_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Link:
+        """``RATE[,LATENCY]``: ``100MB/s,1ms``, ``1GB/s``, ``12.5MB/s,50us`` (rate decimal or binary units per second).
+
+        Raises:
+            TrellisUserError: Naming ``--emulate-link`` and the form it takes.
+        """
+        rate_text, _, lat_text = str(text).partition(",")
+        rate_text = rate_text.strip()
+        rate_text = rate_text[:-2] if rate_text.lower().endswith("/s") else rate_text
+        hint = "write RATE[,LATENCY], e.g. 100MB/s,1ms or 1GB/s"
+        try:
+            rate = float(parse_size(rate_text, flag="--emulate-link"))
+        except TrellisUserError:
+            raise TrellisUserError(f"--emulate-link {text!r}: cannot read the rate; {hint}") from None
+        latency = 0.0
+        if lat_text.strip():
+            m = _LATENCY.fullmatch(lat_text)
+            if not m:
+                raise TrellisUserError(f"--emulate-link {text!r}: cannot read the latency {lat_text.strip()!r}; {hint}")
+            latency = float(m.group(1)) * {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}[m.group(2)]
+        if rate <= 0:
+            raise TrellisUserError(f"--emulate-link {text!r}: the rate must be positive; {hint}")
+        return cls(rate, latency)
+
+    def delay(self, nbytes: int) -> float:
+        """Seconds an exchange of ``nbytes`` (the larger of what a rank sends and receives) takes on the link."""
+        return self.latency_s + float(nbytes) / self.rate
+
+
+@dataclass
+class CommClock:
+    """Where a rank's time went, per step: in exchanges (``comm_s``) and blocked waiting for them (``blocked_s``).
+
+    ``comm_s`` sums each exchange's duration, from its start until its rows are there: the transport's
+    completion (a callback on the collective's future) or the emulated link's deadline, whichever is later.
+    ``blocked_s`` is the time the rank spent waiting in :meth:`~trellis.distributed.halo.Pending.wait`; a
+    step's local compute time is its wall time minus that.
+    """
+
+    comm_s: float = 0.0
+    blocked_s: float = 0.0
+
+    def take(self) -> tuple[float, float]:
+        """``(comm_s, blocked_s)`` since the last call; then reset."""
+        out = (self.comm_s, self.blocked_s)
+        self.comm_s = self.blocked_s = 0.0
+        return out
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (bind port 0 and read what the kernel chose)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -77,13 +149,19 @@ class Comm:
         env: Who this rank is.
         backend: ``gloo`` (CPU) or ``nccl`` (one GPU per rank).
         halo: Group of the halo exchange (inside autograd).
+        link: The emulated link of ``--emulate-link`` (None: none).
+        clock: Time in exchanges and blocked on them.
         grads: Group of the gradient all-reduce and the loss sum.
         control: Gloo group of barriers, metric gathers and agreement on stopping.
     """
 
-    def __init__(self, env: RankEnv, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, env: RankEnv, device: torch.device, timeout_s: float, link: Link | None = None) -> None:
         self.env = env
         self.device = device
+        #: The emulated link every exchange runs over (None: the transport as it is).
+        self.link = link
+        #: Time in exchanges this step.
+        self.clock = CommClock()
         self.timeout = timedelta(seconds=float(timeout_s))
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         #: Whether this object created the default group (and so destroys it on close); a caller that

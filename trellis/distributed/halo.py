@@ -19,6 +19,7 @@ use move (GraphTheta §4.1: masters in use are synchronized, not every mirror).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,46 @@ class Traffic:
         out["exchange_bytes"] = sum(self.sent.values())
         self.sent.clear()
         return out
+
+
+class Pending:
+    """An exchange in flight: its received rows land in :attr:`out`, which :meth:`wait` returns once they are there.
+
+    The exchange is done when the transport is done (a callback on the collective's future records when) and,
+    under an emulated link (:class:`~trellis.distributed.comm.Link`), no earlier than its start plus the link's
+    delay; :meth:`wait` sleeps for what remains. Time blocked and the exchange's duration go to the rank's
+    :class:`~trellis.distributed.comm.CommClock`.
+    """
+
+    def __init__(self, comm: Comm, out: Tensor, work: Any, payload: Tensor | None, delay_s: float) -> None:
+        self.comm, self.out, self.work, self.payload = comm, out, work, payload  # payload: alive until done
+        self.started = time.perf_counter()
+        self.deadline = self.started + delay_s
+        self._done_at: list[float] = []
+        self._result: Tensor | None = None
+        if work is not None:
+            try:
+                work.get_future().then(lambda _: self._done_at.append(time.perf_counter()))
+            except RuntimeError:  # a backend without futures: completion is known at wait
+                pass
+
+    def wait(self) -> Tensor:
+        """The received rows (waits for the transport and the emulated link; idempotent)."""
+        if self._result is not None:
+            return self._result
+        t0 = time.perf_counter()
+        already = self.work is None or bool(self.work.is_completed())
+        if self.work is not None:
+            self.work.wait()
+        now = time.perf_counter()
+        done = self._done_at[0] if self._done_at else (t0 if already else now)
+        if self.deadline > now:
+            time.sleep(self.deadline - now)
+        clock = self.comm.clock
+        clock.blocked_s += time.perf_counter() - t0
+        clock.comm_s += max(self.deadline, done) - self.started if self.work is not None else 0.0
+        self._result, self.payload, self.work = self.out, None, None
+        return self.out
 
 
 class Route:
@@ -98,18 +139,27 @@ class Route:
             self._block = first if contiguous else None
         return self._block
 
-    def send(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """Send rows ``x[send_idx]``; return the received rows ``[sum(recv_counts), ...]`` (in ``recv_idx`` order).
+    def start(self, x: Tensor, out: Tensor | None = None) -> Pending:
+        """Start sending rows ``x[send_idx]``; :meth:`Pending.wait` gives the received rows.
 
-        ``out`` (shaped like the result) receives them in place.
+        The received rows are ``[sum(recv_counts), ...]`` in ``recv_idx`` order; ``out`` (shaped like the
+        result) receives them in place. Every rank starts its exchanges in the same order (they are
+        collectives on the halo group).
         """
         out = x.new_empty((sum(self.recv_counts), *x.shape[1:])) if out is None else out
         if self.comm.world_size == 1:
-            return out
+            return Pending(self.comm, out, None, None, 0.0)
         payload = x.index_select(0, self.send_idx).contiguous()
-        dist.all_to_all_single(out, payload, output_split_sizes=self.recv_counts,
-                               input_split_sizes=self.send_counts, group=self.comm.halo)
-        return out
+        link = self.comm.link
+        row = payload[:1].numel() * payload.element_size() if payload.shape[0] else out[:1].numel() * out.element_size()
+        delay = 0.0 if link is None else link.delay(row * max(int(payload.shape[0]), int(out.shape[0])))
+        work = dist.all_to_all_single(out, payload, output_split_sizes=self.recv_counts,
+                                      input_split_sizes=self.send_counts, group=self.comm.halo, async_op=True)
+        return Pending(self.comm, out, work, payload, delay)
+
+    def send(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """:meth:`start` and wait: the received rows."""
+        return self.start(x, out).wait()
 
     @classmethod
     def owner_to_holders(cls, comm: Comm, node_ids: np.ndarray, num_local: int, halo_rows: np.ndarray,

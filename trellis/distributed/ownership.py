@@ -37,9 +37,11 @@ from torch import Tensor
 
 from trellis.distributed.comm import Comm
 from trellis.distributed.halo import Fetch, Reduce, Route, Traffic, reduce_rows
+from trellis.distributed.schedule import PullSplit, StaleBuffers, split_aggregate
 from trellis.errors import TrellisUserError
 from trellis.ops import spmm
 from trellis.ops.graph import Aggregation, CSRGraph
+from trellis.ops.norm import inv_degree
 from trellis.ops.spmm import prim_spmm_sum
 from trellis.partition.base import methods_of_ownership
 from trellis.partition.layout import LocalGraph
@@ -174,6 +176,9 @@ class PullExchange(OwnershipExchange):
 
     def __init__(self, part: LocalGraph, comm: Comm, device: torch.device, traffic: Traffic) -> None:
         super().__init__(part, comm, device, traffic)
+        #: Overlapped or stale schedules (:meth:`set_schedule`); None: blocking.
+        self.split: PullSplit | None = None
+        self.buffers: StaleBuffers | None = None
         graph = CSRGraph.from_partition(part)
         num_local = self.num_local
         order = np.argsort(self.owners, kind="stable")  # new halo position -> layout halo position
@@ -190,10 +195,24 @@ class PullExchange(OwnershipExchange):
         self.pull_graph = self.weights = graph.to(device)
         self.fetch = self._sources_route(self.pull_graph.indices.cpu().numpy())
 
+    def set_schedule(self, overlap: bool, staleness: int) -> None:
+        """Run training aggregations overlapped with their fetch, or on halo rows up to ``staleness`` epochs old.
+
+        See :mod:`trellis.distributed.schedule`; ``staleness`` 0 without ``overlap`` is the blocking engine.
+        """
+        if (overlap or staleness > 0) and self.fetch is not None and self.comm.world_size > 1:
+            self.split = PullSplit(self.weights, self.fetch)
+            self.buffers = StaleBuffers(staleness) if staleness > 0 else None
+
     def aggregate(self, x: Tensor, aggregation_of: Callable[[CSRGraph], Aggregation], reduce: str) -> Tensor:
-        """The single process's SpMM on the part's rows, after the halo sources arrive."""
+        """The single process's SpMM on the part's rows, after the halo sources arrive (or by the schedule)."""
         agg = aggregation_of(self.weights)
-        return spmm(self.weights, self._fetched(x), agg.edge_weight, reduce=reduce, self_weight=agg.self_weight)
+        ew, sw = agg.edge_weight, agg.self_weight
+        trained = any(t is not None and t.requires_grad for t in (ew, sw))
+        if self.split is not None and torch.is_grad_enabled() and reduce != "max" and not trained:
+            rscale = inv_degree(self.weights, x.dtype) if reduce == "mean" else None
+            return split_aggregate(x, ew, sw, rscale, self.split, self.traffic, self.buffers)
+        return spmm(self.weights, self._fetched(x), ew, reduce=reduce, self_weight=sw)
 
 
 class _SplitExchange(OwnershipExchange):

@@ -189,6 +189,16 @@ class TrainConfig:
                                  "ranks are used instead (default: the number of parts)")
     timeout: float = _f(DEFAULT_TIMEOUT_S, "full with --parts-dir: seconds a rank waits for its peers (rendezvous, "
                                            "exchanges, barriers) before it fails (default: 300)")
+    overlap: bool = _f(False, "full with --parts-dir: start each layer's halo exchange asynchronously and "
+                              "aggregate the interior edges (local sources) while the rows travel, then the "
+                              "boundary edges; the result equals the blocking schedule's (to float rounding) "
+                              "(default: off)")
+    staleness: int = _f(0, "full with --parts-dir: layers use halo rows and halo gradients up to S epochs old while "
+                           "fresh ones travel (PipeGCN is 1); 0 = the exact synchronous engine (default: 0)",
+                        metavar="S")
+    emulate_link: str | None = _f(None, "full with --parts-dir: delay every exchange as a link of this rate and "
+                                        "latency would (it sleeps; no CPU is used), e.g. 100MB/s,1ms (default: "
+                                        "none)", metavar="RATE[,LATENCY]")
     prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
     deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
                                     "(default: off)")
@@ -277,6 +287,18 @@ class TrainConfig:
             raise TrellisUserError(f"--timeout must be a positive number of seconds (got {self.timeout})")
         if self.timeout != DEFAULT_TIMEOUT_S and self.parts_dir is None:
             raise TrellisUserError("--timeout applies to distributed runs only; add --parts-dir PART_DIR or drop it")
+        if self.staleness < 0:
+            raise TrellisUserError(f"--staleness must be 0 (exact) or a positive number of epochs (got "
+                                   f"{self.staleness})")
+        for flag, given in (("--overlap", self.overlap), ("--staleness", self.staleness > 0),
+                            ("--emulate-link", self.emulate_link is not None)):
+            if given and self.parts_dir is None:
+                raise TrellisUserError(f"{flag} applies to distributed runs only: add --parts-dir PART_DIR (from "
+                                       "`trellis partition STORE --parts P --out PART_DIR`) or drop it")
+        if self.emulate_link is not None:
+            from trellis.distributed.comm import Link
+
+            Link.parse(self.emulate_link)
         if self.nproc is not None and self.parts_dir is None:
             raise TrellisUserError("--nproc needs --parts-dir PART_DIR (ranks train the parts of a partitioned "
                                    "layout; make one with `trellis partition STORE --parts P --out PART_DIR`)")

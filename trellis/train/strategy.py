@@ -179,7 +179,8 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 #: whose default depends on the model or the strategy (``--fanouts``, ``--batch-size``) are not checked.
 STRATEGY_OPTIONS = frozenset({"labor", "clusters", "clusters_per_batch", "boundary_hops", "cluster_method",
                               "pp_dir", "pp_loader", "chunk_size", "memory_budget", "spill_dir",
-                              "prefetch", "parts_dir", "nproc", "timeout"})
+                              "prefetch", "parts_dir", "nproc", "timeout", "overlap", "staleness",
+                              "emulate_link"})
 
 def register_strategy(name: str) -> Any:
     """Class decorator that registers a :class:`Strategy` under ``name``."""

@@ -97,7 +97,8 @@ class FullBatch(GraphStrategy):
     last-bit differences of tiny gradients into ``±lr`` updates). Other models run as they are.
     """
 
-    options = frozenset({"memory_budget", "spill_dir", "parts_dir", "nproc", "timeout"})
+    options = frozenset({"memory_budget", "spill_dir", "parts_dir", "nproc", "timeout", "overlap", "staleness",
+                         "emulate_link"})
     _runner: tuple[nn.Module, Callable[..., Tensor]] | None = None
 
     @classmethod

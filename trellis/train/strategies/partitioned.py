@@ -23,6 +23,7 @@ has passed the barrier after it.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
-from trellis.distributed.comm import Comm, RankEnv, free_port, rank_threads
-from trellis.distributed.ownership import OWNERSHIPS, RankGraph, build_rank_graph, dst_methods
+from trellis.distributed.comm import Comm, Link, RankEnv, free_port, rank_threads
+from trellis.distributed.ownership import OWNERSHIPS, PullExchange, RankGraph, build_rank_graph, dst_methods
+from trellis.distributed.schedule import StaleBuffers
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of
 from trellis.ops.dropout import keyed_rows
@@ -71,6 +73,14 @@ def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) ->
         raise TrellisUserError(f"--model {cfg.model} needs each node's in-edges on its owner (its softmax runs "
                                f"over them), but {cfg.parts_dir} is {layout.ownership}-owned; partition with a "
                                f"destination-owned method ({', '.join(dst_methods())})")
+    if (cfg.overlap or cfg.staleness > 0) and layout.ownership != "dst":
+        flag = "--overlap" if cfg.overlap else f"--staleness {cfg.staleness}"
+        raise TrellisUserError(f"{flag} splits each rank's pull graph into interior and boundary edges, but "
+                               f"{cfg.parts_dir} is {layout.ownership}-owned; partition with a destination-owned "
+                               f"method ({', '.join(dst_methods())}) or drop {flag}")
+    if cfg.staleness > 0 and cfg.model in PULL_ONLY_MODELS:
+        raise TrellisUserError(f"--staleness applies to GCN, SAGE and GIN (their aggregation is the exchange's); "
+                               f"--model {cfg.model} aggregates by itself: drop --staleness")
     kind, _ = parse_features(cfg.features)
     if kind not in ("store", "none"):
         raise TrellisUserError(f"--features {cfg.features} is not available with --parts-dir yet (store and none "
@@ -140,7 +150,7 @@ class PartitionedFull(Strategy):
     """Full-batch training of one part per rank (see the module docstring); ``full`` with ``--parts-dir``."""
 
     name = "full"
-    options = frozenset({"parts_dir", "nproc", "timeout"})
+    options = frozenset({"parts_dir", "nproc", "timeout", "overlap", "staleness", "emulate_link"})
     eval_splits = ("train", "val", "test")
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
@@ -148,7 +158,7 @@ class PartitionedFull(Strategy):
         self.comm: Comm | None = None
         self._runner: tuple[nn.Module, Any] | None = None
         self.meter = PeakMemory()
-        self._step_traffic: dict[str, int] = {}
+        self._step_traffic: dict[str, Any] = {}
         self._eval_bytes = 0
 
     # ---- data -----------------------------------------------------------------------------------
@@ -166,10 +176,13 @@ class PartitionedFull(Strategy):
         if self.device.type == "cuda":  # one GPU per rank: "cuda" now means this rank's
             torch.cuda.set_device(env.local_rank)
             self.device = torch.device("cuda", env.local_rank)
-        self.comm = comm = Comm(env, self.device, cfg.timeout)
+        link = None if cfg.emulate_link is None else Link.parse(cfg.emulate_link)
+        self.comm = comm = Comm(env, self.device, cfg.timeout, link)
         self.writes_run_dir = comm.rank == 0
         part = layout.part(comm.rank)
         self.rg: RankGraph = build_rank_graph(part, comm, self.device)
+        if isinstance(self.rg.exchange, PullExchange):
+            self.rg.exchange.set_schedule(cfg.overlap, cfg.staleness)
         num_local = part.num_local
         owned = self.rg.node_ids[:num_local]
         # inputs: the part's own feature rows, normalized as the single process normalizes them
@@ -276,6 +289,11 @@ class PartitionedFull(Strategy):
     def train_step(self, model: nn.Module, optimizer: Any, task: Task, epoch: int) -> Tensor:
         """Forward and backward on every rank, gradients summed, one optimizer step; the global loss."""
         assert self.comm is not None
+        t0 = time.perf_counter()
+        self.comm.clock.take()
+        buffers = self._buffers()
+        if buffers is not None:
+            buffers.begin_step()
         model.train()
         optimizer.zero_grad(set_to_none=True)
         logits = self.forward(model)
@@ -290,10 +308,56 @@ class PartitionedFull(Strategy):
         loss.backward()
         self.comm.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
         optimizer.step()
+        comm_s, blocked_s = self.comm.clock.take()
+        step_s = time.perf_counter() - t0
         total = self.comm.sum([float(loss.detach())])[0]
         self._step_traffic = self._job_traffic()
+        self._step_traffic.update(self._job_times(step_s - blocked_s, comm_s))
+        if buffers is not None:
+            self._step_traffic.update(buffers.take_ages())
         trim_heap()  # freed exchange buffers leave RssAnon before evaluation allocates its own
         return torch.tensor(total, dtype=torch.float32)
+
+    def _buffers(self) -> StaleBuffers | None:
+        ex = self.rg.exchange
+        return ex.buffers if isinstance(ex, PullExchange) else None
+
+    def _job_times(self, compute_s: float, comm_s: float) -> dict[str, float]:
+        """``compute_s`` and ``comm_s`` of the step: each the maximum over the ranks.
+
+        ``compute_s`` is a rank's step time less the time it waited for exchanges (its local work, the
+        gradient all-reduce included); ``comm_s`` the summed duration of its exchanges, start to arrival
+        (:class:`~trellis.distributed.comm.CommClock`).
+        """
+        assert self.comm is not None
+        row = torch.tensor([[compute_s, comm_s]], dtype=torch.float64)
+        per_rank = torch.cat(self.comm.all_gather_rows(row))
+        return {"compute_s": float(per_rank[:, 0].max()), "comm_s": float(per_rank[:, 1].max())}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's stale halo rows and gradients (``--staleness``), gathered to the checkpoint rank 0 writes."""
+        buffers = self._buffers()
+        if buffers is None:
+            return {}
+        assert self.comm is not None
+        import io
+
+        blob = io.BytesIO()
+        torch.save(buffers.state_dict(), blob)
+        mine = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
+        return {"stale_buffers": [t.clone() for t in self.comm.all_gather_rows(mine)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's stale buffers from the checkpoint."""
+        buffers = self._buffers()
+        saved = state.get("stale_buffers")
+        if buffers is None or not saved:
+            return
+        assert self.comm is not None
+        import io
+
+        mine = torch.load(io.BytesIO(saved[self.comm.rank].numpy().tobytes()), weights_only=True)
+        buffers.load_state_dict(mine, self.comm, self.device)
 
     def _job_traffic(self) -> dict[str, Any]:
         """The step's bytes per layer and direction summed over the ranks, and each rank's total."""
