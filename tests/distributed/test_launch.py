@@ -25,7 +25,7 @@ TRAIN = ("--epochs", "40", "--hidden", "8", "--checkpoint-every", "4", "--no-pro
 
 def _records(run: Path) -> list[dict]:
     # timing, and the evaluation's bytes: a new process fetches the constant features' halo rows once more
-    drop = ("time_s", "step_time_s", "eval_exchange_bytes")
+    drop = ("time_s", "step_time_s", "compute_s", "comm_s", "eval_exchange_bytes")
     return [{k: v for k, v in json.loads(line).items() if k not in drop}
             for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -115,6 +115,13 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(dist_store, lay
     assert "--parts-dir does not apply to --strategy mini" in _bad([*base, "--parts-dir", parts, "--strategy", "mini"],
                                                                    capsys)
     assert "--nproc needs --parts-dir" in _bad([*base, "--nproc", "2"], capsys)
+    assert "--staleness must be 0" in _bad([*base, "--parts-dir", parts, "--staleness", "-1"], capsys)
+    for flag in (["--overlap"], ["--staleness", "1"], ["--emulate-link", "100MB/s"]):
+        assert f"{flag[0]} applies to distributed runs only" in _bad([*base, *flag], capsys)
+    assert "cannot read the rate" in _bad([*base, "--parts-dir", parts, "--emulate-link", "fast"], capsys)
+    assert "cannot read the latency" in _bad([*base, "--parts-dir", parts, "--emulate-link", "1GB/s,soon"], capsys)
+    hashed = str(layouts[("hash", 2)])
+    assert "--overlap splits each rank's pull graph" in _bad([*base, "--parts-dir", hashed, "--overlap"], capsys)
     assert "GPU" in _bad([*base, "--parts-dir", parts, "--device", "cuda"], capsys)  # NCCL: one GPU per rank
     with socket.socket() as s:  # a port in use
         s.bind(("127.0.0.1", 0))

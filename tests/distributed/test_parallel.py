@@ -40,8 +40,9 @@ JOBS = {
 
 
 def _cfg(store: Path, model: str, out: Path, **kw: Any) -> TrainConfig:
-    return TrainConfig(store=str(store), model=model, epochs=EPOCHS, hidden=16, heads=2, out=str(out),
-                       progress=False, checkpoint_every=0, **kw)
+    values = {"store": str(store), "model": model, "epochs": EPOCHS, "hidden": 16, "heads": 2, "out": str(out),
+              "progress": False, "checkpoint_every": 0, **kw}
+    return TrainConfig(**values)
 
 
 def _losses(run: Path) -> list[dict[str, Any]]:

@@ -90,3 +90,14 @@ def test_out_of_core_tiles_train_one_process_losses_on_sparse_rows(stores, singl
     got, want = [r["loss"] for r in _losses(tmp_path / "ooc")], single[(name, "gcn")]
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
     assert json.loads((tmp_path / "ooc" / "summary.json").read_text())["tiles"] >= 5
+
+
+def test_overlap_equals_blocking_on_sparse_rows(stores, tmp_path):
+    """Cora, 2 ranks, GCN with dropout: the overlapped schedule gives the blocking schedule's losses."""
+    gs = GraphStore(stores["cora"])
+    layout = write_layout(gs, partition_graph(gs, "metis", 2, measure=False), tmp_path / "parts")
+    specs = [_cfg(stores["cora"], "gcn", tmp_path / name, parts_dir=str(layout), timeout=120.0, **kw)
+             .to_dict(session=True) for name, kw in (("blocking", {}), ("overlap", {"overlap": True}))]
+    mp.spawn(_worker, args=(2, free_port(), specs), nprocs=2, join=True)
+    got, want = ([r["loss"] for r in _losses(tmp_path / name)] for name in ("overlap", "blocking"))
+    assert len(got) == EPOCHS and max(abs(a - b) for a, b in zip(got, want)) <= 1e-6
