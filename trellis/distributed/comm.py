@@ -114,7 +114,8 @@ class Link:
 class CommClock:
     """Where a rank's time went, per step: in exchanges (``comm_s``) and blocked waiting for them (``blocked_s``).
 
-    ``comm_s`` sums each exchange's duration, from its start until its rows are there: the transport's
+    ``comm_s`` sums each exchange's duration, from its start (on an emulated link: from when the link is free
+    for it) until its rows are there: the transport's
     completion (a callback on the collective's future) or the emulated link's deadline, whichever is later.
     ``blocked_s`` is the time the rank spent waiting in :meth:`~trellis.distributed.halo.Pending.wait`; a
     step's local compute time is its wall time minus that.
@@ -122,6 +123,8 @@ class CommClock:
 
     comm_s: float = 0.0
     blocked_s: float = 0.0
+    #: When the emulated link is free again (``perf_counter`` time): exchanges share one link per rank.
+    link_free_at: float = 0.0
 
     def take(self) -> tuple[float, float]:
         """``(comm_s, blocked_s)`` since the last call; then reset."""

@@ -61,14 +61,18 @@ class Pending:
 
     The exchange is done when the transport is done (a callback on the collective's future records when) and,
     under an emulated link (:class:`~trellis.distributed.comm.Link`), no earlier than its start plus the link's
-    delay; :meth:`wait` sleeps for what remains. Time blocked and the exchange's duration go to the rank's
-    :class:`~trellis.distributed.comm.CommClock`.
+    delay, exchanges in flight taking the link one after another; :meth:`wait` sleeps for what remains. Time
+    blocked and the exchange's duration go to the rank's :class:`~trellis.distributed.comm.CommClock`.
     """
 
     def __init__(self, comm: Comm, out: Tensor, work: Any, payload: Tensor | None, delay_s: float) -> None:
         self.comm, self.out, self.work, self.payload = comm, out, work, payload  # payload: alive until done
         self.started = time.perf_counter()
-        self.deadline = self.started + delay_s
+        # one link per rank: an exchange starts on it when the previous one has left it
+        self.began = max(self.started, comm.clock.link_free_at)
+        self.deadline = self.began + delay_s
+        if delay_s > 0:
+            comm.clock.link_free_at = self.deadline
         self._done_at: list[float] = []
         self._result: Tensor | None = None
         if work is not None:
@@ -91,7 +95,8 @@ class Pending:
             time.sleep(self.deadline - now)
         clock = self.comm.clock
         clock.blocked_s += time.perf_counter() - t0
-        clock.comm_s += max(self.deadline, done) - self.started if self.work is not None else 0.0
+        # the exchange's own time on the link (waiting for an earlier one to leave it is not its time)
+        clock.comm_s += max(self.deadline, done) - self.began if self.work is not None else 0.0
         self._result, self.payload, self.work = self.out, None, None
         return self.out
 
