@@ -98,3 +98,18 @@ def test_compare_bad_input(capsys, tmp_path, two_runs, args, needle):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
     assert not list(tmp_path.glob("c.*"))
+
+
+def test_a_priced_run_reports_cost_and_value_and_compare_shows_them(capsys, tmp_path, store):
+    out = tmp_path / "priced"
+    assert main(["train", store, "--out", str(out), "--epochs", "3", "--hidden", "8", "--no-progress",
+                 "--price-per-hour", "0.34"], model_factory=stub_build) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["machines"] == 1 and s["price"] == "$0.34/machine-hour"
+    assert s["cost_per_epoch_usd"] == pytest.approx(0.34 * s["epoch_time_s_median"] / 3600)
+    assert s["value"] == pytest.approx(1 / (s["epoch_time_s_median"] * s["cost_per_epoch_usd"]))
+    capsys.readouterr()
+    rc, text, _ = run(capsys, "compare", out)
+    assert rc == 0 and "$/epoch" in text and "value" in text
+    rc, _, err = run(capsys, "train", store, "--out", tmp_path / "never", "--price-per-hour", "cheap")
+    assert rc == 2 and "--price-per-hour 'cheap'" in err and not (tmp_path / "never").exists()

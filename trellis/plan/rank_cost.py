@@ -47,6 +47,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trellis.plan.price import Price, run_value
+
 #: Bytes of one float32 value (the exchanged rows' dtype).
 FLOAT_BYTES = 4
 
@@ -73,6 +75,8 @@ class CostInputs:
         machines: Machines ``M``; ranks are spread evenly over them (default: 1).
         allreduces: All-reduces per step (gradients, loss) (default: 0).
         allreduce_bytes: Bytes each all-reduce sums, e.g. 4 x parameters for the gradients (default: 0).
+        stale: Halo exchanges hidden behind compute (``--staleness 1``): a step takes the larger of compute
+            and communication instead of their sum (default: False, the blocking engine).
     """
 
     ranks: int
@@ -89,6 +93,7 @@ class CostInputs:
     machines: int = 1
     allreduces: int = 0
     allreduce_bytes: float = 0.0
+    stale: bool = False
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.cores < 1 or self.machines < 1 or self.compute_threads < 1:
@@ -169,7 +174,14 @@ def predict(inp: CostInputs) -> CostBreakdown:
         lat = inp.exchanges * (p - 1) * inp.latency_s + inp.allreduces * 2 * (p - 1) * inp.latency_s
         most = max(inp.sent_bytes) if inp.sent_bytes else 0.0
         bw = (most + inp.allreduces * 2 * (p - 1) / p * inp.allreduce_bytes) / inp.bandwidth
-    return CostBreakdown(compute, lat + bw, lat, bw, compute + lat + bw, serial, share, threads, rounds)
+    total = max(compute, lat + bw) if inp.stale else compute + lat + bw
+    return CostBreakdown(compute, lat + bw, lat, bw, total, serial, share, threads, rounds)
+
+
+def priced(b: CostBreakdown, inp: CostInputs, price: Price, gib_per_machine: float = 0.0) -> dict[str, Any]:
+    """Cost per step and Dorylus's value of a prediction, its ``inp.machines`` machines priced by ``price``."""
+    hourly = price.machine_hourly(inp.cores, gib_per_machine)
+    return run_value(b.total_s, [hourly] * inp.machines)
 
 
 def work_shares(part_edges: Sequence[int], part_nodes: Sequence[int], part_halo: Sequence[int] = (), *,

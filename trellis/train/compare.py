@@ -159,6 +159,8 @@ def row_for(rd: RunDir, name: str, target: float | None) -> dict[str, Any]:
         "peak_cuda_mb": _num(s.peak_cuda_mb), "target": target,
         # pre-propagation's one-off cost, outside time_s (and so outside time to target)
         "preprocess_s": _num(s.info.get("preprocess_seconds")),
+        # --price-per-hour: dollars per epoch and Dorylus's value, 1 / (time x cost)
+        "cost_per_epoch_usd": _num(s.info.get("cost_per_epoch_usd")), "value": _num(s.info.get("value")),
     }
     if target is not None:
         ttt = [r["time_to_target_s"] for r in per_run]
@@ -225,6 +227,8 @@ def format_table(result: dict[str, Any]) -> str:
     head = ["run", "model", "strategy", "runs", f"test {metric}", "step ms", "epoch ms", "epochs", "99%pk ep",
             "conv ep", "target", "reached", "epochs→tgt", "time→tgt s", "peak anon MiB"]
     head += ["CUDA MiB"] if cuda else []
+    priced = any(r.get("value") is not None for r in rows)
+    head += ["$/epoch", "value"] if priced else []
     table = [head]
     for r in rows:
         test = "-" if r["test_mean"] is None else f"{r['test_mean']:.4f} ± {r['test_std'] or 0.0:.4f}"
@@ -239,6 +243,7 @@ def format_table(result: dict[str, Any]) -> str:
                 _fmt(r.get("epochs_to_target_mean"), ".1f", "never" if has_t else "-"),
                 _fmt(r.get("time_to_target_s_mean"), ".2f", "never" if has_t else "-"),
                 _fmt(r["peak_rss_anon_mb"], ".0f")] + ([_fmt(r["peak_cuda_mb"], ".0f")] if cuda else [])
+        line += [_fmt(r.get("cost_per_epoch_usd"), ".3g"), _fmt(r.get("value"), ".4g")] if priced else []
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
@@ -264,7 +269,8 @@ def format_table(result: dict[str, Any]) -> str:
     if result["note"]:
         lines.append(f"note: {result['note']}")
     lines.append("step ms: training step (median); epoch ms: training + evaluation per epoch (mean); epochs, "
-                 "99%pk ep, conv ep, epochs→tgt, time→tgt: means over runs (- or never: not every run has one)")
+                 "99%pk ep, conv ep, epochs→tgt, time→tgt: means over runs (- or never: not every run has one)"
+                 + ("; value: 1 / (step s x $ per step), higher is better" if priced else ""))
     return "\n".join(lines)
 
 

@@ -199,6 +199,10 @@ class TrainConfig:
     emulate_link: str | None = _f(None, "full with --parts-dir: delay every exchange as a link of this rate and "
                                         "latency would (it sleeps; no CPU is used), e.g. 100MB/s,1ms (default: "
                                         "none)", metavar="RATE[,LATENCY]")
+    price_per_hour: str | None = _f(None, "price the run: dollars per machine-hour (one rank per machine), e.g. 0.34, "
+                                          "or per resource-hour, e.g. core=0.0425,gib=0.0057; summary.json gets "
+                                          "cost_per_epoch_usd and value = 1 / (epoch time x cost) (default: none)",
+                                    metavar="PRICE")
     prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
     deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
                                     "(default: off)")
@@ -299,6 +303,10 @@ class TrainConfig:
             from trellis.distributed.comm import Link
 
             Link.parse(self.emulate_link)
+        if self.price_per_hour is not None:
+            from trellis.plan.price import Price
+
+            Price.parse(self.price_per_hour)
         if self.nproc is not None and self.parts_dir is None:
             raise TrellisUserError("--nproc needs --parts-dir PART_DIR (ranks train the parts of a partitioned "
                                    "layout; make one with `trellis partition STORE --parts P --out PART_DIR`)")

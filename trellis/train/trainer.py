@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 import trellis
 from trellis.errors import TrellisUserError
+from trellis.plan.price import Price, run_value
 from trellis.train.build import ModelFactory, build_run_optimizer, default_model_factory
 from trellis.train.config import TrainConfig
 from trellis.train.convergence import summarize_time_to_accuracy
@@ -370,6 +371,9 @@ class Trainer:
             "run_dir": str(ctx.paths.root), "trellis_version": trellis.__version__,
             "torch_version": torch.__version__, "config": cfg.to_dict(),
         }
+        strategy_info = strategy.summary_info()
+        if cfg.price_per_hour is not None:
+            info.update(self._priced(statistics.median(times), strategy_info, peaks["peak_rss_anon_mb"]))
         # Time to accuracy from the log, not from this process's memory: after --resume the epochs of
         # earlier processes exist only there (the log is truncated to the checkpoint, so it holds each
         # epoch exactly once).
@@ -384,7 +388,16 @@ class Trainer:
             steps_timed=len(times), train_time_s=sum(res["time_s"] for res in results),
             peak_rss_anon_mb=peaks["peak_rss_anon_mb"], peak_rss_mb=peaks["peak_rss_mb"],
             peak_cuda_mb=peaks.get("peak_cuda_mb"), per_run=results, time_to_accuracy=tta,
-            strategy_info=strategy.summary_info(), info=info)
+            strategy_info=strategy_info, info=info)
+
+    def _priced(self, epoch_s: float, strategy_info: dict[str, Any], peak_anon_mb: float) -> dict[str, Any]:
+        """Cost per epoch and value under ``--price-per-hour`` (see :mod:`trellis.plan.price`)."""
+        assert self.cfg.price_per_hour is not None
+        price = Price.parse(self.cfg.price_per_hour)
+        per_rank_mb = strategy_info.get("rank_peak_rss_anon_mb") or [peak_anon_mb]
+        threads = torch.get_num_threads()
+        hourly = [price.machine_hourly(threads, float(mb) / 1024.0) for mb in per_rank_mb]
+        return {"price": price.describe(), "machines": len(hourly), **run_value(epoch_s, hourly)}
 
 
 def save_model(path: Path, model: nn.Module, cfg: TrainConfig, metric: str, result: dict[str, Any],
