@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trellis.distributed.attention import SplitAttention
 from trellis.distributed.comm import Comm
 from trellis.distributed.halo import Fetch, Reduce, Route, Traffic, reduce_rows
 from trellis.distributed.schedule import PullSplit, StaleBuffers, split_aggregate
@@ -147,6 +148,10 @@ class OwnershipExchange:
         """Rows this rank sends per fetch and per reduce."""
         return {"fetch_rows": 0 if self.fetch is None else self.fetch.rows_sent, "reduce_rows": 0}
 
+    def attention(self) -> SplitAttention | None:
+        """None: attention runs on the pull graph, whose view appends the halo rows (see the module docstring)."""
+        return None
+
 
 #: Layout ownership -> its exchange class. A new ownership is one subclass registered here.
 OWNERSHIPS: dict[str, type[OwnershipExchange]] = {}
@@ -227,6 +232,20 @@ class _SplitExchange(OwnershipExchange):
         self.route = _route(comm, self.owners, self.node_ids, self.num_local, with_edges)
         self.weights = _csr(indptr, indices, self.num_rows, device, src_degree=degree, dst_degree=degree)
         self.indices = indices
+        self._part, self._device = part, device
+        self._attention: SplitAttention | None = None
+
+    def attention(self) -> SplitAttention:
+        """The two-phase edge softmax's exchanges over this part's edges (built on first use)."""
+        if self._attention is None:
+            part = self._part
+            ef = None if part.edge_feat is None else np.asarray(part.edge_feat, dtype=np.float32)
+            sources = self.num_rows if self.fetch is not None else self.num_local  # push: owned sources only
+            graph = _csr(np.asarray(part.indptr), self.indices, sources, self._device,
+                         node_ids=self.node_ids, edge_ids=np.asarray(part.edge_ids, dtype=np.int64),
+                         edge_feat=None if ef is None else ef.reshape(ef.shape[0], -1))
+            self._attention = SplitAttention(graph, self.num_local, self.route, self.fetch, self.traffic)
+        return self._attention
 
     def describe(self) -> dict[str, Any]:
         """Rows this rank sends per fetch and per reduce."""

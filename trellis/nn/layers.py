@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from trellis.nn.executor import run_layer
 from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
 from trellis.ops.dropout import dropout
-from trellis.ops.graph import Aggregation, CSRGraph
+from trellis.ops.graph import Aggregation, CSRGraph, SplitAttention
 from trellis.ops.sparse_rows import head_rows, linear
 from trellis.plan import GraphStats, LayerDecl, LayerPlan, plan_layer, plan_layer_step
 
@@ -252,6 +252,9 @@ class GATConv(MessagePassing):
         common ``layer(graph, x, plan=...)`` call and not read (:meth:`plan` of the graph with self loops
         describes these ops, and is what ``explain`` prints).
         """
+        split = graph.exchange.attention() if graph.exchange is not None else None
+        if split is not None:
+            return self._forward_split(split, x)
         g = graph.with_self_loops()
         h, d = self.heads, self.out_dim
         z = linear(x, self.lin.weight).view(-1, h, d)
@@ -267,6 +270,32 @@ class GATConv(MessagePassing):
         out = spmm(g, z, alpha)
         if ef is not None:
             agg_e = segment_reduce(g, alpha.unsqueeze(-1) * ef.unsqueeze(1))  # [num_dst, heads, edge_dim]
+            out = out + torch.einsum("nhe,hed->nhd", agg_e, self.lin_edge)
+        out = out.reshape(-1, h * d) if self.concat else out.mean(1)
+        return out + self.bias
+
+    def _forward_split(self, split: SplitAttention, x: Tensor) -> Tensor:
+        """The same layer where its destinations' in-edges are split across processes (a two-phase softmax).
+
+        ``x`` holds the owned rows; the exchange supplies the rows of other processes' nodes and completes the
+        softmax's normalization and the aggregation (see :mod:`trellis.distributed.attention`).
+        """
+        g = split.graph
+        h, d = self.heads, self.out_dim
+        z = linear(x, self.lin.weight).view(-1, h, d)
+        zs = split.sources(z)
+        logits = sddmm(g, (zs * self.att_src).sum(-1), split.destinations((z * self.att_dst).sum(-1)), op="add")
+        ef = None
+        if self.edge_dim:
+            if g.edge_feat is None:
+                raise ValueError("GAT-E needs edge features: the graph has none (import edge_features.npy)")
+            ef = g.edge_feat
+            logits = logits + ef @ self.att_edge
+        alpha = split.softmax(F.leaky_relu(logits, self.negative_slope))
+        alpha = dropout(alpha, self.dropout, self.training, rows="edges")
+        out = split.reduce(spmm(g, zs, alpha))
+        if ef is not None:
+            agg_e = split.reduce(segment_reduce(g, alpha.unsqueeze(-1) * ef.unsqueeze(1)))
             out = out + torch.einsum("nhe,hed->nhd", agg_e, self.lin_edge)
         out = out.reshape(-1, h * d) if self.concat else out.mean(1)
         return out + self.bias

@@ -52,6 +52,37 @@ class Exchange(Protocol):
         """The aggregation of the owned rows ``x`` (``sum``, ``mean`` or ``max``)."""
         ...
 
+    def attention(self) -> SplitAttention | None:
+        """How attention layers run where in-edges are split (None: on the graph as given)."""
+        ...
+
+
+class SplitAttention(Protocol):
+    """An attention layer's exchanges where a destination's in-edges are split across processes.
+
+    :mod:`trellis.distributed.attention` implements it (a two-phase edge softmax); GAT and GAT-E
+    (:class:`trellis.nn.layers.GATConv`) run on it when their graph's exchange offers one.
+    """
+
+    #: The process's edges: ``L + H`` destination rows (owned rows with their self loops, then halo rows).
+    graph: CSRGraph
+
+    def sources(self, z: torch.Tensor) -> torch.Tensor:
+        """Source rows of :attr:`graph` from the ``L`` owned rows ``z``."""
+        ...
+
+    def destinations(self, t: torch.Tensor) -> torch.Tensor:
+        """``[L + H, ...]`` destination rows from the owned rows ``t``."""
+        ...
+
+    def softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each edge's softmax weight over all its destination's in-edges."""
+        ...
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """``[L, ...]``: owned rows of the ``[L + H, ...]`` partial sums, completed with the other processes'."""
+        ...
+
 
 @dataclass(eq=False)
 class CSRGraph:

@@ -509,6 +509,8 @@ def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: 
             last_rung[i] = rung["rung"]
     rows = []
     for e in tune.entries:
+        if e.id not in tune.states and (tune.root / "state" / f"{e.id}.pt").is_file():
+            tune._state(e)  # halved before an interruption: a resumed tune reads its saved state back
         s = tune.states.get(e.id)
         if s is None:
             continue

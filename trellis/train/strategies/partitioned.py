@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
+from trellis.distributed.attention import edge_keys
 from trellis.distributed.comm import Comm, Link, RankEnv, free_port, rank_threads
 from trellis.distributed.ownership import OWNERSHIPS, PullExchange, RankGraph, build_rank_graph, dst_methods
 from trellis.distributed.schedule import StaleBuffers
@@ -48,8 +49,9 @@ from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task, evaluate_logits
 from trellis.utils.memory import PeakMemory, trim_heap
 
-#: Models whose layers need every in-edge of a node at its owner (attention's softmax): pull layouts only.
-PULL_ONLY_MODELS = ("gat", "gate")
+#: Models that aggregate by themselves (attention): on the pull graph under destination ownership, through
+#: the exchange's two-phase softmax elsewhere (:mod:`trellis.distributed.attention`).
+ATTENTION_MODELS = ("gat", "gate")
 
 
 def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) -> PartitionedGraph:
@@ -69,16 +71,12 @@ def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) ->
         raise TrellisUserError(f"--nproc {world_size} does not match the {layout.num_parts} parts of "
                                f"{cfg.parts_dir}: one rank trains one part; pass --nproc {layout.num_parts} or "
                                f"re-partition with `trellis partition {cfg.store} --parts {world_size}`")
-    if cfg.model in PULL_ONLY_MODELS and layout.ownership != "dst":
-        raise TrellisUserError(f"--model {cfg.model} needs each node's in-edges on its owner (its softmax runs "
-                               f"over them), but {cfg.parts_dir} is {layout.ownership}-owned; partition with a "
-                               f"destination-owned method ({', '.join(dst_methods())})")
     if (cfg.overlap or cfg.staleness > 0) and layout.ownership != "dst":
         flag = "--overlap" if cfg.overlap else f"--staleness {cfg.staleness}"
         raise TrellisUserError(f"{flag} splits each rank's pull graph into interior and boundary edges, but "
                                f"{cfg.parts_dir} is {layout.ownership}-owned; partition with a destination-owned "
                                f"method ({', '.join(dst_methods())}) or drop {flag}")
-    if cfg.staleness > 0 and cfg.model in PULL_ONLY_MODELS:
+    if cfg.staleness > 0 and cfg.model in ATTENTION_MODELS:
         raise TrellisUserError(f"--staleness applies to GCN, SAGE and GIN (their aggregation is the exchange's); "
                                f"--model {cfg.model} aggregates by itself: drop --staleness")
     kind, _ = parse_features(cfg.features)
@@ -213,9 +211,12 @@ class PartitionedFull(Strategy):
         self.row_keys: dict[str, np.ndarray] = {}
         if comm.world_size > 1:
             self.row_keys["nodes"] = owned
-            pull = self.rg.pull_graph
-            if cfg.model in PULL_ONLY_MODELS and pull is not None:
-                self.row_keys["edges"] = _edge_keys(comm, pull, self.rg.node_ids, store.num_nodes)
+            if cfg.model in ATTENTION_MODELS:
+                pull, split = self.rg.pull_graph, self.rg.exchange.attention()
+                if pull is not None:
+                    self.row_keys["edges"] = _edge_keys(comm, pull, self.rg.node_ids, store.num_nodes)
+                elif split is not None:
+                    self.row_keys["edges"] = edge_keys(comm, split, np.asarray(store.indptr))
         self.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
         self.meter.start()
 
