@@ -66,6 +66,11 @@ def runs(dist_store: Path, layouts: dict, tmp_path_factory: pytest.TempPathFacto
                 run = root / f"{world}-{name}-{model}"
                 first.append(_cfg(dist_store, model, run, parts_dir=parts, timeout=120.0, **kw).to_dict(session=True))
                 out[(world, name, model)] = run
+        for name, kw in (("blocking-runs2", {}), ("stale1-runs2", {"staleness": 1})):
+            run = root / f"{world}-{name}"
+            first.append(_cfg(dist_store, "gcn", run, parts_dir=parts, timeout=120.0, runs=2, **kw)
+                         .to_dict(session=True))
+            out[(world, name, "gcn")] = run
         cut = root / f"{world}-stale-cut"
         cfg = _cfg(dist_store, "gcn", cut, parts_dir=parts, timeout=120.0, staleness=1, checkpoint_every=1)
         first.append({**cfg.to_dict(session=True), "stop_at": STOP_AT})
@@ -116,6 +121,15 @@ def test_staleness_keeps_its_bound_and_trains(runs, world, model, s):
     assert all(ages) and all(max(a.values()) <= s for a in ages)
     assert [max(a.values()) for a in ages] == [min(e, s) for e in range(len(got))]
     assert got[-1]["loss"] < got[0]["loss"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_run_starts_from_fresh_halo_rows(runs, world):
+    """A second run (seed) must not read the first run's stale rows: its epoch 0 is the exact one."""
+    got, exact = _losses(runs[(world, "stale1-runs2", "gcn")]), _losses(runs[(world, "blocking-runs2", "gcn")])
+    firsts = [(g, e) for g, e in zip(got, exact) if g["epoch"] == 0]
+    assert len(firsts) == 2 and all(g["run"] == e["run"] for g, e in firsts)
+    assert all(abs(g["loss"] - e["loss"]) <= 1e-6 for g, e in firsts)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -151,10 +151,16 @@ class Route:
         result) receives them in place. Every rank starts its exchanges in the same order (they are
         collectives on the halo group).
         """
-        out = x.new_empty((sum(self.recv_counts), *x.shape[1:])) if out is None else out
+        if self.comm.world_size == 1:
+            return Pending(self.comm, x.new_empty((sum(self.recv_counts), *x.shape[1:])) if out is None else out,
+                           None, None, 0.0)
+        return self.start_rows(x.index_select(0, self.send_idx).contiguous(), out)
+
+    def start_rows(self, payload: Tensor, out: Tensor | None = None) -> Pending:
+        """:meth:`start` with the rows to send already gathered (``payload``: ``x[send_idx]``)."""
+        out = payload.new_empty((sum(self.recv_counts), *payload.shape[1:])) if out is None else out
         if self.comm.world_size == 1:
             return Pending(self.comm, out, None, None, 0.0)
-        payload = x.index_select(0, self.send_idx).contiguous()
         link = self.comm.link
         row = payload[:1].numel() * payload.element_size() if payload.shape[0] else out[:1].numel() * out.element_size()
         delay = 0.0 if link is None else link.delay(row * max(int(payload.shape[0]), int(out.shape[0])))
@@ -269,3 +275,46 @@ class Reduce(torch.autograd.Function):
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         """Owners' gradient rows go to the ranks that hold those nodes."""
         return spread_rows(g, ctx.route, ctx.num_rows, ctx.traffic, ctx.layer, "bwd"), None, None, None
+
+
+class MappedHalo:
+    """A rank's halo rows for the out-of-core engine: rows of memory-mapped ``[L + H, d]`` spill files.
+
+    The tiled engine (:class:`trellis.nn.tiled.TiledGNN`) writes a layer's ``L`` owned rows tile by tile; then
+    :meth:`fill` sends the rows peers hold as halo rows (gathered from the map: only ``rows sent x d`` floats
+    are in memory) and writes the rows received into rows ``L..L+H``. In the backward pass :meth:`add_back`
+    sends the gradients of the halo rows to their owners, which add them to their own rows.
+
+    Args:
+        route: Owner -> holder route of the halo rows (local ids: ``L`` owned rows, then ``H`` halo rows).
+        num_local: ``L``.
+        keys: ``int64 [L]`` global id of each owned row (dropout masks are keyed by them).
+        traffic: Byte counter.
+    """
+
+    def __init__(self, route: Route, num_local: int, keys: np.ndarray, traffic: Traffic) -> None:
+        self.route, self.back = route, route.reversed()
+        self.num_local, self.keys, self.traffic = num_local, keys, traffic
+        self._send = route.send_idx.cpu().numpy()
+        self._recv = route.recv_idx.cpu().numpy()
+
+    @property
+    def buffer_rows(self) -> int:
+        """Rows in memory during an exchange (sent plus received)."""
+        return int(self._send.shape[0] + self._recv.shape[0])
+
+    def fill(self, arr: np.ndarray, layer: int = 0) -> None:
+        """``arr[L:]``: the halo rows, from their owners' rows ``arr[:L]`` (collective)."""
+        payload = torch.from_numpy(np.ascontiguousarray(arr[self._send], dtype=np.float32))
+        self.traffic.add(layer, "fwd", payload.numel() * 4)
+        got = self.route.start_rows(payload).wait()
+        if got.shape[0]:
+            arr[self._recv] = got.numpy()
+
+    def add_back(self, arr: np.ndarray, layer: int = 0) -> None:
+        """``arr[:L] +=`` every holder's gradient rows of this rank's nodes, ``arr[L:]`` of each (collective)."""
+        payload = torch.from_numpy(np.ascontiguousarray(arr[self._recv], dtype=np.float32))
+        self.traffic.add(layer, "bwd", payload.numel() * 4)
+        got = self.back.start_rows(payload).wait()
+        if got.shape[0]:
+            torch.from_numpy(arr).index_add_(0, self.back.recv_idx.cpu(), got)  # a row may come from several

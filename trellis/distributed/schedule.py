@@ -146,6 +146,14 @@ class StaleBuffers:
         self.ages: dict[int, int] = {}
         self.call = 0
 
+    def reset(self) -> None:
+        """Forget every kept exchange (a new run starts from fresh rows); those in flight are waited for."""
+        for queues in (self.rows, self.grads):
+            for q in queues.values():
+                for pending in q:
+                    pending.wait()
+        self.rows, self.grads, self.ages, self.call = {}, {}, {}, 0
+
     def begin_step(self) -> None:
         """A training step starts: its aggregations count from 0 again."""
         self.call = 0

@@ -21,8 +21,9 @@ moves their last bits.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -56,6 +57,26 @@ def aggregation_kind(decl: LayerDecl) -> str:
         return decl.aggregate
     raise TrellisUserError(f"{decl.name} with {decl.aggregate} aggregation cannot run out of core (tiled "
                            "engine: GCN, SAGE mean, GIN); drop --memory-budget")
+
+
+class HaloRows(Protocol):
+    """A distributed rank's halo rows (:class:`trellis.distributed.halo.MappedHalo`).
+
+    The engine computes the ``L`` owned rows of each ``[L + H, d]`` tensor; this fills the rest, and sends
+    the halo rows' gradients back to their owners.
+    """
+
+    num_local: int
+    #: ``int64 [L]`` global id of each owned row: dropout masks are keyed by them.
+    keys: np.ndarray
+
+    def fill(self, arr: np.ndarray, layer: int = 0) -> None:
+        """Rows ``L..L+H`` of ``arr`` from their owners (rows ``:L`` written)."""
+        ...
+
+    def add_back(self, arr: np.ndarray, layer: int = 0) -> None:
+        """Add the gradient rows ``L..L+H`` of every rank's ``arr`` at their owners' rows."""
+        ...
 
 
 def layer_shapes(model: nn.Module, stats: GraphStats) -> list[LayerShape]:
@@ -94,10 +115,18 @@ class TiledGNN:
         bounds: Row boundaries of the tiles (:meth:`MappedCSR.tile_bounds`).
         cold: Drop the page cache of the spills, the CSRs and the input before every pass, so that each pass
             reads from storage (benchmarks: what an epoch costs when the spills do not fit the page cache).
+        halo: A distributed rank's halo rows (default: None, the whole graph). Then ``graph`` is the rank's
+            part (``L`` destination rows over ``L + H`` sources), ``x`` has ``L + H`` rows with the halo rows
+            filled, tiles cover the ``L`` owned rows, ``source_bounds`` the ``L + H`` rows of the backward
+            aggregation, and dropout masks are keyed by global id.
+        source_bounds: Tiles of the reverse CSR's rows (with ``halo``).
+        stats: The statistics the plan is made from (default: ``graph``'s); a rank passes the whole graph's,
+            so every rank picks the single process's order per layer and exchanges at the same width.
     """
 
     def __init__(self, model: nn.Module, graph: MappedCSR, x: np.ndarray, spill: SpillDir,
-                 bounds: np.ndarray, *, cold: bool = False) -> None:
+                 bounds: np.ndarray, *, cold: bool = False, halo: HaloRows | None = None,
+                 source_bounds: np.ndarray | None = None, stats: GraphStats | None = None) -> None:
         family_of(model)  # refuses a model that cannot run from its plan
         self.model = cast(GNN, model)
         self.convs = [cast(PushdownConv, c) for c in self.model.convs]
@@ -105,10 +134,11 @@ class TiledGNN:
         self.kinds = [aggregation_kind(d) for d in self.decls]
         self.roots = [d.root for d in self.decls]
         self.graph, self.x, self.spill, self.bounds = graph, x, spill, bounds
-        self.stats = GraphStats(graph.num_nodes, graph.num_nodes, graph.num_edges)
+        self.stats = stats or GraphStats(graph.num_nodes, graph.num_nodes, graph.num_edges)
         self._plans: dict[bool, ModelPlan] = {}
         self.io = EpochIO()
         self.cold = cold
+        self.halo, self.source_bounds = halo, bounds if source_bounds is None else source_bounds
         self._maps = [graph.indptr, graph.indices, graph.rev_indptr, graph.rev_indices, x]
 
     def plan(self, training: bool) -> ModelPlan:
@@ -128,7 +158,8 @@ class TiledGNN:
         return self.roots[i] in ("linear", "eps") and not uses_z, uses_z
 
     # ---- tiles and spills --------------------------------------------------------------------------
-    def _pass(self, arrays: Sequence[np.ndarray | None]) -> Iterator[tuple[int, int]]:
+    def _pass(self, arrays: Sequence[np.ndarray | None], bounds: np.ndarray | None = None
+              ) -> Iterator[tuple[int, int]]:
         """The tiles ``(r0, r1)`` of one pass; the kernel reads the next tile's rows of ``arrays`` ahead.
 
         With ``cold``, the page cache of the spills, the CSRs and the input is dropped first.
@@ -137,7 +168,7 @@ class TiledGNN:
             self.spill.drop_cache()
             for m in self._maps:
                 drop_map_cache(m)
-        tiles = list(iter_tiles(self.bounds))
+        tiles = list(iter_tiles(self.bounds if bounds is None else bounds))
         for k, (r0, r1) in enumerate(tiles):
             if k + 1 < len(tiles):
                 for a in arrays:
@@ -170,8 +201,19 @@ class TiledGNN:
         bias = conv.output_bias()
         if i == len(self.convs) - 1:
             return o if bias is None else o + bias
-        tile_seed = None if seed is None else hash_dropout.tile_seed(seed, r0 * o.shape[1])
-        return bias_act_dropout(o, bias, act=True, p=p, training=p > 0.0, seed=tile_seed)
+        with self._keyed(r0, o.shape[0]):
+            return bias_act_dropout(o, bias, act=True, p=p, training=p > 0.0, seed=self._seed_at(seed, r0, o))
+
+    def _seed_at(self, seed: int | None, r0: int, t: Tensor) -> int | None:
+        """The mask seed of a tile starting at row ``r0``: the whole tensor's part, by offset or by row keys."""
+        if seed is None or self.halo is not None:  # a rank: the rows' global ids key the mask
+            return seed
+        return hash_dropout.tile_seed(seed, r0 * (t.numel() // max(1, t.shape[0])))
+
+    def _keyed(self, r0: int, rows: int) -> AbstractContextManager[None]:
+        if self.halo is None:
+            return nullcontext()
+        return hash_dropout.keyed_rows(nodes=self.halo.keys[r0:r0 + rows])
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, training: bool, rows: Gather) -> Tensor:
@@ -190,8 +232,11 @@ class TiledGNN:
             h0 = self.spill.array("h0", self.x.shape)
             for r0, r1 in self._pass([self.x]):
                 t = _t(self.x[r0:r1])
-                hash_dropout.apply_(t, p, seed=hash_dropout.tile_seed(seed, r0 * t.shape[1]))
+                with self._keyed(r0, r1 - r0):
+                    hash_dropout.apply_(t, p, seed=self._seed_at(seed, r0, t))
                 self._write(h0, r0, r1, t)
+            if self.halo is not None:
+                self.halo.fill(h0)
             h = h0
         self._inputs = [h]
         out = torch.empty((len(rows), self.decls[-1].out_dim))  # written in place: no per-tile list, no concat
@@ -207,6 +252,8 @@ class TiledGNN:
                     z = self.spill.array(f"z{i}", (h.shape[0], w.shape[0]))
                     for r0, r1 in self._pass([h]):
                         self._write(z, r0, r1, F.linear(self._read(h, r0, r1), w))
+                    if self.halo is not None:
+                        self.halo.fill(z, i)
                 src = h if af else z
                 assert src is not None
                 name = "a0c" if cached else f"a{i}"
@@ -231,6 +278,8 @@ class TiledGNN:
                             local = torch.from_numpy(rows.ids[lo:hi] - r0)
                             out.index_copy_(0, rows.dest[lo:hi], y.index_select(0, local))
                 if nxt is not None:
+                    if self.halo is not None and plan.layers[i + 1].order(0):  # the next layer reads its halo
+                        self.halo.fill(nxt, i + 1)
                     h = nxt
                     self._inputs.append(h)
         return out
@@ -279,8 +328,15 @@ class TiledGNN:
                 continue
             g_in = self.spill.array(f"g{i}", h.shape) if need_in else None
             w = self.convs[i].transform_weight()
+            g_src = None
+            if self.halo is not None:  # the sources' gradients, halo rows' added at their owners first
+                g_src = self.spill.array(f"gs{i}", (self.graph.num_src, ga.shape[1]))
+                for r0, r1 in self._pass([], self.source_bounds):
+                    self._write(g_src, r0, r1, self._aggregate(self.kinds[i], r0, r1, ga, reverse=True))
+                self.halo.add_back(g_src, i)
             for r0, r1 in self._pass([h, gh_root, gz_root]):
-                gs = self._aggregate(self.kinds[i], r0, r1, ga, reverse=True)
+                gs = self._aggregate(self.kinds[i], r0, r1, ga, reverse=True) if g_src is None else \
+                    self._read(g_src, r0, r1)
                 gh: Tensor | None = gs
                 if not af:
                     gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)

@@ -75,15 +75,22 @@ class MappedCSR:
         indices: ``[E]`` sources.
         rev_indptr: ``int64 [N + 1]`` reverse row pointers (sources), the store's cached reverse CSR.
         rev_indices: ``[E]`` destinations of the reverse edges (ascending edge id per row).
+        degree: The whole graph's in-degree of every *source* row, when the CSR is a rank's part: ``L``
+            destination rows over ``L + H`` source rows, the first ``L`` being the destinations (default:
+            None, a square graph's own in-degrees).
     """
 
     def __init__(self, indptr: np.ndarray, indices: np.ndarray, rev_indptr: np.ndarray,
-                 rev_indices: np.ndarray) -> None:
+                 rev_indices: np.ndarray, degree: np.ndarray | None = None) -> None:
         self.indptr, self.indices = indptr, indices
         self.rev_indptr, self.rev_indices = rev_indptr, rev_indices
         self.num_nodes = int(indptr.shape[0] - 1)
+        #: Source rows (the reverse CSR's rows): ``N``, or ``L + H`` for a rank's part (see ``degree``).
+        self.num_src = int(rev_indptr.shape[0] - 1)
         self.num_edges = int(indices.shape[0])
-        deg = torch.from_numpy(np.diff(np.asarray(indptr))).to(torch.float32)  # as CSRGraph.in_degree
+        if degree is None:
+            degree = np.diff(np.asarray(indptr))
+        deg = torch.from_numpy(np.array(degree)).to(torch.float32)  # as CSRGraph.in_degree
         d64 = deg.to(torch.float64)
         inv_sqrt = _safe_inv(d64 + 1.0).sqrt()
         #: ``float64 [N]``: ``1/sqrt(in-degree + 1)`` (GCN's ``D^-1/2`` with the self loop).
@@ -118,6 +125,9 @@ class MappedCSR:
         one-row and seven-row tiles with it). Greedy over tiles, two binary searches each.
         """
         n = self.num_nodes
+        if self.num_src != n:  # a rank's part: destination tiles bounded by their in-edges
+            return _greedy([np.asarray(self.indptr, dtype=np.float64) * edge_bytes
+                            + np.arange(n + 1, dtype=np.float64) * row_bytes], n, tile_bytes, max_rows)
         rows = np.arange(n + 1, dtype=np.float64) * row_bytes
         cost_f = np.asarray(self.indptr, dtype=np.float64) * edge_bytes + rows
         cost_r = np.asarray(self.rev_indptr, dtype=np.float64) * edge_bytes + rows
@@ -133,6 +143,13 @@ class MappedCSR:
             r = min(j, n)
             bounds.append(r)
         return np.asarray(bounds, dtype=np.int64)
+
+    def source_bounds(self, row_bytes: float, edge_bytes: float, tile_bytes: float, *,
+                      max_rows: int | None = None) -> np.ndarray:
+        """Tiles of the reverse CSR's ``num_src`` rows (a rank's backward pass over its ``L + H`` sources)."""
+        cost = np.asarray(self.rev_indptr, dtype=np.float64) * edge_bytes + \
+            np.arange(self.num_src + 1, dtype=np.float64) * row_bytes
+        return _greedy([cost], self.num_src, tile_bytes, max_rows)
 
     # ---- coefficients ---------------------------------------------------------------------------
     def coefficients(self, kind: str, tile: CSRTile, reverse: bool) -> np.ndarray | None:
@@ -167,7 +184,8 @@ class MappedCSR:
         coef = self.coefficients(kind, tile, reverse)
         r0, r1 = tile.r0, tile.r1
         rscale = self.inv_degree[r0:r1] if kind == "mean" and not reverse else None
-        sw = self.gcn_self[r0:r1] if kind == "gcn" else None
+        # the self loop's term belongs to destination rows only (a rank's halo sources have theirs at the owner)
+        sw = self.gcn_self[r0:min(r1, self.num_nodes)] if kind == "gcn" else None
         out = torch.empty((tile.num_dst, x.shape[1]), dtype=torch.float32)
         if K.enabled():
             e32 = K.empty(np.float32)
@@ -184,8 +202,21 @@ class MappedCSR:
         if rscale is not None:
             out = out * torch.from_numpy(rscale)[:, None]
         if sw is not None:
-            out += torch.from_numpy(sw)[:, None] * torch.from_numpy(np.asarray(x[r0:r1]))
+            out[: sw.shape[0]] += torch.from_numpy(sw)[:, None] * torch.from_numpy(np.asarray(x[r0:r0 + sw.shape[0]]))
         return out
+
+
+def _greedy(costs: list[np.ndarray], n: int, tile_bytes: float, max_rows: int | None) -> np.ndarray:
+    """Row boundaries of tiles within ``tile_bytes`` of every cumulative cost in ``costs`` (at least one row)."""
+    bounds, r = [0], 0
+    while r < n:
+        j = min(int(np.searchsorted(c, c[r] + tile_bytes, side="right")) for c in costs) - 1
+        j = max(j, r + 1)
+        if max_rows is not None:
+            j = min(j, r + max_rows)
+        r = min(j, n)
+        bounds.append(r)
+    return np.asarray(bounds, dtype=np.int64)
 
 
 def iter_tiles(bounds: np.ndarray) -> Iterator[tuple[int, int]]:

@@ -21,6 +21,7 @@ from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_graph_data
 from trellis.train.strategies.outofcore import OutOfCoreFull
 from trellis.train.strategies.partitioned import PartitionedFull
+from trellis.train.strategies.partitioned_outofcore import PartitionedOutOfCore
 from trellis.train.strategy import Strategy, register_strategy
 from trellis.train.tasks import Task, evaluate_logits
 from trellis.utils.sizes import format_size
@@ -105,10 +106,7 @@ class FullBatch(GraphStrategy):
     def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
         """:class:`~trellis.train.strategies.outofcore.OutOfCoreFull` under ``--memory-budget``, else this class."""
         if cfg.parts_dir is not None:
-            if cfg.memory_budget is not None:
-                raise TrellisUserError("--parts-dir and --memory-budget cannot be combined yet: train out of core "
-                                       "in one process, or partition-parallel in memory")
-            return PartitionedFull
+            return PartitionedFull if cfg.memory_budget is None else PartitionedOutOfCore
         if cfg.memory_budget is not None:
             return OutOfCoreFull
         if cfg.spill_dir is not None:

@@ -39,7 +39,7 @@ from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of
 from trellis.ops.dropout import keyed_rows
 from trellis.ops.graph import CSRGraph
-from trellis.partition.layout import PartitionedGraph
+from trellis.partition.layout import LocalGraph, PartitionedGraph
 from trellis.plan.cost import GraphStats
 from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
@@ -163,26 +163,15 @@ class PartitionedFull(Strategy):
     def load(self) -> None:
         """Join the job, open this rank's part and build its graph, view and exchange."""
         cfg = self.cfg
-        env = RankEnv.from_environ()
-        store = GraphStore(str(cfg.store))
-        self.store = store
-        layout = check_layout(cfg, store, cfg.nproc or 1 if env is None else env.world_size)
-        if env is None:  # one process, no launcher: a world of one
-            env = RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
-        else:
-            torch.set_num_threads(rank_threads(env.local_world_size))
-        if self.device.type == "cuda":  # one GPU per rank: "cuda" now means this rank's
-            torch.cuda.set_device(env.local_rank)
-            self.device = torch.device("cuda", env.local_rank)
-        link = None if cfg.emulate_link is None else Link.parse(cfg.emulate_link)
-        self.comm = comm = Comm(env, self.device, cfg.timeout, link)
-        self.writes_run_dir = comm.rank == 0
-        part = layout.part(comm.rank)
+        part = self._join()
+        comm, store = self.comm, self.store
+        assert comm is not None
         self.rg: RankGraph = build_rank_graph(part, comm, self.device)
+        self.traffic, self.mode, self.num_local = self.rg.traffic, self.rg.mode, part.num_local
         if isinstance(self.rg.exchange, PullExchange):
             self.rg.exchange.set_schedule(cfg.overlap, cfg.staleness)
-        num_local = part.num_local
-        owned = self.rg.node_ids[:num_local]
+        self.node_ids = self.rg.node_ids
+        owned = self.node_ids[: part.num_local]
         # inputs: the part's own feature rows, normalized as the single process normalizes them
         kind, _ = parse_features(cfg.features)
         if kind == "store":
@@ -190,23 +179,13 @@ class PartitionedFull(Strategy):
                 raise TrellisUserError(f"{cfg.parts_dir}: the layout has no node features (the store had none); "
                                        "train with --features none")
             x = torch.from_numpy(np.array(part.x, dtype=np.float32))
-            norm = store.preferred_feature_norm if cfg.feature_norm == "auto" else cfg.feature_norm
-            x, self.feature_norm = normalize_features(x, norm)
+            x, self.feature_norm = normalize_features(x, self._feature_norm())
         else:
-            x, self.feature_norm = torch.ones(num_local, 1), "none"
+            x, self.feature_norm = torch.ones(part.num_local, 1), "none"
         self.x = x.to(self.device)
         if self.rg.pull_view is not None:
             self.rg.pull_view.constant = self.x
-        y, splits, task = load_labels(store, cfg.task, torch.device("cpu"), cfg.split_seed)
-        self.task = task
-        self.y_local = y[torch.from_numpy(owned.copy())].to(self.device)
-        self.local_splits = {s: torch.from_numpy(np.array(part.splits.get(s, np.empty(0, np.int64)),
-                                                          dtype=np.int64)).to(self.device) for s in SPLITS}
-        # the store's split order, for gathered metrics; and the global training count for the loss
-        self.split_ids = {s: splits[s].numpy() for s in SPLITS}
-        self.y_split = {s: y[splits[s]] for s in SPLITS}
-        self.num_train = int(self.split_ids["train"].shape[0])
-        self.spec = ModelSpec(int(self.x.shape[1]), task.num_outputs, self._edge_dim(part), store.num_nodes, 0)
+        self._labels(part, owned, int(self.x.shape[1]))
         # dropout masks keyed by global node id (and attention's by the edge's position in the whole graph)
         self.row_keys: dict[str, np.ndarray] = {}
         if comm.world_size > 1:
@@ -217,8 +196,43 @@ class PartitionedFull(Strategy):
                     self.row_keys["edges"] = _edge_keys(comm, pull, self.rg.node_ids, store.num_nodes)
                 elif split is not None:
                     self.row_keys["edges"] = edge_keys(comm, split, np.asarray(store.indptr))
-        self.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
         self.meter.start()
+
+    def _join(self) -> LocalGraph:
+        """Join the job (or make a world of one) and open this rank's part of the checked layout."""
+        cfg = self.cfg
+        env = RankEnv.from_environ()
+        self.store = store = GraphStore(str(cfg.store))
+        layout = check_layout(cfg, store, cfg.nproc or 1 if env is None else env.world_size)
+        if env is None:  # one process, no launcher: a world of one
+            env = RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
+        else:
+            torch.set_num_threads(rank_threads(env.local_world_size))
+        if self.device.type == "cuda":  # one GPU per rank: "cuda" now means this rank's
+            torch.cuda.set_device(env.local_rank)
+            self.device = torch.device("cuda", env.local_rank)
+        link = None if cfg.emulate_link is None else Link.parse(cfg.emulate_link)
+        self.comm = Comm(env, self.device, cfg.timeout, link)
+        self.writes_run_dir = self.comm.rank == 0
+        return layout.part(self.comm.rank)
+
+    def _feature_norm(self) -> str:
+        return self.store.preferred_feature_norm if self.cfg.feature_norm == "auto" else self.cfg.feature_norm
+
+    def _labels(self, part: LocalGraph, owned: np.ndarray, in_dim: int) -> None:
+        """Labels of the owned rows, local split ids, the store's split order (gathered metrics), the spec."""
+        cfg, store = self.cfg, self.store
+        y, splits, task = load_labels(store, cfg.task, torch.device("cpu"), cfg.split_seed)
+        self.task = task
+        self.y_local = y[torch.from_numpy(owned.copy())].to(self.device)
+        self.local_splits = {s: torch.from_numpy(np.array(part.splits.get(s, np.empty(0, np.int64)),
+                                                          dtype=np.int64)).to(self.device) for s in SPLITS}
+        # the store's split order, for gathered metrics; and the global training count for the loss
+        self.split_ids = {s: splits[s].numpy() for s in SPLITS}
+        self.y_split = {s: y[splits[s]] for s in SPLITS}
+        self.num_train = int(self.split_ids["train"].shape[0])
+        self.spec = ModelSpec(in_dim, task.num_outputs, self._edge_dim(part), store.num_nodes, 0)
+        self.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
 
     @staticmethod
     def _edge_dim(part: Any) -> int:
@@ -319,9 +333,15 @@ class PartitionedFull(Strategy):
         trim_heap()  # freed exchange buffers leave RssAnon before evaluation allocates its own
         return torch.tensor(total, dtype=torch.float32)
 
+    def begin_run(self, seed: int) -> None:
+        """A run (seed) starts: stale halo rows of the previous run's model are not this run's."""
+        buffers = self._buffers()
+        if buffers is not None:
+            buffers.reset()
+
     def _buffers(self) -> StaleBuffers | None:
-        ex = self.rg.exchange
-        return ex.buffers if isinstance(ex, PullExchange) else None
+        rg = getattr(self, "rg", None)  # out-of-core ranks have no in-memory rank graph
+        return rg.exchange.buffers if rg is not None and isinstance(rg.exchange, PullExchange) else None
 
     def _job_times(self, compute_s: float, comm_s: float) -> dict[str, float]:
         """``compute_s`` and ``comm_s`` of the step: each the maximum over the ranks.
@@ -363,7 +383,7 @@ class PartitionedFull(Strategy):
     def _job_traffic(self) -> dict[str, Any]:
         """The step's bytes per layer and direction summed over the ranks, and each rank's total."""
         assert self.comm is not None
-        mine = self.rg.traffic.take()
+        mine = self.traffic.take()
         mine.pop("exchange_bytes")
         keys = sorted(mine)
         row = torch.tensor([[float(mine[k]) for k in keys] + [float(sum(mine.values()))]], dtype=torch.float64)
@@ -373,13 +393,19 @@ class PartitionedFull(Strategy):
         out["exchange_bytes_per_rank"] = [int(v) for v in per_rank[:, -1].tolist()]
         return out
 
-    def _gathered(self, logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """Logits of every split's nodes from every rank, in the store's split order, with their labels."""
+    def _scored(self) -> Tensor:
+        """Local rows of every split's nodes, split after split (what :meth:`_gathered` is given logits of)."""
+        return torch.cat([self.local_splits[s] for s in SPLITS])
+
+    def _gathered(self, mine: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """Logits of every split's nodes from every rank, in the store's split order, with their labels.
+
+        ``mine``: this rank's logits of :meth:`_scored`'s rows, in that order.
+        """
         assert self.comm is not None
-        idx = torch.cat([self.local_splits[s] for s in SPLITS])
-        mine = logits.detach()[idx].cpu()  # only the scored rows leave the device
-        all_rows = torch.cat(self.comm.all_gather_rows(mine))
-        all_ids = torch.cat(self.comm.all_gather_rows(torch.from_numpy(self.rg.node_ids[idx.cpu().numpy()]))).numpy()
+        idx = self._scored()
+        all_rows = torch.cat(self.comm.all_gather_rows(mine.detach().cpu()))  # only the scored rows move
+        all_ids = torch.cat(self.comm.all_gather_rows(torch.from_numpy(self.node_ids[idx.cpu().numpy()]))).numpy()
         order = np.argsort(all_ids, kind="stable")
         sorted_ids = all_ids[order]
         parts, ys, splits, at = [], [], {}, 0
@@ -396,8 +422,8 @@ class PartitionedFull(Strategy):
     def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
         """One forward pass without dropout; metrics of the gathered split rows (identical on every rank)."""
         model.eval()
-        logits, y, splits = self._gathered(self.forward(model))
-        self._eval_bytes = self.rg.traffic.take()["exchange_bytes"]
+        logits, y, splits = self._gathered(self.forward(model)[self._scored()])
+        self._eval_bytes = self.traffic.take()["exchange_bytes"]
         metrics = evaluate_logits(task, logits, y, splits)
         del logits
         trim_heap()
@@ -433,9 +459,9 @@ class PartitionedFull(Strategy):
         """Ranks, ownership, every rank's rows and peak memory (RssAnon, MiB)."""
         assert self.comm is not None
         self.meter.sample()
-        mine = torch.tensor([[float(self.meter.peak_anon) / 2**20, float(self.rg.num_local)]], dtype=torch.float64)
+        mine = torch.tensor([[float(self.meter.peak_anon) / 2**20, float(self.num_local)]], dtype=torch.float64)
         per_rank = torch.cat(self.comm.all_gather_rows(mine))
-        return {"world_size": self.comm.world_size, "parts_dir": str(self.cfg.parts_dir), "mode": self.rg.mode,
+        return {"world_size": self.comm.world_size, "parts_dir": str(self.cfg.parts_dir), "mode": self.mode,
                 "backend": self.comm.backend, "rank_peak_rss_anon_mb": per_rank[:, 0].tolist(),
                 "rank_num_local": [int(v) for v in per_rank[:, 1].tolist()]}
 

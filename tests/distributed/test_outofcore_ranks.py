@@ -1,0 +1,105 @@
+"""Out-of-core ranks (``--parts-dir`` with ``--memory-budget``): each rank tiles its part, the halo rows are filled
+between passes, and the losses are the single process's.
+
+Spawned gloo ranks; tiles are forced small (so every rank runs many tiles and its backward pass many source
+tiles), dropout on, on the generated store and on Cora (bag-of-words rows).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.distributed.test_parallel import _cfg, _losses
+from trellis.data.importers import import_graph
+from trellis.data.store import GraphStore
+from trellis.distributed.comm import free_port
+from trellis.errors import TrellisUserError
+from trellis.partition import partition_graph
+from trellis.partition.layout import write_layout
+from trellis.train.config import TrainConfig
+from trellis.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODELS = ("gcn", "sage", "gin")
+TILE_ROWS = 37
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[dict[str, Any]]) -> None:
+    from trellis.train.strategies.partitioned_outofcore import PartitionedOutOfCore
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    PartitionedOutOfCore.max_tile_rows = TILE_ROWS
+    for job in jobs:
+        Trainer(TrainConfig(**job), err=io.StringIO()).fit()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cora(dataset, tmp_path_factory) -> Path:
+    return import_graph(dataset("cora"), tmp_path_factory.mktemp("ooc-cora") / "cora", format="planetoid",
+                        progress=False)
+
+
+@pytest.fixture(scope="module")
+def runs(dist_store: Path, layouts: dict, cora: Path, tmp_path_factory) -> dict[tuple, Path]:
+    root = tmp_path_factory.mktemp("ooc-ranks")
+    out: dict[tuple, Path] = {}
+    gs = GraphStore(cora)
+    cora_parts = write_layout(gs, partition_graph(gs, "metis", 2, measure=False), root / "cora-2")
+    for world in (2, 4):
+        specs = []
+        for model in MODELS:
+            run = root / f"{world}-{model}"
+            specs.append(_cfg(dist_store, model, run, parts_dir=str(layouts[("metis", world)]), timeout=120.0,
+                              memory_budget="3G").to_dict(session=True))
+            out[(world, "sbm", model)] = run
+        if world == 2:
+            run = root / "2-cora-gcn"
+            specs.append(_cfg(cora, "gcn", run, parts_dir=str(cora_parts), timeout=120.0, memory_budget="3G",
+                              dropout=0.5).to_dict(session=True))
+            out[(2, "cora", "gcn")] = run
+        mp.spawn(_worker, args=(world, free_port(), specs), nprocs=world, join=True)
+    for model in MODELS:
+        Trainer(_cfg(dist_store, model, root / f"single-{model}"), err=io.StringIO()).fit()
+        out[(1, "sbm", model)] = root / f"single-{model}"
+    Trainer(_cfg(cora, "gcn", root / "single-cora", dropout=0.5), err=io.StringIO()).fit()
+    out[(1, "cora", "gcn")] = root / "single-cora"
+    return out
+
+
+@pytest.mark.parametrize("world,data,model", [(w, "sbm", m) for w in (2, 4) for m in MODELS] + [(2, "cora", "gcn")])
+def test_out_of_core_ranks_train_the_single_process_losses(runs, world, data, model):
+    got, want = _losses(runs[(world, data, model)]), _losses(runs[(1, data, model)])
+    assert len(got) == len(want) > 1 and got[0]["loss"] != got[-1]["loss"]
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= 1e-5 and abs(g["val_loss"] - w["val_loss"]) <= 1e-5
+        assert g["val_acc"] == w["val_acc"]
+        assert g["spill_written_bytes"] > 0 and g["exchange_bytes"] > 0
+    summary = json.loads((runs[(world, data, model)] / "summary.json").read_text())
+    assert summary["world_size"] == world and summary["tiles"] >= 300 // (world * TILE_ROWS)
+    assert not (runs[(world, data, model)] / "spill").exists() or not any((runs[(world, data, model)] / "spill")
+                                                                           .rglob("*.f32"))
+
+
+def test_out_of_core_ranks_refuse_what_they_cannot_run(dist_store, layouts, tmp_path):
+    for (method, parts), kw, match in ((("hash", 2), {}, "destination-owned layouts"),
+                                       (("metis", 1), {"staleness": 1}, "--overlap and --staleness run on in-memory"),
+                                       (("metis", 1), {"model": "gat"}, "cannot train under --memory-budget"),
+                                       (("metis", 1), {"memory_budget": "10M"}, "below the smallest budget")):
+        args = {"model": "gcn", "memory_budget": "3G", **kw}
+        model = args.pop("model")
+        with pytest.raises(TrellisUserError, match=match):
+            Trainer(_cfg(dist_store, model, tmp_path / method, parts_dir=str(layouts[(method, parts)]), nproc=parts,
+                         **args)).fit()
+        assert not (tmp_path / method).exists()
