@@ -109,7 +109,7 @@ def test_a_priced_run_reports_cost_and_value_and_compare_shows_them(capsys, tmp_
     assert s["cost_per_epoch_usd"] == pytest.approx(0.34 * s["epoch_time_s_median"] / 3600)
     assert s["value"] == pytest.approx(1 / (s["epoch_time_s_median"] * s["cost_per_epoch_usd"]))
     capsys.readouterr()
-    rc, text, _ = run(capsys, "compare", out)
+    rc, text, _ = run(capsys, "compare", out, "--no-plot")
     assert rc == 0 and "$/epoch" in text and "value" in text
     rc, _, err = run(capsys, "train", store, "--out", tmp_path / "never", "--price-per-hour", "cheap")
     assert rc == 2 and "--price-per-hour 'cheap'" in err and not (tmp_path / "never").exists()
