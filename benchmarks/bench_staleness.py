@@ -76,23 +76,34 @@ def main() -> int:
                    link, "--target-acc", str(args.target), *extra)
         s, recs = r["summary"], r["records"]
         test = s["test_acc"]
+        by_run: dict[int, list[dict[str, Any]]] = {}
+        for x in recs:
+            by_run.setdefault(x["run"], []).append(x)
+        # training steps only, to the target: the wall time to target also holds every epoch's (exact, blocking)
+        # evaluation and each run's one-off first evaluation
+        steps_tt = [sum(x["step_time_s"] for x in v[: next(k for k, x in enumerate(v) if x["val_acc"] >= args.target)
+                                                     + 1]) for v in by_run.values()
+                    if any(x["val_acc"] >= args.target for x in v)]
         ett = [v for v in s.get("epochs_to_target", []) if v is not None]
         ttt = [v for v in s.get("time_to_target_s", []) if v is not None]
         rows.append({"schedule": name, "test acc": f"{100 * statistics.fmean(test):.2f} ± {100 * _std(test):.2f}",
                      "reached": f"{len(ett)}/{len(test)}",
                      "epochs to target": f"{statistics.fmean(ett):.1f}" if ett else "never",
                      "s to target": f"{statistics.fmean(ttt):.1f}" if ttt else "never",
+                     "training s to target": f"{statistics.fmean(steps_tt):.2f}" if steps_tt else "never",
                      "epoch s (median)": f"{statistics.median(x['step_time_s'] for x in recs):.3f}",
                      "compute_s": f"{statistics.median(x['compute_s'] for x in recs):.3f}",
                      "comm_s": f"{statistics.median(x['comm_s'] for x in recs):.3f}",
-                     "_ttt": statistics.fmean(ttt) if ttt else None, "_ett": statistics.fmean(ett) if ett else None})
+                     "_ttt": statistics.fmean(ttt) if ttt else None, "_ett": statistics.fmean(ett) if ett else None,
+                     "_stt": statistics.fmean(steps_tt) if steps_tt else None})
     print(f"{args.dataset}, {args.ranks} ranks (METIS), GCN, {args.seeds} seeds x {args.epochs} epochs, emulated link "
           f"{link}, target val acc {args.target}")
     print_table(rows, [c for c in rows[0] if not c.startswith("_")])
     sync, stale = rows
     if sync["_ttt"] and stale["_ttt"]:
-        print(f"time to target: synchronous / stale = {sync['_ttt'] / stale['_ttt']:.2f}x; epochs to target: "
-              f"stale / synchronous = {stale['_ett'] / sync['_ett']:.2f}x (Dorylus: about 1.08x)")
+        print(f"time to target: synchronous / stale = {sync['_ttt'] / stale['_ttt']:.2f}x (wall, evaluation "
+              f"included), {sync['_stt'] / stale['_stt']:.2f}x (training steps); epochs to target: stale / "
+              f"synchronous = {stale['_ett'] / sync['_ett']:.2f}x (Dorylus: about 1.08x)")
     return 0
 
 

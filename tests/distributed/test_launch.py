@@ -120,6 +120,8 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(dist_store, lay
         assert f"{flag[0]} applies to distributed runs only" in _bad([*base, *flag], capsys)
     assert "cannot read the rate" in _bad([*base, "--parts-dir", parts, "--emulate-link", "fast"], capsys)
     assert "cannot read the latency" in _bad([*base, "--parts-dir", parts, "--emulate-link", "1GB/s,soon"], capsys)
+    assert "below what a rank process itself takes" in _bad([*base, "--parts-dir", parts, "--memory-budget", "20M"],
+                                                            capsys)
     hashed = str(layouts[("hash", 2)])
     assert "--overlap splits each rank's pull graph" in _bad([*base, "--parts-dir", hashed, "--overlap"], capsys)
     assert "GPU" in _bad([*base, "--parts-dir", parts, "--device", "cuda"], capsys)  # NCCL: one GPU per rank

@@ -2,7 +2,8 @@
 between passes, and the losses are the single process's.
 
 Spawned gloo ranks; tiles are forced small (so every rank runs many tiles and its backward pass many source
-tiles), dropout on, on the generated store and on Cora (bag-of-words rows).
+tiles) and halo exchanges in rounds of 11 rows per peer, dropout on, on the generated store and on Cora
+(bag-of-words rows).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[dict[str, Any]]) -> Non
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     PartitionedOutOfCore.max_tile_rows = TILE_ROWS
+    PartitionedOutOfCore.halo_chunk_rows = 11  # halo exchanges in many rounds
     for job in jobs:
         Trainer(TrainConfig(**job), err=io.StringIO()).fit()
     dist.destroy_process_group()

@@ -281,40 +281,72 @@ class MappedHalo:
     """A rank's halo rows for the out-of-core engine: rows of memory-mapped ``[L + H, d]`` spill files.
 
     The tiled engine (:class:`trellis.nn.tiled.TiledGNN`) writes a layer's ``L`` owned rows tile by tile; then
-    :meth:`fill` sends the rows peers hold as halo rows (gathered from the map: only ``rows sent x d`` floats
-    are in memory) and writes the rows received into rows ``L..L+H``. In the backward pass :meth:`add_back`
-    sends the gradients of the halo rows to their owners, which add them to their own rows.
+    :meth:`fill` sends the rows peers hold as halo rows (gathered from the map) and writes the rows received
+    into rows ``L..L+H``. In the backward pass :meth:`add_back` sends the gradients of the halo rows to their
+    owners, which add them to their own rows. Both run in rounds of at most :attr:`chunk_rows` rows per peer,
+    so an exchange holds ``2 x P x chunk_rows`` rows in memory whatever the halo's size.
 
     Args:
         route: Owner -> holder route of the halo rows (local ids: ``L`` owned rows, then ``H`` halo rows).
         num_local: ``L``.
         keys: ``int64 [L]`` global id of each owned row (dropout masks are keyed by them).
         traffic: Byte counter.
+
+    Collective: the ranks agree on the largest per-peer row count (one all-gather), so that every rank runs
+    the same number of rounds.
     """
 
     def __init__(self, route: Route, num_local: int, keys: np.ndarray, traffic: Traffic) -> None:
-        self.route, self.back = route, route.reversed()
+        self.route = route
         self.num_local, self.keys, self.traffic = num_local, keys, traffic
         self._send = route.send_idx.cpu().numpy()
         self._recv = route.recv_idx.cpu().numpy()
+        mine = max([0, *route.send_counts, *route.recv_counts])
+        self._most = int(max(int(t[0]) for t in route.comm.all_gather_rows(torch.tensor([mine]))))
+        #: Rows per peer and round (:meth:`set_chunk_rows`); all ranks must use the same.
+        self.chunk_rows = max(1, self._most)
+
+    def set_chunk_rows(self, rows: int) -> None:
+        """Exchange at most ``rows`` rows per peer per round (every rank must pass the same value)."""
+        self.chunk_rows = max(1, int(rows))
 
     @property
-    def buffer_rows(self) -> int:
-        """Rows in memory during an exchange (sent plus received)."""
-        return int(self._send.shape[0] + self._recv.shape[0])
+    def rounds(self) -> int:
+        """Rounds of one exchange."""
+        return max(1, -(-self._most // self.chunk_rows))
 
     def fill(self, arr: np.ndarray, layer: int = 0) -> None:
         """``arr[L:]``: the halo rows, from their owners' rows ``arr[:L]`` (collective)."""
-        payload = torch.from_numpy(np.ascontiguousarray(arr[self._send], dtype=np.float32))
-        self.traffic.add(layer, "fwd", payload.numel() * 4)
-        got = self.route.start_rows(payload).wait()
-        if got.shape[0]:
-            arr[self._recv] = got.numpy()
+        def put(rows: np.ndarray, got: Tensor) -> None:
+            arr[rows] = got.numpy()
+
+        self._exchange(arr, self._send, self.route.send_counts, self._recv, self.route.recv_counts, put, layer, "fwd")
 
     def add_back(self, arr: np.ndarray, layer: int = 0) -> None:
         """``arr[:L] +=`` every holder's gradient rows of this rank's nodes, ``arr[L:]`` of each (collective)."""
-        payload = torch.from_numpy(np.ascontiguousarray(arr[self._recv], dtype=np.float32))
-        self.traffic.add(layer, "bwd", payload.numel() * 4)
-        got = self.back.start_rows(payload).wait()
-        if got.shape[0]:
-            torch.from_numpy(arr).index_add_(0, self.back.recv_idx.cpu(), got)  # a row may come from several
+        target = torch.from_numpy(arr)
+
+        def add(rows: np.ndarray, got: Tensor) -> None:
+            target.index_add_(0, torch.from_numpy(rows), got)  # a row may come from several holders
+
+        self._exchange(arr, self._recv, self.route.recv_counts, self._send, self.route.send_counts, add, layer, "bwd")
+
+    def _exchange(self, arr: np.ndarray, send_rows: np.ndarray, send_counts: list[int], recv_rows: np.ndarray,
+                  recv_counts: list[int], apply: Any, layer: int, direction: str) -> None:
+        """Send ``arr[send_rows]`` (grouped by peer) in rounds; ``apply(rows, got)`` the rows each round brings."""
+        c = self.chunk_rows
+        s_off = np.concatenate([[0], np.cumsum(send_counts)]).astype(np.int64)
+        r_off = np.concatenate([[0], np.cumsum(recv_counts)]).astype(np.int64)
+        for k in range(self.rounds):
+            s_sel = [np.arange(s_off[p] + min(k * c, n), s_off[p] + min((k + 1) * c, n))
+                     for p, n in enumerate(send_counts)]
+            r_sel = [np.arange(r_off[p] + min(k * c, n), r_off[p] + min((k + 1) * c, n))
+                     for p, n in enumerate(recv_counts)]
+            rows_out = send_rows[np.concatenate(s_sel)] if s_sel else send_rows[:0]
+            payload = torch.from_numpy(np.ascontiguousarray(arr[rows_out], dtype=np.float32))
+            self.traffic.add(layer, direction, payload.numel() * 4)
+            step = Route(self.route.comm, self.route.send_idx[:0], [len(x) for x in s_sel], self.route.recv_idx[:0],
+                         [len(x) for x in r_sel])
+            got = step.start_rows(payload).wait()
+            if got.shape[0]:
+                apply(recv_rows[np.concatenate(r_sel)], got)

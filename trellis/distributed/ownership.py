@@ -1,6 +1,7 @@
 """A rank's graph, its graph view and its exchange, one per edge ownership of the partitioned layout.
 
-Every ownership becomes two optional halo exchanges around the same local SpMM (see :mod:`trellis.distributed.halo`):
+Every ownership becomes two optional halo exchanges around the same local SpMM
+(see :mod:`trellis.distributed.halo`):
 
 =============  ======================================  =============================================
 ownership      before the layer (graph view: Fetch)    after the local aggregation (exchange: Reduce)
@@ -19,7 +20,10 @@ aggregation (:func:`trellis.nn.executor.aggregate` hands it the layer's rows aft
 so rows travel at the plan's width): it fetches halo sources, runs the local SpMM (under pull, the part's
 pull graph, which holds every in-edge of its rows), sends halo destinations' partial sums to their owners
 and adds the self term once, at the owner. Models that aggregate by themselves (GAT) run on the pull graph,
-whose view appends the halo rows of each layer's input. Normalization always uses the layout's global
+whose view appends the halo rows of each layer's input, or where in-edges are split on the exchange's
+two-phase softmax (:meth:`OwnershipExchange.attention`, :mod:`trellis.distributed.attention`). The pull
+exchange also runs the overlapped and stale schedules (:meth:`PullExchange.set_schedule`,
+:mod:`trellis.distributed.schedule`). Normalization always uses the layout's global
 degrees: GCN's weights come from the layer's own ``gcn_norm`` on a graph carrying them, and a split mean
 is a sum divided by the global in-degree after the reduction. Max needs the argmax's edge at the owner and
 is refused where in-edges are split.

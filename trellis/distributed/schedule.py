@@ -101,36 +101,6 @@ def _row_bytes(x: Tensor) -> int:
     return int(x[:1].numel() * x.element_size()) if x.shape[0] else 0
 
 
-class _OverlappedPull(torch.autograd.Function):
-    """The overlap schedule's aggregation (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, w_in: Tensor | None, w_bd: Tensor | None, sw: Tensor | None,
-                rscale: Tensor | None, split: PullSplit, traffic: Traffic) -> Tensor:
-        x = x.contiguous()
-        ctx.split, ctx.traffic, ctx.layer = split, traffic, traffic.layer
-        traffic.add(traffic.layer, "fwd", split.fetch.rows_sent * _row_bytes(x))
-        pending = split.fetch.start(x)
-        out = prim_spmm_sum(split.interior, x, w_in, rscale=rscale, sw=sw)  # while the halo rows travel
-        out.add_(prim_spmm_sum(split.boundary, split.halo_rows(pending, x), w_bd, rscale=rscale))
-        ctx.save_for_backward(w_in, w_bd, sw, rscale)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        split: PullSplit = ctx.split
-        w_in, w_bd, sw, rscale = ctx.saved_tensors
-        g = g.contiguous()
-        g_halo = prim_spmm_sum(split.boundary.reverse(), g, w_bd, eid=split.boundary.perm, nscale=rscale)
-        ctx.traffic.add(ctx.layer, "bwd", split.back.rows_sent * _row_bytes(g))
-        pending = split.back.start(g_halo)
-        gx = prim_spmm_sum(split.interior.reverse(), g, w_in, eid=split.interior.perm, nscale=rscale, sw=sw)
-        got = pending.wait()
-        if got.shape[0]:
-            gx.index_add_(0, split.fetch.send_idx, got)
-        return gx, None, None, None, None, None, None
-
-
 class StaleBuffers:
     """Halo rows and halo gradients in flight, per aggregation of a training step, at most ``S`` epochs old.
 
@@ -194,18 +164,24 @@ class StaleBuffers:
         self.rows, self.grads = load(state.get("rows", {})), load(state.get("grads", {}))
 
 
-class _StalePull(torch.autograd.Function):
-    """The stale schedule's aggregation (see the module docstring)."""
+class _SplitPull(torch.autograd.Function):
+    """The overlapped (``buffers`` None) and stale schedules' aggregation (see the module docstring).
+
+    Forward: start this step's fetch, run the interior SpMM, add the boundary SpMM of the halo rows in use
+    (this fetch's when overlapped, the kept one's when stale). Backward: the halo rows' gradients first, sent
+    to their owners while the interior gradient runs; the owners add the arrived (or kept) ones.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w_in: Tensor | None, w_bd: Tensor | None, sw: Tensor | None,
-                rscale: Tensor | None, split: PullSplit, traffic: Traffic, buffers: StaleBuffers,
+                rscale: Tensor | None, split: PullSplit, traffic: Traffic, buffers: StaleBuffers | None,
                 key: int) -> Tensor:
         x = x.contiguous()
         ctx.split, ctx.traffic, ctx.layer, ctx.buffers, ctx.key = split, traffic, traffic.layer, buffers, key
         traffic.add(traffic.layer, "fwd", split.fetch.rows_sent * _row_bytes(x))
-        used = buffers.use(buffers.rows, key, split.fetch.start(x))
-        out = prim_spmm_sum(split.interior, x, w_in, rscale=rscale, sw=sw)
+        pending = split.fetch.start(x)
+        used = pending if buffers is None else buffers.use(buffers.rows, key, pending)
+        out = prim_spmm_sum(split.interior, x, w_in, rscale=rscale, sw=sw)  # while the halo rows travel
         out.add_(prim_spmm_sum(split.boundary, split.halo_rows(used, x), w_bd, rscale=rscale))
         ctx.save_for_backward(w_in, w_bd, sw, rscale)
         return out
@@ -213,11 +189,13 @@ class _StalePull(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         split: PullSplit = ctx.split
+        buffers: StaleBuffers | None = ctx.buffers
         w_in, w_bd, sw, rscale = ctx.saved_tensors
         g = g.contiguous()
         g_halo = prim_spmm_sum(split.boundary.reverse(), g, w_bd, eid=split.boundary.perm, nscale=rscale)
         ctx.traffic.add(ctx.layer, "bwd", split.back.rows_sent * _row_bytes(g))
-        used = ctx.buffers.use(ctx.buffers.grads, ctx.key, split.back.start(g_halo))
+        pending = split.back.start(g_halo)
+        used = pending if buffers is None else buffers.use(buffers.grads, ctx.key, pending)
         gx = prim_spmm_sum(split.interior.reverse(), g, w_in, eid=split.interior.perm, nscale=rscale, sw=sw)
         got = used.wait()
         if got.shape[0]:
@@ -229,6 +207,5 @@ def split_aggregate(x: Tensor, w: Tensor | None, sw: Tensor | None, rscale: Tens
                     traffic: Traffic, buffers: StaleBuffers | None) -> Tensor:
     """The overlapped (``buffers`` None) or stale aggregation of the owned rows ``x`` over ``split``."""
     w_in, w_bd = split.weights(w)
-    if buffers is None:
-        return _OverlappedPull.apply(x, w_in, w_bd, sw, rscale, split, traffic)
-    return _StalePull.apply(x, w_in, w_bd, sw, rscale, split, traffic, buffers, buffers.next_key())
+    key = -1 if buffers is None else buffers.next_key()
+    return _SplitPull.apply(x, w_in, w_bd, sw, rscale, split, traffic, buffers, key)

@@ -253,49 +253,49 @@ class GATConv(MessagePassing):
         describes these ops, and is what ``explain`` prints).
         """
         split = graph.exchange.attention() if graph.exchange is not None else None
-        if split is not None:
-            return self._forward_split(split, x)
-        g = graph.with_self_loops()
-        h, d = self.heads, self.out_dim
-        z = linear(x, self.lin.weight).view(-1, h, d)
-        logits = sddmm(g, (z * self.att_src).sum(-1), (z[: g.num_dst] * self.att_dst).sum(-1), op="add")
-        ef = None
-        if self.edge_dim:
-            if g.edge_feat is None:
-                raise ValueError("GAT-E needs edge features: the graph has none (import edge_features.npy)")
-            ef = g.edge_feat
-            logits = logits + ef @ self.att_edge
-        alpha = edge_softmax(g, F.leaky_relu(logits, self.negative_slope))
-        alpha = dropout(alpha, self.dropout, self.training, rows="edges")  # [E, heads]: counter-based
-        out = spmm(g, z, alpha)
-        if ef is not None:
-            agg_e = segment_reduce(g, alpha.unsqueeze(-1) * ef.unsqueeze(1))  # [num_dst, heads, edge_dim]
-            out = out + torch.einsum("nhe,hed->nhd", agg_e, self.lin_edge)
-        out = out.reshape(-1, h * d) if self.concat else out.mean(1)
-        return out + self.bias
+        return self._attend(split if split is not None else _WholeGraph(graph.with_self_loops()), x)
 
-    def _forward_split(self, split: SplitAttention, x: Tensor) -> Tensor:
-        """The same layer where its destinations' in-edges are split across processes (a two-phase softmax).
+    def _attend(self, att: SplitAttention, x: Tensor) -> Tensor:
+        """The layer over ``att``: one process's whole graph, or a rank's edges whose in-edges are split.
 
-        ``x`` holds the owned rows; the exchange supplies the rows of other processes' nodes and completes the
+        ``x`` holds the rows ``att`` calls owned; ``att`` supplies other processes' rows and completes the
         softmax's normalization and the aggregation (see :mod:`trellis.distributed.attention`).
         """
-        g = split.graph
+        g = att.graph
         h, d = self.heads, self.out_dim
         z = linear(x, self.lin.weight).view(-1, h, d)
-        zs = split.sources(z)
-        logits = sddmm(g, (zs * self.att_src).sum(-1), split.destinations((z * self.att_dst).sum(-1)), op="add")
+        zs = att.sources(z)
+        logits = sddmm(g, (zs * self.att_src).sum(-1), att.destinations((z * self.att_dst).sum(-1)), op="add")
         ef = None
         if self.edge_dim:
             if g.edge_feat is None:
                 raise ValueError("GAT-E needs edge features: the graph has none (import edge_features.npy)")
             ef = g.edge_feat
             logits = logits + ef @ self.att_edge
-        alpha = split.softmax(F.leaky_relu(logits, self.negative_slope))
-        alpha = dropout(alpha, self.dropout, self.training, rows="edges")
-        out = split.reduce(spmm(g, zs, alpha))
+        alpha = att.softmax(F.leaky_relu(logits, self.negative_slope))
+        alpha = dropout(alpha, self.dropout, self.training, rows="edges")  # [E, heads]: counter-based
+        out = att.reduce(spmm(g, zs, alpha))
         if ef is not None:
-            agg_e = split.reduce(segment_reduce(g, alpha.unsqueeze(-1) * ef.unsqueeze(1)))
+            agg_e = att.reduce(segment_reduce(g, alpha.unsqueeze(-1) * ef.unsqueeze(1)))  # [n, heads, edge_dim]
             out = out + torch.einsum("nhe,hed->nhd", agg_e, self.lin_edge)
         out = out.reshape(-1, h * d) if self.concat else out.mean(1)
         return out + self.bias
+
+
+class _WholeGraph:
+    """Attention over a graph that holds every in-edge of its destinations (one process, a pull rank)."""
+
+    def __init__(self, graph: CSRGraph) -> None:
+        self.graph = graph
+
+    def sources(self, z: Tensor) -> Tensor:
+        return z
+
+    def destinations(self, t: Tensor) -> Tensor:
+        return t[: self.graph.num_dst]
+
+    def softmax(self, logits: Tensor) -> Tensor:
+        return edge_softmax(self.graph, logits)
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        return partial

@@ -125,24 +125,12 @@ class MappedCSR:
         one-row and seven-row tiles with it). Greedy over tiles, two binary searches each.
         """
         n = self.num_nodes
-        if self.num_src != n:  # a rank's part: destination tiles bounded by their in-edges
-            return _greedy([np.asarray(self.indptr, dtype=np.float64) * edge_bytes
-                            + np.arange(n + 1, dtype=np.float64) * row_bytes], n, tile_bytes, max_rows)
         rows = np.arange(n + 1, dtype=np.float64) * row_bytes
-        cost_f = np.asarray(self.indptr, dtype=np.float64) * edge_bytes + rows
-        cost_r = np.asarray(self.rev_indptr, dtype=np.float64) * edge_bytes + rows
+        costs = [np.asarray(self.indptr, dtype=np.float64) * edge_bytes + rows]
+        if self.num_src == n:  # square: the backward pass runs over the same tiles of the reverse CSR
+            costs.append(np.asarray(self.rev_indptr, dtype=np.float64) * edge_bytes + rows)
         del rows
-        bounds = [0]
-        r = 0
-        while r < n:
-            j = min(int(np.searchsorted(cost_f, cost_f[r] + tile_bytes, side="right")),
-                    int(np.searchsorted(cost_r, cost_r[r] + tile_bytes, side="right"))) - 1
-            j = max(j, r + 1)
-            if max_rows is not None:
-                j = min(j, r + max_rows)
-            r = min(j, n)
-            bounds.append(r)
-        return np.asarray(bounds, dtype=np.int64)
+        return _greedy(costs, n, tile_bytes, max_rows)
 
     def source_bounds(self, row_bytes: float, edge_bytes: float, tile_bytes: float, *,
                       max_rows: int | None = None) -> np.ndarray:

@@ -36,6 +36,8 @@ from trellis.train.config import TrainConfig
 from trellis.train.runs import default_run_dir
 from trellis.train.strategies import strategy_class
 from trellis.train.strategies.partitioned import check_layout
+from trellis.utils.memory import proc_status
+from trellis.utils.sizes import format_size, parse_size
 
 #: Seconds the launcher waits for ranks to stop after SIGTERM before it kills them.
 GRACE_S = 10.0
@@ -58,6 +60,13 @@ def preflight(cfg: TrainConfig) -> int:
     layout = check_layout(cfg, store, None)
     nproc = cfg.nproc if cfg.nproc is not None else layout.num_parts
     check_layout(cfg, store, nproc)
+    if cfg.memory_budget is not None:  # the exact minimum needs the rank's part and plan: each rank names it
+        budget = parse_size(cfg.memory_budget, flag="--memory-budget")
+        base = proc_status().get("RssAnon", 0)  # this process has imported what a rank imports
+        if budget < base:
+            raise TrellisUserError(f"--memory-budget {cfg.memory_budget} per rank is below what a rank process "
+                                   f"itself takes, about {format_size(base)} before its part and tiles; raise it "
+                                   "(a rank names its exact minimum when it starts)")
     if cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available()):
         have = torch.cuda.device_count()
         if have < nproc:

@@ -321,6 +321,11 @@ class PartitionedFull(Strategy):
         else:  # no training rows here: a zero that keeps every exchange of the backward pass in step
             loss = logits.sum() * 0.0
         loss.backward()
+        return self._finish_step(model, optimizer, loss, t0)
+
+    def _finish_step(self, model: nn.Module, optimizer: Any, loss: Tensor, t0: float) -> Tensor:
+        """Gradients summed over the ranks, the optimizer's step, the step's bytes and times; the global loss."""
+        assert self.comm is not None
         self.comm.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
         optimizer.step()
         comm_s, blocked_s = self.comm.clock.take()
@@ -328,6 +333,7 @@ class PartitionedFull(Strategy):
         total = self.comm.sum([float(loss.detach())])[0]
         self._step_traffic = self._job_traffic()
         self._step_traffic.update(self._job_times(step_s - blocked_s, comm_s))
+        buffers = self._buffers()
         if buffers is not None:
             self._step_traffic.update(buffers.take_ages())
         trim_heap()  # freed exchange buffers leave RssAnon before evaluation allocates its own

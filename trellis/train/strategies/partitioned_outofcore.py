@@ -54,6 +54,8 @@ class PartitionedOutOfCore(PartitionedFull):
     options = PartitionedFull.options | frozenset({"memory_budget", "spill_dir"})
     #: Cap on the rows of a tile (tests force small tiles with it).
     max_tile_rows: int | None = None
+    #: Rows per peer and round of a halo exchange (None: from the budget; tests force many rounds with it).
+    halo_chunk_rows: int | None = None
 
     def load(self) -> None:
         """Join the job; map this rank's part, write its normalized inputs (halo rows filled) to its spill."""
@@ -159,7 +161,12 @@ class PartitionedOutOfCore(PartitionedFull):
         params = sum(p.numel() for p in model.parameters())
         shapes = layer_shapes(model, self.stats)
         widest = max([self.spec.in_dim] + [s.w_out for s in shapes])
-        halo_buffers = 2 * self.halo.buffer_rows * widest * 4
+        assert self.comm is not None
+        # halo exchanges in rounds: sent and received rows of one round within an eighth of the budget (the same
+        # on every rank: the budget, the model and the world size are)
+        per_row = 2 * self.comm.world_size * widest * 4
+        self.halo.set_chunk_rows(self.halo_chunk_rows or max(1024, self.budget // 8 // per_row))
+        halo_buffers = self.halo.chunk_rows * per_row
         labels = sum(int(t.numel()) * 8 for t in self.local_splits.values()) + self.y_local.numel() * 8
         degree = np.asarray(part.in_degree)
         out_degree = np.bincount(np.asarray(part.indices), minlength=n)
@@ -238,15 +245,7 @@ class PartitionedOutOfCore(PartitionedFull):
         else:  # no training rows here: zero gradients keep every exchange of the backward pass in step
             loss, grad = leaf.sum() * 0.0, torch.zeros_like(leaf)
         eng.backward(rows, grad)
-        self.comm.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
-        optimizer.step()
-        comm_s, blocked_s = self.comm.clock.take()
-        step_s = time.perf_counter() - t0
-        total = self.comm.sum([float(loss.detach())])[0]
-        self._step_traffic = self._job_traffic()
-        self._step_traffic.update(self._job_times(step_s - blocked_s, comm_s))
-        trim_heap()
-        return torch.tensor(total, dtype=torch.float32)
+        return self._finish_step(model, optimizer, loss, t0)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
