@@ -69,7 +69,7 @@ class PullSplit:
         self.interior, self.interior_eids = csr(inner, 0, num_local)
         self.boundary, self.boundary_eids = csr(~inner, num_local, self.num_halo)
         self.fetch = fetch
-        self._weights: tuple[Any, Tensor, Tensor] | None = None
+        self._weights: tuple[Tensor, int, Tensor, Tensor] | None = None
         self.back = Route(fetch.comm, fetch.recv_idx - num_local, fetch.recv_counts, fetch.send_idx,
                           fetch.send_counts)
 
@@ -91,10 +91,11 @@ class PullSplit:
         """
         if w is None:
             return None, None
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
-        if self._weights is None or self._weights[0] != key:
-            self._weights = (key, w.index_select(0, self.interior_eids), w.index_select(0, self.boundary_eids))
-        return self._weights[1], self._weights[2]
+        m = self._weights  # holds ``w`` itself: its memory cannot be reused by another tensor while memoized
+        if m is None or m[0] is not w or m[1] != w._version:
+            m = self._weights = (w, w._version, w.index_select(0, self.interior_eids),
+                                 w.index_select(0, self.boundary_eids))
+        return m[2], m[3]
 
 
 def _row_bytes(x: Tensor) -> int:
