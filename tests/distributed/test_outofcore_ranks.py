@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.distributed.test_parallel import _cfg, _losses
+from tests.distributed.test_parallel import _worker as rank_worker
 from trellis.data.importers import import_graph
 from trellis.data.store import GraphStore
 from trellis.distributed.comm import free_port
 from trellis.errors import TrellisUserError
 from trellis.partition import partition_graph
 from trellis.partition.layout import write_layout
-from trellis.train.config import TrainConfig
 from trellis.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,16 +33,12 @@ TILE_ROWS = 37
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[dict[str, Any]]) -> None:
+    """A rank of :func:`tests.distributed.test_parallel._worker` with small tiles and small exchange rounds."""
     from trellis.train.strategies.partitioned_outofcore import PartitionedOutOfCore
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     PartitionedOutOfCore.max_tile_rows = TILE_ROWS
     PartitionedOutOfCore.halo_chunk_rows = 11  # halo exchanges in many rounds
-    for job in jobs:
-        Trainer(TrainConfig(**job), err=io.StringIO()).fit()
-    dist.destroy_process_group()
+    rank_worker(rank, world, port, jobs)
 
 
 @pytest.fixture(scope="module")

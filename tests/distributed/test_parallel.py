@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from trellis.distributed.comm import free_port
 from trellis.partition import evaluate
 from trellis.partition.layout import PartitionedGraph
 from trellis.train.config import TrainConfig
-from trellis.train.trainer import Trainer
+from trellis.train.trainer import Trainer, TrainingInterrupted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,13 +52,25 @@ def _losses(run: Path) -> list[dict[str, Any]]:
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[dict[str, Any]]) -> None:
-    """One rank: join the world once, then train every job (rank 0 writes each run directory)."""
+    """One rank: join the world once, then train every job (rank 0 writes each run directory).
+
+    A job with ``stop_at`` is interrupted after that epoch, as SIGTERM would (every rank stops there).
+    """
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-
     for job in jobs:
-        Trainer(TrainConfig(**job), err=io.StringIO()).fit()
+        job = dict(job)
+        stop_at = job.pop("stop_at", None)
+
+        def stop(t: Trainer, rec: dict[str, Any], at: int | None = stop_at) -> None:
+            if rec["epoch"] == at:
+                t.request_stop(signal.SIGTERM)
+
+        try:
+            Trainer(TrainConfig(**job), err=io.StringIO(), callbacks=[stop]).fit()
+        except TrainingInterrupted:
+            pass
     dist.destroy_process_group()
 
 

@@ -7,47 +7,22 @@ distributed fixtures, dropout on.
 
 from __future__ import annotations
 
-import io
-import os
-import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.distributed.test_parallel import _cfg, _losses
+from tests.distributed.test_parallel import _cfg, _losses, _worker
 from tests.train.helpers import metrics_without_timing
 from trellis.distributed.comm import free_port
 from trellis.errors import TrellisUserError
 from trellis.train.config import TrainConfig
-from trellis.train.trainer import Trainer, TrainingInterrupted
+from trellis.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MODELS = ("gcn", "sage", "gin")
 STOP_AT = 2
-
-
-def _worker(rank: int, world: int, port: int, jobs: list[dict[str, Any]]) -> None:
-    """One rank: train every job; a job with ``stop_at`` is interrupted after that epoch, as SIGTERM would."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    for job in jobs:
-        job = dict(job)
-        stop_at = job.pop("stop_at", None)
-
-        def stop(t: Trainer, rec: dict[str, Any], at: int | None = stop_at) -> None:
-            if rec["epoch"] == at:
-                t.request_stop(signal.SIGTERM)
-
-        try:
-            Trainer(TrainConfig(**job), err=io.StringIO(), callbacks=[stop]).fit()
-        except TrainingInterrupted:
-            pass
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

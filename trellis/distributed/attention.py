@@ -73,9 +73,8 @@ class SplitAttention:
                  traffic: Traffic) -> None:
         self.graph = owned_self_loops(graph, num_local)
         self.num_local, self.route, self.fetch, self.traffic = num_local, route, fetch, traffic
-        loops = graph.indices == graph.dst_of_edges()
         #: Store ids of the self-loop edges this part held (dropped here, as one process drops them).
-        self.loop_eids = np.empty(0, np.int64) if graph.edge_ids is None else graph.edge_ids[loops].cpu().numpy()
+        self.loop_eids = self_loop_eids(graph)
         self.dst = self.graph.dst_of_edges()
 
     @property
@@ -125,19 +124,28 @@ class SplitAttention:
         return e / total.index_select(0, self.dst)
 
 
-def edge_keys(comm: Comm, att: SplitAttention, store_indptr: np.ndarray) -> np.ndarray:
-    """Position of each edge of a rank's :attr:`SplitAttention.graph` in the whole graph's self-looped CSR.
+def self_loop_eids(graph: CSRGraph) -> np.ndarray:
+    """Store ids of ``graph``'s self-loop edges (local source = local destination), which attention drops."""
+    if graph.edge_ids is None:
+        return np.empty(0, np.int64)
+    return graph.edge_ids[graph.indices == graph.dst_of_edges()].cpu().numpy()
 
-    In :meth:`CSRGraph.with_self_loops` of the store's CSR, row ``v`` holds its in-edges that are not self
-    loops, in store order, then its loop; so a kept edge ``e`` of row ``v`` sits at ``e - SL(e) + v`` and the
-    loop of ``v`` at ``indptr[v + 1] - SL(indptr[v + 1]) + v``, where ``SL(k)`` counts the store's self-loop
-    edges with id below ``k``. Those are spread over the ranks: one all-gather of their ids. Collective.
+
+def edge_keys(comm: Comm, looped: CSRGraph, loop_eids: np.ndarray, store_indptr: np.ndarray) -> np.ndarray:
+    """Position of each edge of a rank's self-looped graph in the whole graph's self-looped CSR.
+
+    ``looped`` is a rank's attention graph (a pull graph's :meth:`CSRGraph.with_self_loops`, or
+    :attr:`SplitAttention.graph`): ``edge_ids`` of kept edges, -1 for added loops, and ``node_ids`` of its rows;
+    ``loop_eids`` the store ids of the self-loop edges it dropped. In :meth:`CSRGraph.with_self_loops` of the
+    store's CSR, row ``v`` holds its in-edges that are not self loops, in store order, then its loop; so a kept
+    edge ``e`` of row ``v`` sits at ``e - SL(e) + v`` and the loop of ``v`` at ``indptr[v + 1] - SL(indptr[v + 1])
+    + v``, where ``SL(k)`` counts the store's self-loop edges with id below ``k``. Those are spread over the
+    ranks: one all-gather of their ids. Collective.
     """
-    graph = att.graph
-    assert graph.edge_ids is not None and graph.node_ids is not None
-    dst = graph.node_ids[graph.dst_of_edges()].cpu().numpy()
-    eid = graph.edge_ids.cpu().numpy()
-    mine = torch.from_numpy(np.ascontiguousarray(att.loop_eids, dtype=np.int64))
+    assert looped.edge_ids is not None and looped.node_ids is not None
+    dst = looped.node_ids[looped.dst_of_edges()].cpu().numpy()
+    eid = looped.edge_ids.cpu().numpy()
+    mine = torch.from_numpy(np.ascontiguousarray(loop_eids, dtype=np.int64))
     loops = np.sort(torch.cat(comm.all_gather_rows(mine)).numpy())
     indptr = np.asarray(store_indptr, dtype=np.int64)
     keys = np.empty(eid.shape[0], dtype=np.int64)

@@ -46,6 +46,25 @@ from trellis.utils.spill import SpillDir, check_spill_root
 COLD_ENV = "TRELLIS_OOC_COLD"
 
 
+def budget_and_baseline(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
+    """``(budget, baseline)`` in bytes: the parsed ``--memory-budget`` and the process's RssAnon before the graph.
+
+    The kernels are compiled and matplotlib imported first (both would otherwise land inside the budget later).
+
+    Raises:
+        TrellisUserError: A device other than the CPU.
+    """
+    if device.type != "cpu":
+        raise TrellisUserError(f"--memory-budget with --device {device}: the out-of-core engine runs on the CPU "
+                               "only so far; use --device cpu, or drop --memory-budget")
+    assert cfg.memory_budget is not None
+    budget = parse_size(cfg.memory_budget, flag="--memory-budget")
+    return_freed_memory()
+    _warm_kernels()
+    import matplotlib.pyplot  # noqa: F401 - the run's curves import it at the end: count it in the baseline
+    return budget, proc_status().get("RssAnon", 0)
+
+
 def _warm_kernels() -> None:
     """Compile (or load from numba's cache) the tiled kernels before the baseline is measured."""
     ip = np.array([0, 1, 2], dtype=np.int64)
@@ -76,15 +95,7 @@ class OutOfCoreFull(Strategy):
     def load(self) -> None:
         """Open the store memory-mapped; load only labels, split ids and the ``O(N)`` degree vectors."""
         cfg = self.cfg
-        if self.device.type != "cpu":
-            raise TrellisUserError(f"--memory-budget with --device {self.device}: the out-of-core engine runs on "
-                                   "the CPU only so far; use --device cpu, or drop --memory-budget")
-        assert cfg.memory_budget is not None
-        self.budget = parse_size(cfg.memory_budget, flag="--memory-budget")
-        return_freed_memory()
-        _warm_kernels()
-        import matplotlib.pyplot  # noqa: F401 - the run's curves import it at the end: count it in the baseline
-        self.baseline = proc_status().get("RssAnon", 0)
+        self.budget, self.baseline = budget_and_baseline(cfg, self.device)
         self.store = store = GraphStore(str(cfg.store))
         kind, _ = parse_features(cfg.features)
         self.features = cfg.features

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
-from trellis.distributed.attention import edge_keys
+from trellis.distributed.attention import edge_keys, self_loop_eids
 from trellis.distributed.comm import Comm, Link, RankEnv, free_port, rank_threads
 from trellis.distributed.ownership import OWNERSHIPS, PullExchange, RankGraph, build_rank_graph, dst_methods
 from trellis.distributed.schedule import StaleBuffers
@@ -84,30 +84,6 @@ def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) ->
         raise TrellisUserError(f"--features {cfg.features} is not available with --parts-dir yet (store and none "
                                "are); drop --parts-dir or use --features store")
     return layout
-
-
-def _edge_keys(comm: Comm, graph: Any, node_ids: np.ndarray, num_nodes: int) -> np.ndarray:
-    """Position of each local self-looped edge in the whole graph's self-looped CSR (attention dropout keys).
-
-    A destination-owned part holds every in-edge of its rows in the store's order, and
-    :meth:`CSRGraph.with_self_loops` keeps that order and appends the loop, so an edge's position is its
-    row's global offset plus its offset within the row; the global offsets need every part's row lengths
-    (one all-reduce of ``N`` integers).
-    """
-    import torch.distributed as dist
-
-    sl = graph.with_self_loops()
-    lengths = torch.zeros(num_nodes, dtype=torch.int64)
-    local_len = (sl.indptr[1:] - sl.indptr[:-1]).cpu()
-    lengths[torch.from_numpy(node_ids[: sl.num_dst])] = local_len
-    if comm.world_size > 1:
-        dist.all_reduce(lengths, group=comm.control)
-    starts = torch.cumsum(lengths, 0) - lengths
-    row_start = starts[torch.from_numpy(node_ids[: sl.num_dst])]
-    local_indptr = sl.indptr.cpu()
-    rows = torch.repeat_interleave(torch.arange(sl.num_dst), local_len)
-    pos = row_start[rows] + (torch.arange(sl.num_edges) - local_indptr[:-1][rows])
-    return pos.numpy()
 
 
 def explain_distributed(cfg: TrainConfig, factory: ModelFactory | None = None) -> str:
@@ -193,9 +169,11 @@ class PartitionedFull(Strategy):
             if cfg.model in ATTENTION_MODELS:
                 pull, split = self.rg.pull_graph, self.rg.exchange.attention()
                 if pull is not None:
-                    self.row_keys["edges"] = _edge_keys(comm, pull, self.rg.node_ids, store.num_nodes)
-                elif split is not None:
-                    self.row_keys["edges"] = edge_keys(comm, split, np.asarray(store.indptr))
+                    looped, loop_eids = pull.with_self_loops(), self_loop_eids(pull)
+                else:
+                    assert split is not None
+                    looped, loop_eids = split.graph, split.loop_eids
+                self.row_keys["edges"] = edge_keys(comm, looped, loop_eids, np.asarray(store.indptr))
         self.meter.start()
 
     def _join(self) -> LocalGraph:

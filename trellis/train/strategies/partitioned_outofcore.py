@@ -38,13 +38,13 @@ from trellis.train.build import ModelFactory
 from trellis.train.data import normalize_features
 from trellis.train.features import parse_features
 from trellis.train.runs import default_run_dir
-from trellis.train.strategies.outofcore import COLD_ENV, _warm_kernels
+from trellis.train.strategies.outofcore import COLD_ENV, budget_and_baseline
 from trellis.train.strategies.partitioned import PartitionedFull
 from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task
 from trellis.utils.csr import build_reverse_csr
-from trellis.utils.memory import proc_status, return_freed_memory, trim_heap
-from trellis.utils.sizes import format_size, parse_size
+from trellis.utils.memory import trim_heap
+from trellis.utils.sizes import format_size
 from trellis.utils.spill import SpillDir, check_spill_root
 
 
@@ -60,21 +60,13 @@ class PartitionedOutOfCore(PartitionedFull):
     def load(self) -> None:
         """Join the job; map this rank's part, write its normalized inputs (halo rows filled) to its spill."""
         cfg = self.cfg
-        if self.device.type != "cpu":
-            raise TrellisUserError(f"--memory-budget with --device {self.device}: the out-of-core engine runs on "
-                                   "the CPU only; use --device cpu, or drop --memory-budget")
         if cfg.overlap or cfg.staleness:
             raise TrellisUserError("--overlap and --staleness run on in-memory ranks; drop them or --memory-budget")
         kind, _ = parse_features(cfg.features)
         if kind != "store":
             raise TrellisUserError(f"--features {cfg.features} with --parts-dir and --memory-budget: only the "
                                    "store's features are read out of core; use --features store")
-        assert cfg.memory_budget is not None
-        self.budget = parse_size(cfg.memory_budget, flag="--memory-budget")
-        return_freed_memory()
-        _warm_kernels()
-        import matplotlib.pyplot  # noqa: F401 - the run's curves import it at the end: count it in the baseline
-        self.baseline = proc_status().get("RssAnon", 0)
+        self.budget, self.baseline = budget_and_baseline(cfg, self.device)
         assert cfg.parts_dir is not None
         ownership = PartitionedGraph(cfg.parts_dir).ownership
         if ownership != "dst":
