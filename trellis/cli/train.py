@@ -115,7 +115,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     rank = None
-    if cfg.parts_dir is not None:
+    if cfg.parts_dir is not None and cfg.strategy == "full":
         from trellis.distributed.comm import RankEnv
 
         env = RankEnv.from_environ()

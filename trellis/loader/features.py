@@ -175,6 +175,55 @@ class TensorRows(FeatureSource):
         return self.x.index_select(0, idx.to(self.x.device))
 
 
+class NormalizedRows(FeatureSource):
+    """Another source's rows divided by their L1 (``row``) or L2 (``l2``) norm as they are gathered.
+
+    Why at gather: a row's normalization depends on that row only, so a memory-mapped table is normalized
+    on the rows a batch reads instead of being copied whole into memory to normalize it once. The arithmetic
+    is :func:`trellis.train.data.normalize_features`'s, row for row, so batches equal the in-memory ones.
+
+    Args:
+        source: The raw rows.
+        mode: ``row``, ``l2`` or ``none``.
+    """
+
+    def __init__(self, source: FeatureSource, mode: str) -> None:
+        self.source = source
+        self.mode = mode
+        self.num_rows, self.dim, self.dtype = source.num_rows, source.dim, source.dtype
+        self.on_storage = source.on_storage  # type: ignore[misc]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The source's row shape."""
+        return self.source.row_shape
+
+    @property
+    def device(self) -> torch.device:
+        """The source's device."""
+        return self.source.device
+
+    def gather(self, ids: np.ndarray | Tensor, out: Tensor | None = None) -> Tensor:
+        """The source's rows ``ids``, normalized."""
+        rows = self.source.gather(ids, out)
+        normalize_rows_(rows, self.mode)
+        return rows
+
+    def close(self) -> None:
+        """Close the source."""
+        self.source.close()
+
+
+def normalize_rows_(x: np.ndarray | Tensor, mode: str) -> None:
+    """Divide each row by its L1 (``row``) or L2 (``l2``) norm in place; ``none`` leaves it (all-zero rows stay)."""
+    if mode not in ("row", "l2") or x.shape[0] == 0:
+        return
+    t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+    t = t.reshape(t.shape[0], -1)
+    norm = t.abs().sum(dim=1, keepdim=True) if mode == "row" else t.norm(dim=1, keepdim=True)
+    t.div_(norm.clamp_(min=torch.finfo(t.dtype).tiny))
+
+
 def as_feature_source(x: np.ndarray | Tensor | FeatureSource) -> FeatureSource:
     """``x`` as a :class:`FeatureSource` (a source is returned as is)."""
     if isinstance(x, FeatureSource):
@@ -241,5 +290,6 @@ class FeatureGather:
         self._lock = threading.Lock()
 
 
-__all__ = ["ArrayRows", "FeatureGather", "FeatureSource", "TensorRows", "as_feature_source", "expand_ranges",
+__all__ = ["ArrayRows", "FeatureGather", "FeatureSource", "NormalizedRows", "normalize_rows_",
+           "TensorRows", "as_feature_source", "expand_ranges",
            "gather_rows", "np_int64"]

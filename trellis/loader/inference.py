@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from trellis.loader.blocks import attach_edge_data
-from trellis.loader.features import np_int64
+from trellis.loader.features import FeatureSource, np_int64
 from trellis.loader.sampler import NeighborSampler
 from trellis.ops.graph import CSRGraph
 
@@ -46,7 +46,8 @@ def _layers(model: nn.Module) -> tuple[list[nn.Module], Callable[[Tensor], Tenso
 
 
 @torch.no_grad()
-def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.ndarray | Tensor, x: Tensor, *,
+def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.ndarray | Tensor,
+                        x: Tensor | FeatureSource, *,
                         chunk_edges: int = DEFAULT_CHUNK_EDGES, edge_weight: Tensor | None = None,
                         edge_feat: Tensor | None = None, device: torch.device | str | None = None,
                         rows: np.ndarray | Tensor | None = None) -> Tensor:
@@ -57,7 +58,9 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
             models (the MLP) are run per chunk of rows.
         indptr: ``int64 [N+1]`` in-edge CSR of the whole graph.
         indices: ``int64 [E]`` sources.
-        x: ``[N, F]`` input features (on the compute device or the CPU).
+        x: ``[N, F]`` input features (on the compute device or the CPU), or a
+            :class:`~trellis.loader.features.FeatureSource` whose rows are gathered per chunk (a memory map or a
+            partitioned layout: the features are never held whole).
         chunk_edges: Edges per chunk (default: 4M).
         edge_weight: ``[E]`` edge weights of the graph (None = none).
         edge_feat: ``[E, D]`` edge features of the graph (None = none).
@@ -72,6 +75,8 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
     model.eval()
     try:
         dev = torch.device(device) if device is not None else x.device
+        if isinstance(x, FeatureSource) and getattr(model, "embed_inputs", None) is not None:
+            raise ValueError("an embedding model reads node ids, not a feature source")
         indptr_np = np_int64(indptr)
         indices_np = np_int64(indices)
         n = indptr_np.shape[0] - 1
@@ -82,7 +87,7 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
             return _rowwise(model, x, rows_np, dev, chunk_edges)
         convs, act = stack
         embed = getattr(model, "embed_inputs", None)  # --features embedding:D: ids -> table rows, once
-        h = x if embed is None else embed(x.to(dev))
+        h: Tensor | FeatureSource = x if embed is None else embed(x.to(dev))  # type: ignore[union-attr]
         for li, conv in enumerate(convs):
             last = li == len(convs) - 1
             if last and rows_np is not None:
@@ -100,7 +105,10 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
                 block = batch.blocks[0]
                 attach_edge_data([block], edge_weight, edge_feat)
                 block = block.to(dev)  # a no-op when already there
-                h_in = h.index_select(0, batch.node_ids.to(h.device)).to(dev)
+                if isinstance(h, FeatureSource):
+                    h_in = h.gather(batch.node_ids).to(dev)
+                else:
+                    h_in = h.index_select(0, batch.node_ids.to(h.device)).to(dev)
                 y = conv(block, h_in)
                 if not last:
                     y = act(y)
@@ -110,9 +118,14 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
                 out[a:b] = y
             assert out is not None
             h = out
+        assert isinstance(h, Tensor)
         return h
     finally:
         model.train(was_training)
+
+
+def _num_rows(x: Tensor | FeatureSource) -> int:
+    return x.num_rows if isinstance(x, FeatureSource) else int(x.shape[0])
 
 
 def _avg_degree(indptr: np.ndarray) -> int:
@@ -120,10 +133,10 @@ def _avg_degree(indptr: np.ndarray) -> int:
     return max(1, int(indptr[-1]) // max(1, n))
 
 
-def _rowwise(model: nn.Module, x: Tensor, rows: np.ndarray | None, device: torch.device,
+def _rowwise(model: nn.Module, x: Tensor | FeatureSource, rows: np.ndarray | None, device: torch.device,
              chunk_rows: int) -> Tensor:
     """Graph-agnostic models: the forward on chunks of rows (a featureless empty graph of that many rows)."""
-    ids = torch.arange(x.shape[0]) if rows is None else torch.from_numpy(rows)
+    ids = torch.arange(_num_rows(x)) if rows is None else torch.from_numpy(rows)
     outs = []
     step = max(1, min(chunk_rows, 1 << 20))
     for a in range(0, ids.shape[0], step):
@@ -131,5 +144,6 @@ def _rowwise(model: nn.Module, x: Tensor, rows: np.ndarray | None, device: torch
         m = int(sel.shape[0])
         g = CSRGraph(torch.zeros(m + 1, dtype=torch.int64, device=device),
                      torch.zeros(0, dtype=torch.int64, device=device), m)
-        outs.append(model(g, x.index_select(0, sel.to(x.device)).to(device)))
+        rows_x = x.gather(sel) if isinstance(x, FeatureSource) else x.index_select(0, sel.to(x.device))
+        outs.append(model(g, rows_x.to(device)))
     return torch.cat(outs) if outs else torch.empty(0, device=device)

@@ -338,18 +338,23 @@ class NeighborSampler:
             backward pass finds it ready; the input block's is built on first use (:class:`LazyReverseBlock`).
             False: every block builds it on first use.
         degrees: Attach global in-degrees as ``src_degree``/``dst_degree`` of every block so GCN's
-            normalization on a block equals the full graph's (default: True).
+            normalization on a block equals the full graph's (default: True): True takes them from
+            ``indptr``; an ``[N]`` array gives them (a graph with edges left out, as a partition buffer's
+            state, still normalizes by the whole graph's degrees).
     """
 
     def __init__(self, indptr: np.ndarray, indices: np.ndarray, fanouts: Sequence[int], *, labor: bool = False,
-                 reverse: bool = True, degrees: bool = True) -> None:
+                 reverse: bool = True, degrees: bool | np.ndarray = True) -> None:
         self.indptr = np_int64(indptr)
         self.indices = np_int64(indices)
         self.num_nodes = int(self.indptr.shape[0] - 1)
         self.fanouts = parse_fanouts(fanouts)
         self.labor = bool(labor)
         self.reverse = reverse
-        self._degree = np.diff(self.indptr).astype(np.float32) if degrees else None
+        if isinstance(degrees, np.ndarray):
+            self._degree: np.ndarray | None = np.asarray(degrees, dtype=np.float32)
+        else:
+            self._degree = np.diff(self.indptr).astype(np.float32) if degrees else None
         self._scratch = ThreadLocalMap(self.num_nodes)
 
     @classmethod
@@ -358,6 +363,19 @@ class NeighborSampler:
         """A sampler over a :class:`~trellis.data.store.GraphStore`'s in-edge CSR (memory-mapped, not copied)."""
         return cls(store.indptr, store.indices, fanouts, labor=labor, reverse=reverse,  # type: ignore[attr-defined]
                    degrees=degrees)
+
+    def with_graph(self, indptr: np.ndarray, indices: np.ndarray) -> NeighborSampler:
+        """This sampler over another in-edge CSR of the same nodes, sharing its scratch maps and degrees.
+
+        Why: a partition buffer samples from a new graph at every state; a fresh sampler would allocate a new
+        ``[N]`` scratch map per thread each time.
+        """
+        other = object.__new__(NeighborSampler)
+        other.__dict__.update(self.__dict__)
+        other.indptr, other.indices = np_int64(indptr), np_int64(indices)
+        if other.indptr.shape[0] != self.indptr.shape[0]:
+            raise ValueError("with_graph: the new CSR must have the same number of rows")
+        return other
 
     @property
     def num_layers(self) -> int:

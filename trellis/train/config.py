@@ -177,13 +177,22 @@ class TrainConfig:
                                       "placement's choice)")
     memory_budget: str | None = _f(None, "full: cap on the process's peak memory (RssAnon), e.g. 3G; the graph "
                                          "is trained out of core in row tiles with spill files, exactly as in "
-                                         "memory (default: none, all in memory). pp: memory for the data "
+                                         "memory (default: none, all in memory). mini with --parts-dir: what the "
+                                         "partition buffer plans its parts and cache in. pp: memory for the data "
                                          "placement (default: 80%% of available RAM)", metavar="SIZE")
     spill_dir: str | None = _f(None, "full with --memory-budget: where spill files go; they are removed when the "
                                      "run ends (default: RUN_DIR/spill)", metavar="DIR")
     parts_dir: str | None = _f(None, "full: train partition-parallel on the partitioned layout PART_DIR (from "
                                      "`trellis partition STORE --parts P --out PART_DIR`), one rank per part; the "
-                                     "result is the single process's (default: none)", metavar="PART_DIR")
+                                     "result is the single process's. mini (with --nproc 1): train from the "
+                                     "layout through a partition buffer, K parts resident at a time "
+                                     "(default: none)", metavar="PART_DIR")
+    buffer_parts: int | None = _f(None, "mini with --parts-dir: parts resident in the partition buffer, 1..P "
+                                        "(default: as many as --memory-budget holds; all without a budget)",
+                                  metavar="K")
+    buffer_cache: str | None = _f(None, "mini with --parts-dir: memory for the cache of rows outside the buffer "
+                                        "most likely to be sampled, e.g. 256M; 0 = sample inside the buffer only "
+                                        "(default: what --memory-budget leaves after the parts)", metavar="SIZE")
     nproc: int | None = _f(None, "full with --parts-dir: ranks to start on this machine (127.0.0.1, gloo; nccl with "
                                  "--device cuda); must equal the layout's parts; under torchrun the launcher's "
                                  "ranks are used instead (default: the number of parts)")
@@ -307,6 +316,14 @@ class TrainConfig:
             from trellis.plan.price import Price
 
             Price.parse(self.price_per_hour)
+        if self.buffer_parts is not None:
+            _check_range("buffer_parts", self.buffer_parts, 1)
+        for flag_name, value in (("--buffer-parts", self.buffer_parts), ("--buffer-cache", self.buffer_cache)):
+            if value is not None and (self.parts_dir is None or self.strategy != "mini"):
+                raise TrellisUserError(f"{flag_name} applies to --strategy mini with --parts-dir PART_DIR (a partition "
+                                       "buffer); add them or drop it")
+        if self.buffer_cache is not None:
+            parse_size(self.buffer_cache, flag="--buffer-cache")
         if self.nproc is not None and self.parts_dir is None:
             raise TrellisUserError("--nproc needs --parts-dir PART_DIR (ranks train the parts of a partitioned "
                                    "layout; make one with `trellis partition STORE --parts P --out PART_DIR`)")

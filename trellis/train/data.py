@@ -18,6 +18,7 @@ from torch import Tensor
 from trellis.data.splits import per_class_split
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
+from trellis.loader.features import ArrayRows, FeatureSource, NormalizedRows, normalize_rows_
 from trellis.ops.graph import CSRGraph
 from trellis.ops.sparse_rows import to_sparse_rows
 from trellis.train.features import node_inputs, parse_features
@@ -33,11 +34,14 @@ class GraphData:
 
     ``graph`` is the whole graph in memory, or None for strategies that read the store's memory-mapped CSR
     themselves (sampled and cluster batches); ``edge_weight`` and ``edge_feat`` are on the device either way.
+    ``x`` is a tensor on the device, or -- for strategies that read rows per batch -- a
+    :class:`~trellis.loader.features.FeatureSource` over the store's memory map (row normalization applied
+    to the rows gathered), so ``N x F`` is never held in memory.
     """
 
     store: GraphStore
     graph: CSRGraph | None
-    x: Tensor
+    x: Tensor | FeatureSource
     y: Tensor | None
     splits: dict[str, Tensor]
     task: Task | None
@@ -50,7 +54,9 @@ class GraphData:
     @property
     def in_dim(self) -> int:
         """Width of the model's input: the feature width, or the embedding table's for ``embedding:D``."""
-        return self.embedding_dim or int(self.x.shape[1])
+        if self.embedding_dim:
+            return self.embedding_dim
+        return self.x.dim if isinstance(self.x, FeatureSource) else int(self.x.shape[1])
 
     @property
     def edge_dim(self) -> int:
@@ -81,16 +87,14 @@ def normalize_features(x: Tensor, mode: str) -> tuple[Tensor, str]:
     ``row`` divides each row by its L1 norm (Kipf & Welling's preprocessing of bag-of-words features).
     ``auto`` is resolved by the caller from the store (:attr:`GraphStore.preferred_feature_norm`).
     """
-    if mode in ("row", "l2"):
-        norm = (x.abs().sum(dim=1, keepdim=True) if mode == "row" else x.norm(dim=1, keepdim=True))
-        x.div_(norm.clamp_(min=torch.finfo(x.dtype).tiny))  # all-zero rows stay zero
+    normalize_rows_(x, mode)  # all-zero rows stay zero
     return x, mode
 
 
 def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device, task: str = "auto",
                     feature_norm: str = "auto", need_labels: bool = True, features: str = "store",
                     in_memory_graph: bool = True, split_seed: int | None = None,
-                    sparse_rows: bool = False) -> GraphData:
+                    sparse_rows: bool = False, mapped_features: bool = False) -> GraphData:
     """Open a store and move its graph, features, labels and splits to ``device``.
 
     Args:
@@ -106,6 +110,8 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
         split_seed: ``--split-seed`` (None: the store's split; see :func:`load_labels`).
         sparse_rows: Keep mostly-zero store features as a CSR tensor on CPU
             (:mod:`trellis.ops.sparse_rows`); only for callers that run the whole graph's first layer.
+        mapped_features: Leave the store's features memory-mapped (a :class:`NormalizedRows` source that
+            normalizes the rows it gathers) instead of copying them into memory; for per-batch readers on the CPU.
     """
     store = GraphStore(store_path)
     where = str(store.path)
@@ -114,14 +120,19 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
         if store.x is None:
             raise TrellisUserError(f"{where}: the store has no node features (x.npy); train with --features none, "
                                    "degree or embedding:D, or re-import it with features")
-        x = torch.from_numpy(np.array(store.x, dtype=np.float32, copy=True))
-        if x.ndim == 1:
-            x = x.unsqueeze(1)
         if feature_norm == "auto":
             feature_norm = store.preferred_feature_norm
-        x, resolved_norm = normalize_features(x, feature_norm)
-        if sparse_rows and device.type == "cpu":
-            x = to_sparse_rows(x)
+        if mapped_features and store.x.dtype == np.float32:
+            x: Tensor | FeatureSource = NormalizedRows(ArrayRows(store.x), feature_norm)
+            resolved_norm = feature_norm
+        else:
+            xt = torch.from_numpy(np.array(store.x, dtype=np.float32, copy=True))
+            if xt.ndim == 1:
+                xt = xt.unsqueeze(1)
+            xt, resolved_norm = normalize_features(xt, feature_norm)
+            if sparse_rows and device.type == "cpu":
+                xt = to_sparse_rows(xt)
+            x = xt
     else:
         x = node_inputs(kind, store.num_nodes, np.asarray(store.indptr), np.asarray(store.indices))
         resolved_norm = "none"
@@ -138,7 +149,8 @@ def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device,
     task_obj: Task | None = None
     if need_labels:
         y_t, splits, task_obj = load_labels(store, task, device, split_seed)
-    return GraphData(store=store, graph=graph, x=x.to(device), y=y_t, splits=splits, task=task_obj,
+    x_dev = x if isinstance(x, FeatureSource) else x.to(device)
+    return GraphData(store=store, graph=graph, x=x_dev, y=y_t, splits=splits, task=task_obj,
                      feature_norm=resolved_norm, features=features, embedding_dim=emb_dim,
                      edge_weight=ew, edge_feat=ef)
 

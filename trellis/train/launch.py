@@ -148,12 +148,13 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
 
 
 def needs_launch(cfg: TrainConfig) -> bool:
-    """Whether training ``cfg`` here means starting ranks: ``--parts-dir`` outside a rank, unless ``--nproc 1``.
+    """Whether training ``cfg`` here starts ranks: full-batch ``--parts-dir`` outside a rank, unless ``--nproc 1``.
 
     A process started by ``torchrun`` (or by :func:`launch`) is a rank and trains its part itself; so is a
     world of one, which needs no launcher.
     """
-    return cfg.parts_dir is not None and RankEnv.from_environ() is None and (cfg.nproc or 0) != 1
+    return (cfg.parts_dir is not None and cfg.strategy == "full" and RankEnv.from_environ() is None
+            and (cfg.nproc or 0) != 1)
 
 
 def train_ranks(cfg: TrainConfig, err: Any = None) -> dict[str, Any]:

@@ -1,0 +1,666 @@
+"""The partition buffer: mini-batch training over a partitioned layout with K of its P parts in memory.
+
+Why a buffer and not a memory map: a sampled batch reads about a hundred feature rows per target, scattered
+over the graph. Read through a memory map on a graph beyond memory, every row is a 4 KiB random read, and
+storage does about 12k of those a second against about 1 GB/s sequentially (NOTES.md). So the buffer reads
+each partition whole, in one sequential read of its feature rows and one of its in-edges (Armada §3: rows
+stored contiguously per partition), and an epoch visits *buffer states* in which every batch is built from
+memory (Armada §5, MariusGNN's ``getDispersedNodePartitionOrdering``):
+
+* the first state is K parts drawn at random; each following state swaps one resident part (drawn at random)
+  for the next part of a random order, so an epoch has ``P - K + 1`` states and reads every part exactly
+  once (parts still resident from the previous epoch's last state are not read again);
+* every training node is assigned to one state that holds its part, drawn uniformly among them, so it is a
+  target exactly once per epoch; inside a state the targets keep the order of the epoch's permutation of the
+  training ids (with one state, the order and every batch equal ``--strategy mini``'s);
+* the buffer has ``K + 1`` slots: the part of the next state is read into the spare slot while the current
+  state's batches are prepared and trained (MariusGNN drains its pipeline at every swap; this does not).
+
+Neighbours outside the buffer. A batch is sampled from the in-edges of resident nodes whose sources are
+*available*: resident, or held by a fixed cache of the rows most likely to be sampled (ranked by their
+analytical inclusion probability, SALIENT++'s VIP, within the budget). With no cache this is MariusGNN's
+in-buffer sampling, which costs it accuracy; the cache is what narrows the gap (docs/minibatch.md measures
+both). Normalizations still see global degrees.
+
+Layout: ``loader/`` sits above ``partition/`` and reads the layout's arrays directly (``part-*/x.npy``,
+``indptr.npy``, ``indices.npy``, ``local_to_global.npy``), so a run needs only the layout's copy of the
+features, not the store's.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from trellis.errors import TrellisUserError
+from trellis.loader.blocks import Batch, attach_edge_data
+from trellis.loader.features import FeatureGather, FeatureSource, expand_ranges, gather_rows, normalize_rows_, np_int64
+from trellis.loader.prefetch import prefetch_iter
+from trellis.loader.sampler import NeighborSampler, batch_seed, mix64
+from trellis.partition.layout import PartitionedGraph, part_dir_name
+from trellis.utils.memory import proc_io
+from trellis.utils.numba import njit
+
+
+# ---- reading whole arrays sequentially ---------------------------------------------------------------
+def _npy_data_offset(f: object) -> tuple[tuple[int, ...], np.dtype, int]:
+    """Shape, dtype and byte offset of a ``.npy`` file's data (the file position is left after the header)."""
+    major, _ = np.lib.format.read_magic(f)  # type: ignore[arg-type]
+    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(f)  # type: ignore[arg-type]
+    if fortran:
+        raise TrellisUserError(f"{getattr(f, 'name', '?')}: Fortran-ordered array; re-run `trellis partition`")
+    return tuple(shape), np.dtype(dtype), f.tell()  # type: ignore[attr-defined]
+
+
+def _drop_cache(fd: int) -> None:
+    """Tell the kernel the file's pages will not be read again (the buffer holds them now)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def read_npy(path: Path, out: np.ndarray | None = None) -> np.ndarray:
+    """Read a ``.npy`` file with one sequential read, into ``out`` (a C-contiguous prefix is used) when given.
+
+    The file's page-cache pages are dropped afterwards: the rows now live in the buffer, and a second copy in
+    the cache would only push the process toward its memory limit (a cgroup counts the cache).
+
+    Raises:
+        TrellisUserError: The file is missing, truncated or not what ``out`` expects.
+    """
+    try:
+        with open(path, "rb", buffering=0) as f:
+            shape, dtype, _ = _npy_data_offset(f)
+            n = int(np.prod(shape, dtype=np.int64))
+            if out is None:
+                arr = np.empty(shape, dtype=dtype)
+            else:
+                if out.dtype != dtype or out.size < n or not out.flags.c_contiguous:
+                    raise TrellisUserError(f"{path}: holds {dtype} {shape}, which does not fit the buffer's slot "
+                                           f"({out.dtype} {out.shape}); re-run `trellis partition`")
+                arr = out.reshape(-1)[:n]
+            view = memoryview(arr.view(np.uint8).reshape(-1)) if n else memoryview(b"")
+            got = 0
+            while got < view.nbytes:
+                k = f.readinto(view[got:])
+                if not k:
+                    raise TrellisUserError(f"{path}: truncated ({got} of {view.nbytes} data bytes); re-run "
+                                           "`trellis partition`")
+                got += k
+            _drop_cache(f.fileno())
+            return arr
+    except FileNotFoundError as exc:
+        raise TrellisUserError(f"{path}: missing partition file; re-run `trellis partition`") from exc
+    except ValueError as exc:  # a damaged header
+        raise TrellisUserError(f"{path}: not a valid .npy file ({exc}); re-run `trellis partition`") from exc
+
+
+# ---- the epoch's buffer states -----------------------------------------------------------------------
+@dataclass
+class BufferState:
+    """One phase of an epoch: the resident parts and the targets trained while they are resident.
+
+    Attributes:
+        parts: Resident parts (sorted).
+        enters: The part read for this state (None for the epoch's first state, which may read several).
+        leaves: The part evicted when this state begins (None for the first state).
+        targets: Global ids of this state's targets, in batch order.
+        first_batch: Index (within the epoch) of the state's first batch.
+    """
+
+    parts: tuple[int, ...]
+    enters: int | None
+    leaves: int | None
+    targets: np.ndarray
+    first_batch: int = 0
+
+    def num_batches(self, batch_size: int) -> int:
+        """Batches of this state (its last may be smaller)."""
+        return -(-int(self.targets.shape[0]) // batch_size)
+
+
+@dataclass
+class BufferEpoch:
+    """An epoch of buffer states (an :class:`~trellis.loader.source.EpochPlan`): ``len`` = batches."""
+
+    epoch: int
+    states: list[BufferState]
+    batch_size: int
+
+    def __len__(self) -> int:
+        """Number of batches in the epoch."""
+        return sum(s.num_batches(self.batch_size) for s in self.states)
+
+    @property
+    def reads(self) -> list[int]:
+        """Parts in the order the epoch reads them (the first state's, then one per state)."""
+        first = list(self.states[0].parts)
+        return first + [s.enters for s in self.states[1:] if s.enters is not None]
+
+
+def buffer_states(num_parts: int, capacity: int, part_of: np.ndarray, order: np.ndarray,
+                  rng: np.random.Generator) -> list[BufferState]:
+    """The dispersed ordering: ``P - K + 1`` states, each part read once, each target in one state.
+
+    Args:
+        num_parts: ``P``.
+        capacity: ``K`` resident parts per state (``1 <= K <= P``).
+        part_of: Part of every target in ``order``.
+        order: The epoch's targets in batch order (a permutation of the training ids).
+        rng: The epoch's generator (the ordering and the assignment are drawn from it).
+    """
+    perm = rng.permutation(num_parts)
+    resident = sorted(int(p) for p in perm[:capacity])
+    states = [BufferState(tuple(resident), None, None, np.empty(0, np.int64))]
+    for q in perm[capacity:]:
+        out = int(resident[int(rng.integers(len(resident)))])
+        resident = sorted([p for p in resident if p != out] + [int(q)])
+        states.append(BufferState(tuple(resident), int(q), out, np.empty(0, np.int64)))
+    # part p is resident in states enter[p] .. leave[p] (an evicted part never returns within an epoch)
+    enter = np.zeros(num_parts, dtype=np.int64)
+    leave = np.full(num_parts, len(states) - 1, dtype=np.int64)
+    for i, s in enumerate(states[1:], start=1):
+        assert s.enters is not None and s.leaves is not None
+        enter[s.enters] = i
+        leave[s.leaves] = i - 1
+    lo, hi = enter[part_of], leave[part_of]
+    which = lo + np.floor(rng.random(order.shape[0]) * (hi - lo + 1)).astype(np.int64)
+    which = np.minimum(which, hi)
+    by_state = np.argsort(which, kind="stable")  # targets keep the permutation's order inside a state
+    bounds = np.searchsorted(which[by_state], np.arange(len(states) + 1))
+    for i, s in enumerate(states):
+        s.targets = order[by_state[bounds[i]:bounds[i + 1]]]
+    return states
+
+
+# ---- the state's sampling graph ----------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _count_available(rows, indptr, src, avail, skip, counts):  # pragma: no cover - compiled
+    """``counts[rows[i]] += #available sources of row i`` (rows with ``skip`` set contribute nothing)."""
+    kept = 0
+    for i in range(rows.shape[0]):
+        v = rows[i]
+        if skip[v]:
+            continue
+        c = 0
+        for k in range(indptr[i], indptr[i + 1]):
+            if avail[src[k]]:
+                c += 1
+        counts[v + 1] += c
+        kept += c
+    return kept
+
+
+@njit(cache=True, nogil=True)
+def _place_available(rows, indptr, src, eid, avail, skip, cursor, out_src, out_eid):  # pragma: no cover
+    """Scatter each row's available sources (in stored order) to its slice of the state's CSR."""
+    for i in range(rows.shape[0]):
+        v = rows[i]
+        if skip[v]:
+            continue
+        at = cursor[v]
+        for k in range(indptr[i], indptr[i + 1]):
+            s = src[k]
+            if avail[s]:
+                out_src[at] = s
+                out_eid[at] = eid[k]
+                at += 1
+        cursor[v] = at
+
+
+@dataclass
+class PartRows:
+    """One part's in-edges over global ids, as the buffer keeps them beside its feature rows.
+
+    Attributes:
+        part: Part index (-1 for the cache's rows).
+        rows: ``int64 [L]`` global ids of the destinations (ascending).
+        indptr: ``int64 [L + 1]`` CSR over ``rows``.
+        src: ``int64 [M]`` global source of each in-edge, in the store's order within a row.
+        eid: ``int64 [M]`` the store's edge id of each in-edge.
+    """
+
+    part: int
+    rows: np.ndarray
+    indptr: np.ndarray
+    src: np.ndarray
+    eid: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return int(self.rows.nbytes + self.indptr.nbytes + self.src.nbytes + self.eid.nbytes)
+
+
+def state_graph(num_nodes: int, pieces: Sequence[PartRows], avail: np.ndarray,
+                cache_skip: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """The in-edge CSR over global ids that a state samples from: ``(indptr, indices, edge_ids, kept, total)``.
+
+    Rows are the pieces' destinations -- a cache piece's (``part < 0``) rows set in ``cache_skip`` are left
+    out: a resident part holds those rows itself -- and each row keeps its sources with ``avail`` set, in
+    stored order. With every part resident and no cache this is the store's CSR itself.
+    """
+    no_skip = np.zeros(num_nodes, dtype=bool)
+    counts = np.zeros(num_nodes + 1, dtype=np.int64)
+    kept = 0
+    total = 0
+    for p in pieces:
+        kept += int(_count_available(p.rows, p.indptr, p.src, avail, cache_skip if p.part < 0 else no_skip, counts))
+        total += int(p.src.shape[0])
+    indptr = np.cumsum(counts)
+    indices = np.empty(kept, dtype=np.int64)
+    eids = np.empty(kept, dtype=np.int64)
+    cursor = indptr[:-1].copy()
+    for p in pieces:
+        _place_available(p.rows, p.indptr, p.src, p.eid, avail, cache_skip if p.part < 0 else no_skip, cursor,
+                         indices, eids)
+    return indptr, indices, eids, kept, total
+
+
+# ---- inclusion probabilities (the cache's ranking) ---------------------------------------------------
+def inclusion_probability(pieces: Callable[[], Iterator[PartRows]], num_nodes: int, degree: np.ndarray,
+                          targets: np.ndarray,
+                          fanouts: Sequence[int], batch_size: int) -> np.ndarray:
+    """Probability that each node is an input of a batch (SALIENT++'s ``vip_analytical``), hop by hop.
+
+    A batch draws ``batch_size`` of the ``len(targets)`` targets; a destination sampled with probability ``p``
+    keeps each of its ``d`` in-neighbours with probability ``min(1, fanout / d)``, so a source's chance of being
+    reached at the next hop is ``1 - prod (1 - p_v min(1, f / d_v))`` over its out-neighbours ``v``. Summed in
+    log space with one scatter per hop over the edges (``pieces()`` streams the edges once per hop).
+
+    Returns:
+        ``float64 [N]`` probability of being sampled at hop 1 or beyond (targets' own hop 0 is left out: a
+        target is always resident).
+    """
+    p = np.zeros(num_nodes, dtype=np.float64)
+    p[targets] = min(1.0, batch_size / max(1, targets.shape[0]))
+    miss = np.ones(num_nodes, dtype=np.float64)  # prod over hops of (1 - p_hop)
+    deg = np.maximum(degree.astype(np.float64), 1.0)
+    for fanout in fanouts:
+        keep = p * (1.0 if fanout < 0 else np.minimum(1.0, fanout / deg))
+        log_miss = np.zeros(num_nodes, dtype=np.float64)
+        for piece in pieces():
+            dst = np.repeat(piece.rows, np.diff(piece.indptr))
+            with np.errstate(divide="ignore"):
+                w = np.log1p(-np.minimum(keep[dst], 1.0 - 1e-12))
+            log_miss += np.bincount(piece.src, weights=w, minlength=num_nodes)
+        p = 1.0 - np.exp(log_miss)
+        miss *= 1.0 - p
+    return 1.0 - miss
+
+
+# ---- the buffer ----------------------------------------------------------------------------------------
+@dataclass
+class BufferStats:
+    """Counters of one epoch (reset by :meth:`PartitionBuffer.epoch`)."""
+
+    parts_loaded: int = 0
+    bytes_read: int = 0
+    load_wait_s: float = 0.0
+    inputs: int = 0
+    cache_inputs: int = 0
+    edges_kept: int = 0
+    edges_total: int = 0
+    states: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        """The epoch's buffer metrics for ``metrics.jsonl``."""
+        return {"parts_loaded": float(self.parts_loaded), "buffer_bytes_read": float(self.bytes_read),
+                "load_wait_s": self.load_wait_s, "buffer_states": float(self.states),
+                "cache_hit_rate": self.cache_inputs / max(1, self.inputs),
+                "neighbours_kept": self.edges_kept / max(1, self.edges_total), **self.extra}
+
+
+class LayoutRows(FeatureSource):
+    """Feature rows of a partitioned layout by global id, read from its per-part ``x.npy`` memory maps.
+
+    Why: exact evaluation reads every node's row once per pass in id order; this serves it from the layout
+    (the run needs no copy of the features in the store) without loading the table.
+
+    Args:
+        path: Layout directory.
+        node_part: ``int32 [N]`` part of every node.
+    """
+
+    def __init__(self, path: Path, node_part: np.ndarray) -> None:
+        num_parts = int(node_part.max()) + 1 if node_part.size else 0
+        self.maps = [np.load(path / part_dir_name(p) / "x.npy", mmap_mode="r") for p in range(num_parts)]
+        self.maps = [m.reshape(m.shape[0], -1) for m in self.maps]
+        self.node_part = node_part
+        order = np.argsort(node_part, kind="stable")
+        starts = np.searchsorted(node_part[order], np.arange(num_parts))
+        self.row_in_part = np.empty(node_part.shape[0], dtype=np.int64)
+        self.row_in_part[order] = np.arange(order.shape[0], dtype=np.int64) - starts[node_part[order]]
+        self.num_rows = int(node_part.shape[0])
+        self.dim = int(self.maps[0].shape[1]) if self.maps else 0
+        self.dtype = torch.from_numpy(np.empty(0, dtype=self.maps[0].dtype)).dtype if self.maps else torch.float32
+
+    def gather(self, ids: np.ndarray | Tensor, out: Tensor | None = None) -> Tensor:
+        """Rows of ``ids`` (any order), part by part."""
+        ids_np = np_int64(ids)
+        n = ids_np.shape[0]
+        rows = torch.empty((n, self.dim), dtype=self.dtype) if out is None else out[: n * self.dim].view(n, self.dim)
+        parts = self.node_part[ids_np]
+        for p in np.unique(parts):
+            at = np.flatnonzero(parts == p)
+            local = self.row_in_part[ids_np[at]]
+            block = np.empty((at.shape[0], self.dim), dtype=self.maps[p].dtype)
+            gather_rows(self.maps[p], local, block)
+            rows[torch.from_numpy(at)] = torch.from_numpy(block)
+        return rows
+
+
+class ArenaRows(FeatureSource):
+    """Feature rows of the buffer's resident parts and cache: one arena, one ``[N]`` map to its rows.
+
+    ``slot_of[v]`` is node ``v``'s row in the arena, or -1 when it is not resident. Rows are row-normalized
+    once when they are read (the normalization of a row depends on that row only).
+    """
+
+    def __init__(self, arena: np.ndarray, slot_of: np.ndarray) -> None:
+        self.arena = arena
+        self.slot_of = slot_of
+        self.num_rows = int(slot_of.shape[0])
+        self.dim = int(arena.shape[1])
+        self.dtype = torch.from_numpy(np.empty(0, dtype=arena.dtype)).dtype
+
+    def gather(self, ids: np.ndarray | Tensor, out: Tensor | None = None) -> Tensor:
+        """Rows of ``ids`` (all resident) from the arena."""
+        ids_np = np_int64(ids)
+        n = ids_np.shape[0]
+        rows = torch.empty((n, self.dim), dtype=self.dtype) if out is None else out[: n * self.dim].view(n, self.dim)
+        if n:
+            where = self.slot_of[ids_np]
+            gather_rows(self.arena, where, rows.numpy())
+        return rows
+
+
+class PartitionBuffer:
+    """K of P parts (plus a cache) in memory, swapped one at a time; the neighbour batches of an epoch.
+
+    Args:
+        layout: The partitioned layout (destination-owned).
+        capacity: ``K``, parts resident per state.
+        fanouts: Per-layer fanouts, target layer first.
+        train_ids: Training node ids (global), in the store's order.
+        batch_size: Targets per batch.
+        y: Labels by global id (a tensor on the training device), or None.
+        degree: ``[N]`` global in-degrees (GCN's normalization on a block).
+        feature_norm: ``row``, ``l2`` or ``none``, applied to rows as they are read.
+        cache_rows: Rows of the VIP cache (0 = in-buffer sampling only).
+        labor: LABOR-0 sampling.
+        seed: Base seed of shuffles and samples (as :class:`~trellis.loader.sampler.NeighborLoader`'s).
+        device: Where batches are delivered.
+        prefetch: Batches prepared ahead on the producer thread.
+        edge_weight / edge_feat: Edge data by the store's edge id (None = none).
+    """
+
+    def __init__(self, layout: PartitionedGraph, capacity: int, fanouts: Sequence[int], train_ids: np.ndarray,
+                 batch_size: int, *, y: Tensor | None, degree: np.ndarray, feature_norm: str = "none",
+                 cache_rows: int = 0, labor: bool = False, seed: int = 0, device: torch.device | str = "cpu",
+                 prefetch: int = 2, edge_weight: Tensor | None = None, edge_feat: Tensor | None = None) -> None:
+        self.layout = layout
+        self.path = Path(layout.path)
+        self.num_parts = layout.num_parts
+        self.num_nodes = layout.num_nodes
+        if not 1 <= capacity <= self.num_parts:
+            raise TrellisUserError(f"--buffer-parts {capacity}: give 1 to {self.num_parts} (the layout's parts)")
+        self.capacity = int(capacity)
+        self.fanouts = list(fanouts)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.device = torch.device(device)
+        self.prefetch = max(0, int(prefetch))
+        self.feature_norm = feature_norm
+        self.y = y
+        self.edge_weight, self.edge_feat = edge_weight, edge_feat
+        parts_info = layout.manifest["parts"]
+        self.part_rows = np.array([int(p["num_local"]) for p in parts_info], dtype=np.int64)
+        self.max_rows = int(self.part_rows.max()) if self.part_rows.size else 0
+        x0 = np.load(self.path / part_dir_name(0) / "x.npy", mmap_mode="r")
+        self.dim = int(np.prod(x0.shape[1:])) if x0.ndim > 1 else 1
+        self.train_ids = np_int64(train_ids)
+        self.node_part = np.asarray(np.load(self.path / "node_parts.npy"), dtype=np.int32)
+        # arena: K + 1 part slots, then the cache's rows
+        slots = min(self.capacity + 1, self.num_parts)
+        self.arena = np.empty((slots * self.max_rows + int(cache_rows), self.dim), dtype=np.float32)
+        self.slot_of = np.full(self.num_nodes, -1, dtype=np.int64)
+        self.free_slots = list(range(slots))
+        self.slot_of_part: dict[int, int] = {}
+        self.pieces: dict[int, PartRows] = {}
+        self.degree = np.asarray(degree, dtype=np.float32)
+        self.sampler = NeighborSampler(np.zeros(self.num_nodes + 1, dtype=np.int64), np.zeros(0, dtype=np.int64),
+                                       self.fanouts, labor=labor, degrees=self.degree)
+        self.features = FeatureGather(ArenaRows(self.arena, self.slot_of), slots=self.prefetch + 3,
+                                      pin=self.device.type == "cuda")
+        self.cached = np.zeros(self.num_nodes, dtype=bool)
+        self.cache_base = self.arena.shape[0] - int(cache_rows)
+        self.cache_piece: PartRows | None = None
+        self._state_eids: np.ndarray | None = None
+        self.stats = BufferStats()
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-buffer-io")
+        self._lock = threading.Lock()
+        if cache_rows > 0:
+            self._fill_cache(int(cache_rows))
+
+    # -- reading parts ---------------------------------------------------------------------------------
+    def _part_file(self, part: int, name: str) -> Path:
+        return self.path / part_dir_name(part) / name
+
+    def read_edges(self, part: int) -> PartRows:
+        """Part ``part``'s in-edges over global ids (one sequential read per array)."""
+        nl = int(self.part_rows[part])
+        l2g = read_npy(self._part_file(part, "local_to_global.npy"))
+        indptr = read_npy(self._part_file(part, "indptr.npy"))
+        indices = read_npy(self._part_file(part, "indices.npy"))
+        need_eid = self.edge_weight is not None or self.edge_feat is not None
+        eid = read_npy(self._part_file(part, "edge_ids.npy")) if need_eid else np.zeros(0, dtype=np.int64)
+        self._count(l2g, indptr, indices, eid)
+        if int(indptr[nl]) != indices.shape[0]:
+            raise TrellisUserError(f"{self.path}: part {part} is not destination-owned (its halo rows hold edges); "
+                                   "partition with a destination-owned method (grem, metis, ldg, fennel, random)")
+        src = l2g[indices]
+        return PartRows(part, np.ascontiguousarray(l2g[:nl]), np.ascontiguousarray(indptr[: nl + 1]), src,
+                        eid if need_eid else np.zeros(src.shape[0], dtype=np.int64))
+
+    def _count(self, *arrays: np.ndarray) -> None:
+        with self._lock:
+            self.stats.bytes_read += int(sum(a.nbytes for a in arrays))
+
+    def _load(self, part: int, slot: int) -> PartRows:
+        """Read part ``part`` into ``slot``: its rows (normalized) and its in-edges."""
+        nl = int(self.part_rows[part])
+        rows = self.arena[slot * self.max_rows: slot * self.max_rows + nl]
+        read_npy(self._part_file(part, "x.npy"), rows)
+        self._count(rows)
+        normalize_rows_(rows, self.feature_norm)
+        piece = self.read_edges(part)
+        with self._lock:
+            self.stats.parts_loaded += 1
+        return piece
+
+    def _activate(self, part: int, slot: int, piece: PartRows) -> None:
+        """Point the part's (uncached) nodes at their rows in ``slot``."""
+        nodes = piece.rows
+        local = np.arange(nodes.shape[0], dtype=np.int64) + slot * self.max_rows
+        keep = ~self.cached[nodes]
+        self.slot_of[nodes[keep]] = local[keep]
+        self.slot_of_part[part] = slot
+        self.pieces[part] = piece
+
+    def _evict(self, part: int) -> None:
+        slot = self.slot_of_part.pop(part)
+        piece = self.pieces.pop(part)
+        nodes = piece.rows
+        self.slot_of[nodes[~self.cached[nodes]]] = -1
+        self.free_slots.append(slot)
+
+    def iter_all_edges(self) -> Iterator[PartRows]:
+        """Every part's in-edges, one part at a time (a streaming pass)."""
+        for p in range(self.num_parts):
+            yield self.read_edges(p)
+
+    def _fill_cache(self, rows: int) -> None:
+        """Rank nodes by inclusion probability and read the top ``rows`` into the cache (one pass over the parts).
+
+        The cache keeps each chosen node's feature row and its in-edges, so a cached neighbour can also be
+        expanded at the next hop.
+        """
+        t0 = time.perf_counter()
+        prob = inclusion_probability(self.iter_all_edges, self.num_nodes, self.degree, self.train_ids, self.fanouts,
+                                     self.batch_size)
+        rows = min(rows, self.num_nodes)
+        chosen = np.sort(np.argpartition(-prob, rows - 1)[:rows]) if rows < self.num_nodes else np.arange(rows)
+        self.cached[chosen] = True
+        self.slot_of[chosen] = self.cache_base + np.arange(rows, dtype=np.int64)
+        lens, srcs, eids = [], [], []
+        for p in range(self.num_parts):
+            mine = chosen[self.node_part[chosen] == p]
+            if mine.size == 0:
+                continue
+            piece = self.read_edges(p)
+            local = np.searchsorted(piece.rows, mine)
+            x = np.load(self._part_file(p, "x.npy"), mmap_mode="r")
+            block = np.asarray(x[local], dtype=np.float32).reshape(mine.shape[0], -1)
+            self._count(block)
+            normalize_rows_(block, self.feature_norm)
+            self.arena[self.slot_of[mine]] = block
+            take = expand_ranges(piece.indptr[local], piece.indptr[local + 1])
+            lens.append(np.diff(piece.indptr)[local])
+            srcs.append(piece.src[take])
+            eids.append(piece.eid[take])
+        indptr = np.zeros(rows + 1, dtype=np.int64)
+        if lens:
+            np.cumsum(np.concatenate(lens), out=indptr[1:])
+        cat = (lambda a: np.concatenate(a) if a else np.zeros(0, dtype=np.int64))  # noqa: E731
+        # chosen is sorted and grouped by part in the loop's order: re-sort rows by id with their edges
+        by_part = np.concatenate([chosen[self.node_part[chosen] == p] for p in range(self.num_parts)])
+        piece = PartRows(-1, by_part, indptr, cat(srcs), cat(eids))
+        self.cache_piece = piece
+        self.cache_fill_s = time.perf_counter() - t0
+        self.cache_probability = float(prob[chosen].sum() / max(float(prob.sum()), 1e-300))
+
+    # -- epochs ----------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch (about; each state's last batch may be smaller)."""
+        return -(-self.train_ids.shape[0] // self.batch_size)
+
+    def plan(self, epoch_seed: int) -> BufferEpoch:
+        """The epoch's buffer states and targets (a pure function of the seeds)."""
+        rng = np.random.default_rng(mix64(self.seed, epoch_seed, 0x5EED) >> 1)
+        order = self.train_ids[rng.permutation(self.train_ids.shape[0])]  # as NeighborLoader.plan draws it
+        srng = np.random.default_rng(mix64(self.seed, epoch_seed, 0xB0FF) >> 1)
+        states = buffer_states(self.num_parts, self.capacity, self.node_part[order], order, srng)
+        first = 0
+        for s in states:
+            s.first_batch = first
+            first += s.num_batches(self.batch_size)
+        return BufferEpoch(epoch_seed, states, self.batch_size)
+
+    def _state_sampler(self, state: BufferState) -> tuple[NeighborSampler, int, int]:
+        resident = np.zeros(self.num_parts, dtype=bool)
+        resident[list(state.parts)] = True
+        in_parts = resident[self.node_part]
+        avail = in_parts | self.cached
+        pieces = [self.pieces[p] for p in state.parts]
+        if self.cache_piece is not None:  # the cache's rows whose part is not resident come from the cache
+            pieces.append(self.cache_piece)
+        indptr, indices, eids, kept, total = state_graph(self.num_nodes, pieces, avail, in_parts)
+        self._state_eids = eids
+        return self.sampler.with_graph(indptr, indices), kept, total
+
+    def _build(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch,
+               j: int) -> Batch:
+        index = state.first_batch + j
+        seeds = state.targets[j * self.batch_size:(j + 1) * self.batch_size]
+        batch = sampler.sample(seeds, batch_seed(self.seed, plan.epoch, index))
+        batch.index = index
+        ids = batch.node_ids.numpy()
+        with self._lock:
+            self.stats.inputs += int(ids.shape[0])
+            if self.cache_piece is not None:
+                self.stats.cache_inputs += int(np.count_nonzero(self.slot_of[ids] >= self.cache_base))
+        batch.x = self.features.gather(batch.node_ids, index)
+        if self.y is not None:
+            batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
+        if self.edge_weight is not None or self.edge_feat is not None:
+            for b in {id(b): b for b in batch.blocks}.values():  # positions in the state's CSR -> store edge ids
+                assert b.edge_ids is not None
+                b.edge_ids = torch.from_numpy(eids[b.edge_ids.numpy()])
+            attach_edge_data(batch.blocks, self.edge_weight, self.edge_feat)
+        if self.device.type != "cpu":
+            return batch.to(self.device, non_blocking=True)
+        return batch
+
+    def _ensure(self, parts: Sequence[int]) -> None:
+        """Make ``parts`` resident (the epoch's first state): evict others, read the missing ones."""
+        for p in [p for p in self.slot_of_part if p not in parts]:
+            self._evict(p)
+        for p in parts:
+            if p not in self.slot_of_part:
+                slot = self.free_slots.pop()
+                self._activate(p, slot, self._load(p, slot))
+
+    def _produce(self, plan: BufferEpoch) -> Iterator[Batch]:
+        stats = self.stats
+        t0 = time.perf_counter()
+        self._ensure(plan.states[0].parts)
+        stats.load_wait_s += time.perf_counter() - t0
+        pending: Future[PartRows] | None = None
+        pending_slot = -1
+        try:
+            for k, state in enumerate(plan.states):
+                if k > 0:
+                    assert pending is not None and state.leaves is not None and state.enters is not None
+                    t0 = time.perf_counter()
+                    piece = pending.result()
+                    pending = None
+                    stats.load_wait_s += time.perf_counter() - t0
+                    self._evict(state.leaves)  # every batch of the previous state is built: its slot is free
+                    self._activate(state.enters, pending_slot, piece)
+                if k + 1 < len(plan.states):  # read the next state's part while this state's batches train
+                    nxt = plan.states[k + 1].enters
+                    assert nxt is not None
+                    pending_slot = self.free_slots.pop()
+                    pending = self._io.submit(self._load, nxt, pending_slot)
+                sampler, kept, total = self._state_sampler(state)
+                eids = self._state_eids
+                assert eids is not None
+                stats.edges_kept += kept
+                stats.edges_total += total
+                stats.states += 1
+                for j in range(state.num_batches(self.batch_size)):
+                    yield self._build(sampler, eids, state, plan, j)
+        finally:
+            if pending is not None:  # stopped early: the slot being read is free again once the read ends
+                try:
+                    pending.result()
+                finally:
+                    self.free_slots.append(pending_slot)
+
+    def epoch(self, epoch_seed: int) -> Iterator[Batch]:
+        """The epoch's batches in order, prepared ``prefetch`` ahead; resets :attr:`stats`."""
+        self.stats = BufferStats()
+        io0 = proc_io().get("read_bytes", 0)
+        plan = self.plan(epoch_seed)
+        stats = self.stats
+        yield from prefetch_iter(self._produce(plan), self.prefetch)
+        stats.extra["storage_bytes_read"] = float(proc_io().get("read_bytes", 0) - io0)
+
+    def close(self) -> None:
+        """Stop the reading thread."""
+        self._io.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["ArenaRows", "BufferEpoch", "BufferState", "BufferStats", "LayoutRows", "PartRows", "PartitionBuffer",
+           "buffer_states", "inclusion_probability", "read_npy", "state_graph"]

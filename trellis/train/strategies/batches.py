@@ -1,0 +1,110 @@
+"""The shared part of every batch strategy: data without an in-memory graph, the epoch loop, exact evaluation.
+
+Apart from :mod:`trellis.train.strategies.batch` (which registers ``mini`` and ``cluster``) so that variants
+of those strategies -- the partition buffer -- build on it without importing the registry module back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from trellis.loader.blocks import Batch
+from trellis.loader.inference import layerwise_inference
+from trellis.train.build import ModelSpec
+from trellis.train.data import load_graph_data
+from trellis.train.strategies.full import GraphStrategy
+from trellis.train.tasks import Task, split_metrics
+
+
+def _epoch_seed() -> int:
+    """One draw from torch's global generator (saved in checkpoints) that seeds an epoch's batches."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+class BatchStrategy(GraphStrategy):
+    """Shared parts: loading without an in-memory graph, the epoch loop over batches, exact evaluation."""
+
+    def load(self) -> None:
+        """Load inputs, labels and edge data; keep the CSR memory-mapped; build the batch loader."""
+        cfg = self.cfg
+        self.data = d = load_graph_data(str(cfg.store), device=self.device, task=cfg.task,
+                                        feature_norm=cfg.feature_norm, features=cfg.features,
+                                        split_seed=cfg.split_seed, in_memory_graph=False, mapped_features=True)
+        assert d.task is not None
+        self.store, self.task, self.feature_norm = d.store, d.task, d.feature_norm
+        self.spec = ModelSpec(d.in_dim, d.task.num_outputs, d.edge_dim, d.store.num_nodes, d.embedding_dim)
+        self.indptr = np.asarray(d.store.indptr)
+        self.indices = np.asarray(d.store.indices)
+        self.last_epoch: dict[str, float] = {}
+        self.loader = self.make_loader()
+
+    def make_loader(self) -> Any:
+        """The loader whose ``epoch(seed)`` yields this strategy's batches."""
+        raise NotImplementedError
+
+    def _loss(self, model: nn.Module, batch: Batch, task: Task) -> tuple[Tensor | None, int]:
+        logits = model(batch.graph, batch.x)
+        y = batch.y
+        assert y is not None  # the loader was given the labels
+        if batch.loss_mask is not None:
+            mask = batch.loss_mask.to(logits.device)
+            count = int(mask.sum())
+            if count == 0:
+                return None, 0
+            logits, y = logits[mask], y[mask]
+        else:
+            count = int(logits.shape[0])
+        return task.loss(logits, y), count
+
+    def train_step(self, model: nn.Module, optimizer: Any, task: Task, epoch: int) -> Tensor:
+        """One epoch over all batches; returns the mean training loss over the loss-carrying targets."""
+        model.train()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        steps = 0
+        batches = self.loader.epoch(_epoch_seed())
+        for batch in batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss, n = self._loss(model, batch, task)
+            if loss is None:
+                continue
+            loss.backward()
+            optimizer.step()
+            total += loss.detach().to(torch.float64) * n
+            count += n
+            steps += 1
+        self.last_epoch = {"batches": float(steps), "targets": float(count),
+                           "wait_s": float(getattr(batches, "wait_s", 0.0))}
+        return (total / max(count, 1)).to(torch.float32)
+
+    def _infer(self, model: nn.Module, rows: np.ndarray | None = None) -> Tensor:
+        d = self.data
+        return layerwise_inference(model, self.indptr, self.indices, d.x, edge_weight=d.edge_weight,
+                                   edge_feat=d.edge_feat, device=self.device, rows=rows)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
+        """``<split>_<metric>`` for every split plus ``val_loss``, from exact layer-wise inference."""
+        d = self.data
+        assert d.y is not None
+        splits = d.splits
+        rows = torch.cat([splits[s] for s in splits]).cpu().numpy()
+        rows_u, inverse = np.unique(rows, return_inverse=True)
+        logits = self._infer(model, rows_u)
+        inv = torch.from_numpy(inverse).to(logits.device)
+        ends = np.cumsum([idx.shape[0] for idx in splits.values()])
+        where = {s: inv[end - idx.shape[0]:end] for (s, idx), end in zip(splits.items(), ends)}
+        return split_metrics(task, lambda s: logits.index_select(0, where[s]), d.y, splits)
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module) -> Tensor:
+        """Logits of every node by exact layer-wise inference."""
+        model.eval()
+        return self._infer(model)
+
+
+__all__ = ["BatchStrategy"]

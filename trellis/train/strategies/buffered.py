@@ -1,0 +1,160 @@
+"""Mini-batch training through a partition buffer: ``--strategy mini --parts-dir PART_DIR --nproc 1``.
+
+The run reads a partitioned layout (``trellis partition``) instead of the store's feature table: K of its P
+parts are resident at a time (``--buffer-parts K``, or as many as ``--memory-budget`` holds), each read whole
+and sequentially once per epoch, and batches are sampled from resident rows plus a cache of the rows most
+likely to be sampled (:mod:`trellis.loader.buffer`). The store is opened for its labels, splits, degrees and
+task only; its ``x.npy`` is never read, so a graph needs one copy of its features on disk.
+
+With every part resident (``--buffer-parts P``, no cache) an epoch is one buffer state and its batches are
+``--strategy mini``'s, bit for bit. Evaluation is exact layer-wise inference over the whole graph, with input
+rows read from the layout's memory maps (it holds one ``[N, hidden]`` matrix per layer).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from trellis.data.store import GraphStore, feature_norm_of
+from trellis.errors import TrellisUserError
+from trellis.loader.blocks import parse_fanouts
+from trellis.loader.buffer import LayoutRows, PartitionBuffer
+from trellis.loader.features import NormalizedRows
+from trellis.partition.base import methods_of_ownership
+from trellis.partition.layout import PartitionedGraph, part_dir_name
+from trellis.plan.residency import BufferCosts, BufferPlan, plan_buffer
+from trellis.train.build import ModelSpec
+from trellis.train.config import TrainConfig
+from trellis.train.data import GraphData, load_labels
+from trellis.train.strategies.batches import BatchStrategy
+from trellis.train.strategies.outofcore import budget_and_baseline
+from trellis.utils.memory import proc_status
+from trellis.utils.sizes import parse_size
+
+
+def open_layout_for(cfg: TrainConfig, store: GraphStore) -> PartitionedGraph:
+    """The layout of ``--parts-dir``, checked against the store and the buffer's needs.
+
+    Raises:
+        TrellisUserError: Missing or damaged, made from another store, not destination-owned, or without features.
+    """
+    assert cfg.parts_dir is not None
+    layout = PartitionedGraph(cfg.parts_dir)
+    made_from = layout.manifest.get("store", {}).get("checksum")
+    if made_from != store.checksum:
+        raise TrellisUserError(f"--parts-dir {cfg.parts_dir}: the layout was made from another store (checksum "
+                               f"{str(made_from)[:12]}…, {cfg.store} has {str(store.checksum)[:12]}…); re-run "
+                               f"`trellis partition {cfg.store} --out {cfg.parts_dir} --overwrite`")
+    if layout.ownership != "dst":
+        raise TrellisUserError(f"--parts-dir {cfg.parts_dir}: a partition buffer needs each node's in-edges in its own "
+                               f"part (ownership dst), this layout's is {layout.ownership!r}; partition with "
+                               f"{', '.join(methods_of_ownership('dst'))}")
+    if not layout.manifest.get("num_features"):
+        raise TrellisUserError(f"--parts-dir {cfg.parts_dir}: the layout has no node features; train with another "
+                               "strategy, or import the store with features and re-partition")
+    return layout
+
+
+class BufferedMini(BatchStrategy):
+    """``--strategy mini`` over a partitioned layout with a partition buffer (see the module docstring)."""
+
+    options = frozenset({"labor", "prefetch", "parts_dir", "nproc", "memory_budget", "buffer_parts", "buffer_cache"})
+
+    def load(self) -> None:
+        """Open the store (labels, splits, degrees) and the layout; plan the residency; start the buffer."""
+        cfg = self.cfg
+        if cfg.nproc not in (None, 1):
+            raise TrellisUserError(f"--strategy mini --nproc {cfg.nproc}: mini-batch training across ranks is not "
+                                   "built yet; use --nproc 1 (one process trains every part through its buffer)")
+        if cfg.features != "store":
+            raise TrellisUserError(f"--features {cfg.features} with --parts-dir: the partition buffer trains on the "
+                                   "layout's node features; drop --features or --parts-dir")
+        baseline = proc_status().get("RssAnon", 0)
+        budget: int | None = None
+        if cfg.memory_budget is not None:
+            budget, baseline = budget_and_baseline(cfg, self.device)
+        store = GraphStore(cfg.store)
+        layout = open_layout_for(cfg, store)
+        y, splits, task = load_labels(store, cfg.task, self.device, cfg.split_seed)
+        norm = cfg.feature_norm
+        if norm == "auto":
+            norm = (store.preferred_feature_norm if store.x is not None else
+                    feature_norm_of(np.load(layout.path / part_dir_name(0) / "x.npy", mmap_mode="r"))[0])
+        ew, ef = (None if a is None else torch.from_numpy(np.array(a, dtype=np.float32)).to(self.device)
+                  for a in (store.edge_weight, store.edge_feat))
+        node_part = np.asarray(np.load(layout.path / "node_parts.npy"), dtype=np.int32)
+        x = NormalizedRows(LayoutRows(layout.path, node_part), norm)
+        self.data = d = GraphData(store=store, graph=None, x=x, y=y, splits=splits, task=task, feature_norm=norm,
+                                  edge_weight=ew, edge_feat=ef)
+        self.store, self.task, self.feature_norm = store, task, norm
+        self.spec = ModelSpec(d.in_dim, task.num_outputs, d.edge_dim, store.num_nodes, 0)
+        self.indptr = np.asarray(store.indptr)
+        self.indices = np.asarray(store.indices)
+        self.layout = layout
+        self.plan = self._plan(layout, budget, baseline)
+        self.last_epoch: dict[str, float] = {}
+        self.loader = self.make_loader()
+
+    def _plan(self, layout: PartitionedGraph, budget: int | None, baseline: int) -> BufferPlan:
+        cfg = self.cfg
+        parts = layout.manifest["parts"]
+        rows = max(int(p["num_local"]) for p in parts)
+        edges = max(int(np.load(layout.path / part_dir_name(i) / "indices.npy", mmap_mode="r").shape[0])
+                    for i in range(layout.num_parts))
+        dim = self.spec.in_dim
+        fanouts = parse_fanouts(cfg.fanouts, cfg.layers)
+        inputs, frontier = cfg.batch_size, cfg.batch_size
+        for f in fanouts:
+            frontier *= max(1, f) if f > 0 else 32
+            inputs += frontier
+        inputs = min(inputs, layout.num_nodes)
+        batch_bytes = int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5)
+        h = cfg.hidden
+        params = dim * h * 2 + h * h * 2 * max(0, cfg.layers - 2) + h * self.spec.out_dim * 2
+        costs = BufferCosts(layout.num_nodes, layout.num_parts, rows, edges, dim * 4, params * 16, batch_bytes,
+                            baseline)
+        cache = None if cfg.buffer_cache is None else parse_size(cfg.buffer_cache, flag="--buffer-cache")
+        avg_degree = layout.num_edges / max(1, layout.num_nodes)
+        return plan_buffer(costs, budget, buffer_parts=cfg.buffer_parts, cache_bytes=cache, avg_degree=avg_degree)
+
+    def make_loader(self) -> PartitionBuffer:  # type: ignore[override]
+        """The partition buffer over the layout's parts."""
+        cfg, d = self.cfg, self.data
+        fanouts = parse_fanouts(cfg.fanouts, cfg.layers)
+        degree = np.diff(np.asarray(self.indptr)).astype(np.float32)
+        buf = PartitionBuffer(self.layout, self.plan.capacity, fanouts, d.splits["train"].cpu().numpy(),
+                              cfg.batch_size, y=d.y, degree=degree, feature_norm=self.feature_norm,
+                              cache_rows=self.plan.cache_rows, labor=cfg.labor, device=self.device,
+                              prefetch=cfg.prefetch, edge_weight=d.edge_weight, edge_feat=d.edge_feat)
+        if cfg.progress and self.plan.cache_rows:
+            print(f"buffer: {self.plan.capacity} of {self.layout.num_parts} parts resident, cache of "
+                  f"{self.plan.cache_rows:,} rows filled in {buf.cache_fill_s:.1f} s", file=sys.stderr)
+        return buf
+
+    def epoch_info(self) -> dict[str, Any]:
+        """The epoch's batches and the buffer's reads, waits and cache hits."""
+        return {**self.last_epoch, **self.loader.stats.as_metrics()}
+
+    def summary_info(self) -> dict[str, Any]:
+        """The residency the run trained with."""
+        p = self.plan
+        return {**super().summary_info(), "buffer_parts": p.capacity, "num_parts": self.layout.num_parts,
+                "cache_rows": p.cache_rows, "memory_budget_bytes": p.budget}
+
+    def explain(self, model: torch.nn.Module) -> str:
+        """The residency table (the model's plan is the mini-batch one)."""
+        return self.plan.table()
+
+    def close(self) -> None:
+        """Stop the buffer's reading thread."""
+        loader = getattr(self, "loader", None)
+        if loader is not None:
+            loader.close()
+        super().close()
+
+
+__all__ = ["BufferedMini", "open_layout_for"]
