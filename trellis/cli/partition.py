@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
                    help="feature width F for the exchange estimate (default: 256)")
     p.add_argument("--no-layout", action="store_true", help="only partition and report; write no layout")
     p.add_argument("--overwrite", action="store_true", help="replace an existing PART_DIR")
+    p.add_argument("--move-features", action="store_true",
+                   help="after writing PART_DIR, delete the store's x.npy: the features then live only in the "
+                        "layout (one copy on disk); mini-batch training reads them there with --parts-dir")
     p.set_defaults(func=run)
 
 
@@ -74,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if args.width < 1:
         raise TrellisUserError(f"--width must be at least 1 (got {args.width})")
     out = None if args.no_layout else args.out
+    if args.move_features and args.no_layout:
+        raise TrellisUserError("--move-features needs a layout to move the features into; drop --no-layout")
     if out is None and not args.no_layout:
         raise TrellisUserError("--out PART_DIR is required (or pass --no-layout to only report)")
     opts = _options(args)
@@ -93,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         write_layout(store, book, out, overwrite=args.overwrite, quality=quality, progress=progress)
         report["layout_time_s"] = time.perf_counter() - t0
         report["out"] = str(out)
+        if args.move_features:
+            report["moved_feature_bytes"] = store.move_features(out)
     report["params"] = book.params
     if args.json:
         print(json.dumps(report, default=str))

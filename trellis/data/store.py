@@ -24,6 +24,7 @@ array and the manifest are complete, so an interrupted import never leaves a sto
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -344,6 +345,8 @@ class GraphStore:
         arrays = self.manifest["arrays"]
         total = 0
         for name, meta in arrays.items():
+            if meta.get("moved_to"):  # kept in the manifest (and the checksum), stored in a layout now
+                continue
             fpath = self.path / meta["file"]
             if not fpath.is_file():
                 raise TrellisUserError(f"{fpath}: array {name!r} listed in the manifest is missing; re-import")
@@ -365,6 +368,8 @@ class GraphStore:
     def verify(self) -> None:
         """Hash every array and compare with the manifest (raises on the first mismatch)."""
         for name, meta in self.manifest["arrays"].items():
+            if meta.get("moved_to"):
+                continue
             fpath = self.path / meta["file"]
             if sha256_file(fpath) != meta["sha256"]:
                 raise TrellisUserError(
@@ -408,6 +413,8 @@ class GraphStore:
         explicit = self.manifest.get("feature_norm")
         if explicit in ("row", "l2", "none"):
             return str(explicit)
+        if self.moved_to("x") is not None:
+            return "none"  # recorded by --move-features before the rows left; older moves default to none
         if self._feature_norm is None:
             self._feature_norm = feature_norm_of(self.x)[0] if self.x is not None else "none"
         return self._feature_norm
@@ -421,15 +428,54 @@ class GraphStore:
             h.update(self.manifest["arrays"][name]["sha256"].encode())
         return h.hexdigest()
 
+    def move_features(self, layout: str | os.PathLike[str]) -> int:
+        """Record that ``x`` now lives only in ``layout`` and delete the store's copy; returns the bytes freed.
+
+        Why: a graph beyond memory is also large on disk, and the partition buffer reads the layout's per-part
+        features only; two copies would double the disk a run needs. The manifest keeps ``x``'s entry (so the
+        store's checksum, which layouts and caches are keyed on, is unchanged) marked ``moved_to``, and records
+        the resolved ``feature_norm`` (deciding it later would need the rows). The manifest is replaced
+        atomically before the file is removed, so an interruption leaves at worst an orphaned file.
+        """
+        from trellis.utils.atomic import write_json_atomic
+
+        meta = self.manifest["arrays"].get("x")
+        if meta is None or meta.get("moved_to"):
+            return 0
+        manifest = json.loads(json.dumps(self.manifest))
+        manifest.setdefault("feature_norm", self.preferred_feature_norm)
+        manifest["arrays"]["x"]["moved_to"] = str(Path(layout).resolve())
+        fpath = self.path / meta["file"]
+        size = fpath.stat().st_size
+        write_json_atomic(self.path / "manifest.json", manifest)
+        self._cache.pop("x", None)
+        fpath.unlink()
+        self.manifest = manifest
+        return size
+
     # ---- arrays ---------------------------------------------------------------------------
     def has(self, name: str) -> bool:
         """Whether the manifest lists array ``name`` (optional arrays such as ``x`` or ``val_idx`` may be absent)."""
         return name in self.manifest["arrays"]
 
+    def moved_to(self, name: str) -> str | None:
+        """The layout directory array ``name`` was moved to (``trellis partition --move-features``), or None."""
+        meta = self.manifest["arrays"].get(name)
+        return None if meta is None else meta.get("moved_to")
+
     def array(self, name: str) -> np.ndarray:
-        """Memory-mapped array ``name`` (read-only); raises KeyError if absent."""
+        """Memory-mapped array ``name`` (read-only); raises KeyError if absent.
+
+        Raises:
+            TrellisUserError: The array was moved into a partitioned layout (names the layout and what reads it).
+        """
         if name not in self._cache:
             meta = self.manifest["arrays"][name]
+            if meta.get("moved_to"):
+                raise TrellisUserError(f"{self.path}: its {name!r} array was moved to the partitioned layout "
+                                       f"{meta['moved_to']} (`trellis partition --move-features`); train with "
+                                       f"--strategy mini --parts-dir {meta['moved_to']} --nproc 1, which reads it "
+                                       "there, or re-import the store")
             self._cache[name] = np.load(self.path / meta["file"], mmap_mode="r")
         return self._cache[name]
 

@@ -58,7 +58,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -192,8 +191,10 @@ class BatchMessage(NamedTuple):
 
 
 def _packable(t: Tensor) -> bool:
-    """Whether the buffer can carry ``t`` (a dense CPU tensor of a known dtype, without internal overlap
-    beyond broadcast dimensions); anything else is left to pickle (copied into the skeleton)."""
+    """Whether the buffer can carry ``t``; anything else is left to pickle (copied into the skeleton).
+
+    Carried: dense CPU tensors of a known dtype whose elements do not overlap beyond broadcast dimensions.
+    """
     if type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided:
         return False
     if t.dtype not in _DTYPE_CODE or t.is_conj() or t.is_neg() or t.is_quantized:
@@ -268,22 +269,21 @@ def _layout(tensors: list[Tensor]) -> tuple[list[int], int]:
     pos = 0
     for items in groups.values():
         items.sort()
-        span_lo, span_hi, members = items[0][0], items[0][1], [items[0]]
-
-        def place(span_lo: int, span_hi: int, members: list[tuple[int, int, int]], pos: int) -> int:
-            start = -(-pos // _ALIGN) * _ALIGN
-            for lo, _, k in members:
-                offsets[k] = start + lo - span_lo
-            return start + span_hi - span_lo
-
-        for lo, hi, k in items[1:]:
-            if lo < span_hi:  # overlaps the open span: the same memory, store once
-                span_hi = max(span_hi, hi)
-                members.append((lo, hi, k))
+        spans: list[list[tuple[int, int, int]]] = []
+        end = -1
+        for item in items:
+            if spans and item[0] < end:  # overlaps the open span: the same memory, stored once
+                spans[-1].append(item)
+                end = max(end, item[1])
             else:
-                pos = place(span_lo, span_hi, members, pos)
-                span_lo, span_hi, members = lo, hi, [(lo, hi, k)]
-        pos = place(span_lo, span_hi, members, pos)
+                spans.append([item])
+                end = item[1]
+        for span in spans:
+            start = -(-pos // _ALIGN) * _ALIGN
+            span_lo = span[0][0]
+            for lo, _, k in span:
+                offsets[k] = start + lo - span_lo
+            pos = start + max(hi for _, hi, _ in span) - span_lo
     return offsets, pos
 
 
@@ -324,19 +324,21 @@ def encode_batch(batch: Any, alloc: Callable[[int], Tensor] | None = None) -> Ba
         raise ValueError(f"alloc must return a contiguous uint8 tensor of {total} bytes")
     header: list[int] = [_MAGIC, _VERSION, total, skel_off, len(skeleton), len(tensors)]
     views: dict[torch.dtype, Tensor] = {}
-    written: list[tuple[int, int]] = []  # [lo, hi) of the contiguous tensors copied so far
+    # [lo, hi) of the contiguous tensors copied so far, per span group (dtype, address modulo element size)
+    written: dict[tuple[torch.dtype, int], list[tuple[int, int]]] = {}
     for k in sorted(range(len(tensors)), key=lambda k: -tensors[k].numel()):  # big first: views inside are free
         t = tensors[k]
         if t.numel() == 0:
             continue
         lo, hi = _extent(t)
-        if any(a <= lo and hi <= b for a, b in written):
+        done = written.setdefault((t.dtype, lo % t.element_size()), [])
+        if any(a <= lo and hi <= b for a, b in done):
             continue  # a view inside memory already copied (e.g. a block's prefix of node_ids)
         src = _collapse_broadcast(t)
         dst = _typed(payload, t.dtype, views).as_strided(src.shape, src.stride(), offsets[k] // t.element_size())
         dst.copy_(src)
         if t.is_contiguous():
-            written.append((lo, hi))
+            done.append((lo, hi))
     for k, t in enumerate(tensors):
         header += [_DTYPE_CODE[t.dtype], t.dim(), offsets[k], int(t.requires_grad), *t.shape, *t.stride()]
     payload[skel_off: skel_off + len(skeleton)].numpy()[:] = np.frombuffer(skeleton, dtype=np.uint8)
@@ -368,8 +370,7 @@ def decode_batch(message: BatchMessage) -> Any:
         if math.prod(shape) == 0:
             t = torch.empty_strided(shape, stride, dtype=dtype)
         else:
-            t = _typed(payload, dtype, views).as_strided(shape, stride, off // payload.new_empty(0, dtype=dtype)
-                                                         .element_size())
+            t = _typed(payload, dtype, views).as_strided(shape, stride, off // dtype.itemsize)
         if grad:
             t.requires_grad_(True)
         tensors.append(t)
@@ -442,6 +443,10 @@ def _reopen(filename: str, mode: str, offset: int, dtype: str, shape: tuple[int,
     return out
 
 
+def _copy_into(dst: Tensor, src: Tensor) -> None:
+    dst.copy_(src)
+
+
 class _SharePickler(pickle.Pickler):
     """Pickles a batch source (or plan) for worker processes without copying its bulk data into the pickle.
 
@@ -495,7 +500,7 @@ class _SharePickler(pickle.Pickler):
                     and not obj.is_neg() and obj.numel() * obj.element_size() >= SHARE_MIN_BYTES):
                 nbytes = obj.numel() * obj.element_size()
                 flat_t = obj.reshape(-1).view(torch.uint8)
-                k = self._region(obj.data_ptr(), nbytes, lambda buf: buf.copy_(flat_t), obj)
+                k = self._region(obj.data_ptr(), nbytes, lambda buf: _copy_into(buf, flat_t), obj)
                 return ("tensor", k, _DTYPE_CODE[obj.dtype], tuple(obj.shape))
         return None
 
@@ -582,7 +587,8 @@ def _limit_threads(n: int) -> None:
         if WITH_NUMBA:
             import numba
 
-            set_num_threads(max(1, min(n, int(numba.config.NUMBA_NUM_THREADS))))
+            limit = int(getattr(numba.config, "NUMBA_NUM_THREADS", n))
+            set_num_threads(max(1, min(n, limit)))
     except Exception:  # noqa: BLE001 - thread limits are an optimization, never a reason to fail
         pass
 
@@ -626,6 +632,7 @@ def _worker_main(rank: int, conn: Connection, threads: int) -> None:
         return
     plan: Any = None
     plan_id = -1
+    plan_error: BaseException | None = None
     while True:
         try:
             msg = conn.recv()
@@ -635,39 +642,40 @@ def _worker_main(rank: int, conn: Connection, threads: int) -> None:
         if kind == "stop":
             return
         if kind == "plan":
-            plan = None  # drop the previous plan's shared memory first
+            plan, plan_error = None, None  # drop the previous plan's shared memory first
             plan_id = msg[1]
-            plan = _load_shared(conn, msg[2], msg[3])
+            try:
+                plan = _load_shared(conn, msg[2], msg[3])
+            except BaseException as exc:  # noqa: BLE001 - reported with each batch of the epoch
+                plan_error = exc
             continue
         _, epoch_id, i = msg
-        fd = -1
+        fds: list[int] = []
+
+        def alloc(size: int, fds: list[int] = fds) -> Tensor:
+            fd, buf = _shared_buffer(size)
+            fds.append(fd)
+            return buf
+
         try:
-            if epoch_id != plan_id:
-                raise RuntimeError(f"batch {i} of epoch {epoch_id} asked for, but the worker holds plan {plan_id}")
-            item = source.get(plan, i)
-            box: list[int] = []
-
-            def alloc(size: int, box: list[int] = box) -> Tensor:
-                fd, buf = _shared_buffer(size)
-                box.append(fd)
-                return buf
-
-            message = encode_batch(item, alloc)
-            fd = box[0]
-            header = message.header.numpy().tobytes()
-            nbytes = int(message.payload.numel())
-            del message, item
-            conn.send(("batch", epoch_id, i, header, nbytes, _read_bytes() - io0))
-            send_handle(conn, fd, parent)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            if isinstance(exc, OSError) and fd >= 0:
-                return  # the pipe broke while sending: the consumer is gone
             try:
+                if plan_error is not None:
+                    raise plan_error
+                if epoch_id != plan_id:
+                    raise RuntimeError(f"batch {i} of epoch {epoch_id} asked for, but the worker holds plan {plan_id}")
+                message = encode_batch(source.get(plan, i), alloc)
+                header = message.header.numpy().tobytes()
+                nbytes = int(message.payload.numel())
+                del message  # unmaps the buffer here; the descriptor keeps it for the consumer
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 conn.send(("error", epoch_id, i, *_exc_message(exc), _read_bytes() - io0))
-            except OSError:
-                return
+            else:
+                conn.send(("batch", epoch_id, i, header, nbytes, _read_bytes() - io0))
+                send_handle(conn, fds[0], parent)
+        except OSError:
+            return  # the pipe broke: the consumer is gone
         finally:
-            if fd >= 0:
+            for fd in fds:
                 os.close(fd)
 
 
@@ -737,7 +745,6 @@ def _stop_workers(workers: list[_Worker]) -> None:
         if w.process.is_alive():
             w.process.kill()
             w.process.join(1.0)
-    workers.clear()
 
 
 def _exit_status(code: int | None) -> str:
@@ -828,9 +835,12 @@ class _Pool:
                 try:
                     out.append(self._receive(w))
                 except (EOFError, OSError) as exc:
-                    if w in dead or not w.process.is_alive():
-                        break
-                    raise self.fail(f"{w.describe(len(self.workers))}: its pipe broke ({exc})") from exc
+                    if w not in dead:
+                        w.process.join(1.0)  # a broken pipe is most often a worker on its way out
+                        if w.process.is_alive():
+                            raise self.fail(f"{w.describe(len(self.workers))}: its pipe broke ({exc})") from exc
+                        dead.append(w)
+                    break
         for w in dead:
             w.process.join(0.1)
             raise self.fail(f"{w.describe(len(self.workers))} {_exit_status(w.process.exitcode)} "
@@ -851,7 +861,10 @@ class _Pool:
         w.outstanding -= 1
         w.read_bytes = int(msg[-1])
         if kind == "batch":
-            fd = recv_handle(w.conn)
+            try:
+                fd = recv_handle(w.conn)
+            except RuntimeError as exc:  # the descriptor never came: the worker died between the two sends
+                raise EOFError(str(exc)) from exc
             try:
                 payload = _map_fd(fd, int(msg[4]))
             finally:
@@ -889,8 +902,10 @@ class EpochBatches(Iterator[T], Generic[T]):
 
     @property
     def read_bytes(self) -> int:
-        """Bytes the batch workers read from storage this epoch (``/proc/<pid>/io``); 0 on threads, whose reads
-        are in the consumer's own counter already."""
+        """Bytes the batch workers read from storage this epoch (their ``/proc/<pid>/io`` ``read_bytes``).
+
+        0 on threads: their reads are in the consumer's own counter already.
+        """
         return 0
 
     def close(self) -> None:
@@ -904,24 +919,23 @@ class EpochBatches(Iterator[T], Generic[T]):
 
 
 class _ThreadEpoch(EpochBatches[T]):
-    def __init__(self, prefetcher: Prefetcher[T], owner: BatchProducer[T] | None = None) -> None:
-        self._p = prefetcher
-        self._owner = owner
+    """Today's thread prefetcher behind the epoch interface."""
 
-    @property  # type: ignore[override]
-    def wait_s(self) -> float:
-        return self._p.wait_s
+    def __init__(self, prefetcher: Prefetcher[T]) -> None:
+        self._p = prefetcher
+        self.wait_s = 0.0
 
     def __next__(self) -> T:
-        return next(self._p)
+        try:
+            return next(self._p)
+        finally:
+            self.wait_s = self._p.wait_s
 
     def __len__(self) -> int:
         return len(self._p)
 
     def close(self) -> None:
         self._p.close()
-        if self._owner is not None:
-            self._owner.close()
 
 
 class _ProcessEpoch(EpochBatches[T]):
@@ -969,7 +983,7 @@ class _ProcessEpoch(EpochBatches[T]):
             item = decode_batch(BatchMessage(header, payload))
             device = self._producer.device
             if device is not None and isinstance(item, Batch):
-                item = item.to(device, non_blocking=True)  # type: ignore[assignment]
+                item = item.to(device, non_blocking=True)
             self._ready[i] = item
         elif msg[0] == "error":
             self._errors[i] = _remote_exception(msg[3], msg[4])
@@ -1063,8 +1077,9 @@ class BatchProducer(Generic[T]):
 
     def start(self) -> BatchProducer[T]:
         """Start the worker processes now (else the first :meth:`epoch` does); a no-op on threads."""
-        if self._closed:
-            raise RuntimeError("this batch producer is closed" + (f" ({self._broken})" if self._broken else ""))
+        if self._closed or self._broken:
+            raise RuntimeError("this batch producer is closed" + (f" after a worker failure: {self._broken}"
+                                                                  if self._broken else ""))
         if self.options.mode == "processes" and self._pool is None:
             self._pool = _Pool(self.source, self.options)
         return self
@@ -1143,6 +1158,3 @@ def produce(source: BatchSource[Any, T], epoch_seed: int, options: ProducerOptio
 
 __all__ = ["MODES", "SHARE_MIN_BYTES", "START_METHODS", "BatchMessage", "BatchProducer", "EpochBatches",
            "ProducerOptions", "decode_batch", "encode_batch", "produce"]
-
-if sys.platform == "win32":  # pragma: no cover - documented: processes mode needs POSIX descriptors passing
-    pass

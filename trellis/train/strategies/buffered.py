@@ -14,6 +14,7 @@ rows read from the layout's memory maps (it holds one ``[N, hidden]`` matrix per
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -82,8 +83,12 @@ class BufferedMini(BatchStrategy):
         y, splits, task = load_labels(store, cfg.task, self.device, cfg.split_seed)
         norm = cfg.feature_norm
         if norm == "auto":
-            norm = (store.preferred_feature_norm if store.x is not None else
+            norm = (store.preferred_feature_norm if store.has("x") else
                     feature_norm_of(np.load(layout.path / part_dir_name(0) / "x.npy", mmap_mode="r"))[0])
+        moved = store.moved_to("x")
+        if moved is not None and Path(moved).resolve() != Path(layout.path).resolve():
+            print(f"note: {cfg.store}'s features were moved to {moved}; reading them from --parts-dir "
+                  f"{cfg.parts_dir}", file=sys.stderr)
         ew, ef = (None if a is None else torch.from_numpy(np.array(a, dtype=np.float32)).to(self.device)
                   for a in (store.edge_weight, store.edge_feat))
         node_part = np.asarray(np.load(layout.path / "node_parts.npy"), dtype=np.int32)

@@ -1,0 +1,124 @@
+"""The partition buffer's pieces: the epoch's buffer states, the state graph, reads, inclusion probabilities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trellis.data.store import GraphStore
+from trellis.errors import TrellisUserError
+from trellis.loader.buffer import PartitionBuffer, PartRows, buffer_states, inclusion_probability, read_npy, state_graph
+from trellis.loader.sampler import NeighborLoader, NeighborSampler
+from trellis.partition import partition_graph
+from trellis.partition.layout import PartitionedGraph, write_layout
+
+
+@pytest.fixture(scope="module")
+def layout(sbm_store: Path, tmp_path_factory: pytest.TempPathFactory) -> PartitionedGraph:
+    store = GraphStore(sbm_store)
+    book = partition_graph(store, "metis", 4, measure=False)
+    return PartitionedGraph(write_layout(store, book, tmp_path_factory.mktemp("buf") / "p4"))
+
+
+@pytest.mark.parametrize("parts,capacity", [(1, 1), (4, 1), (4, 2), (8, 3), (8, 8)])
+def test_states_read_each_part_once_and_target_each_node_once(parts, capacity):
+    rng = np.random.default_rng(3)
+    part_of_node = rng.integers(0, parts, 1000)
+    order = rng.permutation(1000)
+    states = buffer_states(parts, capacity, part_of_node[order], order, np.random.default_rng(5))
+    assert len(states) == parts - capacity + 1
+    reads = list(states[0].parts) + [s.enters for s in states[1:]]
+    assert sorted(reads) == list(range(parts))  # every part read exactly once
+    for s in states:
+        assert len(s.parts) == capacity
+        assert np.isin(part_of_node[s.targets], s.parts).all()  # a target is trained while its part is resident
+    got = np.concatenate([s.targets for s in states])
+    assert np.array_equal(np.sort(got), np.arange(1000))  # every target exactly once
+    for s in states:  # inside a state, the epoch permutation's order
+        pos = np.argsort(order)[s.targets]
+        assert np.all(np.diff(pos) > 0)
+
+
+def test_state_graph_keeps_available_sources_in_stored_order():
+    # 5 nodes; part A holds rows 0, 2; part B row 4; the cache holds row 1 (and row 2, which A holds)
+    a = PartRows(0, np.array([0, 2]), np.array([0, 3, 5]), np.array([1, 3, 4, 0, 3]), np.array([10, 11, 12, 13, 14]))
+    b = PartRows(1, np.array([4]), np.array([0, 2]), np.array([2, 3]), np.array([20, 21]))
+    cache = PartRows(-1, np.array([1, 2]), np.array([0, 1, 2]), np.array([0, 4]), np.array([30, 31]))
+    avail = np.array([True, True, True, False, True])
+    in_parts = np.array([True, False, True, False, True])
+    ip, ix, eid, kept, total = state_graph(5, [a, b, cache], avail, in_parts)
+    assert ip.tolist() == [0, 2, 3, 4, 4, 5]
+    assert ix.tolist() == [1, 4, 0, 0, 2]
+    assert eid.tolist() == [10, 12, 30, 13, 20]
+    assert (kept, total) == (5, 9)
+
+
+def test_read_npy_sequential_and_checked(tmp_path):
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.save(tmp_path / "a.npy", a)
+    out = np.zeros((6, 3), dtype=np.float32)
+    read_npy(tmp_path / "a.npy", out)
+    assert np.array_equal(out[:4], a) and not out[4:].any()
+    with pytest.raises(TrellisUserError, match="fit the buffer"):
+        read_npy(tmp_path / "a.npy", np.zeros((2, 3), dtype=np.float32))
+    with pytest.raises(TrellisUserError, match="missing"):
+        read_npy(tmp_path / "b.npy")
+    (tmp_path / "c.npy").write_bytes((tmp_path / "a.npy").read_bytes()[:-8])
+    with pytest.raises(TrellisUserError, match="truncated"):
+        read_npy(tmp_path / "c.npy")
+
+
+def test_inclusion_probability_matches_simulation():
+    # a star: node 0 <- 1..9 (in-edges), targets {0}; fanout 3 of 9 -> each leaf with probability 1/3
+    rows = np.array([0])
+    piece = PartRows(0, rows, np.array([0, 9]), np.arange(1, 10), np.arange(9))
+    prob = inclusion_probability(lambda: iter([piece]), 10, np.array([9] + [0] * 9), np.array([0]), [3], 1)
+    assert prob[0] == 0.0
+    np.testing.assert_allclose(prob[1:], 1 / 3)
+
+
+def test_all_parts_resident_gives_the_mini_batches(layout, sbm_store):
+    store = GraphStore(sbm_store)
+    train = np.asarray(store.split("train"), dtype=np.int64)
+    degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
+    y = torch.from_numpy(np.asarray(store.y, dtype=np.int64))
+    buf = PartitionBuffer(layout, 4, [4, 3], train, 32, y=y, degree=degree, seed=0, prefetch=0)
+    loader = NeighborLoader(NeighborSampler(store.indptr, store.indices, [4, 3]), train, 32, x=np.asarray(store.x),
+                            y=y, seed=0, prefetch=0)
+    try:
+        ours = list(buf.epoch(7))
+        ref = list(loader.epoch(7))
+        assert len(ours) == len(ref)
+        for a, b in zip(ours, ref):
+            assert torch.equal(a.node_ids, b.node_ids) and torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+            for ba, bb in zip(a.blocks, b.blocks):
+                assert torch.equal(ba.indptr, bb.indptr) and torch.equal(ba.indices, bb.indices)
+                assert torch.equal(ba.src_degree, bb.src_degree)
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize("capacity,cache", [(1, 0), (2, 0), (2, 100)])
+def test_buffer_batches_only_read_resident_rows(layout, sbm_store, capacity, cache):
+    store = GraphStore(sbm_store)
+    train = np.asarray(store.split("train"), dtype=np.int64)
+    degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
+    x = np.asarray(store.x)
+    buf = PartitionBuffer(layout, capacity, [5, 5], train, 16, y=None, degree=degree, cache_rows=cache, prefetch=1)
+    try:
+        seen = []
+        for batch in buf.epoch(1):
+            assert torch.equal(batch.x, torch.from_numpy(x[batch.node_ids.numpy()]))  # the right rows
+            seen.append(batch.targets.numpy())
+        assert np.array_equal(np.sort(np.concatenate(seen)), np.sort(train))
+        st = buf.stats
+        assert st.parts_loaded == 4 and st.states == 4 - capacity + 1
+        assert (st.cache_inputs > 0) == (cache > 0)
+        again = [b.node_ids.clone() for b in buf.epoch(1)]  # the same seed, the same batches
+        first = [b.node_ids for b in buf.epoch(1)]
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+    finally:
+        buf.close()

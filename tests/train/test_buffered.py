@@ -1,0 +1,153 @@
+"""``--strategy mini --parts-dir``: training through a partition buffer, its equality with mini, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.train.helpers import metrics_without_timing
+from trellis.cli.main import main
+from trellis.data.importers import import_graph
+from trellis.data.store import GraphStore
+from trellis.errors import TrellisUserError
+from trellis.partition import partition_graph
+from trellis.partition.layout import write_layout
+from trellis.train import trainer
+from trellis.train.config import TrainConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _layout(store: Path, out: Path, parts: int, method: str = "metis") -> Path:
+    s = GraphStore(store)
+    return write_layout(s, partition_graph(s, method, parts, measure=False), out)
+
+
+@pytest.fixture(scope="module")
+def p4(sbm_store, tmp_path_factory) -> Path:
+    return _layout(sbm_store, tmp_path_factory.mktemp("bufl") / "p4", 4)
+
+
+def _cfg(store, out, **kw) -> TrainConfig:
+    base = dict(store=str(store), strategy="mini", model="sage", fanouts="4,3", batch_size=64, epochs=3, hidden=16,
+                out=str(out), progress=False, checkpoint_every=0, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def _losses(run: Path) -> list[float]:
+    return [r["loss"] for r in metrics_without_timing(run)]
+
+
+def test_all_resident_equals_mini(sbm_store, p4, tmp_path):
+    ref = trainer.train(_cfg(sbm_store, tmp_path / "mini"))
+    ours = trainer.train(_cfg(sbm_store, tmp_path / "buf", parts_dir=str(p4), nproc=1))
+    assert _losses(tmp_path / "buf") == _losses(tmp_path / "mini")
+    assert ours["test_acc"] == ref["test_acc"]
+    for a, b in zip(metrics_without_timing(tmp_path / "buf"), metrics_without_timing(tmp_path / "mini")):
+        assert {k: a[k] for k in b if k != "wait_s"} == {k: v for k, v in b.items() if k != "wait_s"}
+
+
+def test_buffer_of_one_part_trains_and_reports(sbm_store, p4, tmp_path):
+    summary = trainer.train(_cfg(sbm_store, tmp_path / "k1", parts_dir=str(p4), buffer_parts=1, buffer_cache="0",
+                                 epochs=4))
+    recs = metrics_without_timing(tmp_path / "k1")
+    train_n = GraphStore(sbm_store).split("train").shape[0]
+    for r in recs:
+        assert r["targets"] == train_n  # every training node a target exactly once per epoch
+        assert r["buffer_states"] == 4 and r["cache_hit_rate"] == 0.0
+        assert 0 < r["neighbours_kept"] < 1
+        assert r["parts_loaded"] >= 3  # every part once (one may still be resident from the last epoch)
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    assert summary["buffer_parts"] == 1 and summary["num_parts"] == 4
+
+
+def test_cache_serves_rows_outside_the_buffer(sbm_store, p4, tmp_path):
+    trainer.train(_cfg(sbm_store, tmp_path / "c", parts_dir=str(p4), buffer_parts=1, buffer_cache="40K", epochs=1))
+    rec = metrics_without_timing(tmp_path / "c")[0]
+    assert rec["cache_hit_rate"] > 0
+
+
+def test_trains_from_the_layout_alone(sbm_store, p4, tmp_path):
+    """The store's copy of the features is not needed: the buffer reads the layout's."""
+    store = tmp_path / "store"
+    shutil.copytree(sbm_store, store)
+    ref = trainer.train(_cfg(store, tmp_path / "a", parts_dir=str(p4), buffer_parts=2))
+    checksum = GraphStore(store).checksum
+    assert GraphStore(store).move_features(p4) > 0
+    assert not (store / "x.npy").exists() and GraphStore(store).checksum == checksum
+    again = trainer.train(_cfg(store, tmp_path / "b", parts_dir=str(p4), buffer_parts=2))
+    assert again["test_acc"] == ref["test_acc"]
+    with pytest.raises(TrellisUserError, match="moved to the partitioned layout"):
+        trainer.train(_cfg(store, tmp_path / "c"))  # in-memory mini needs the rows: a clear error
+
+
+def test_resume_is_exact(sbm_store, p4, tmp_path):
+    c = _cfg(sbm_store, tmp_path / "run", parts_dir=str(p4), buffer_parts=2, epochs=4, checkpoint_every=1)
+
+    def stop_at(t, rec):
+        if rec["epoch"] == 1:
+            t.request_stop()
+
+    with pytest.raises(trainer.TrainingInterrupted):
+        trainer.Trainer(c, callbacks=[stop_at]).fit()
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    trainer.train(TrainConfig.from_dict({**saved, "resume": c.out, "progress": False}))
+    trainer.train(_cfg(sbm_store, tmp_path / "ref", parts_dir=str(p4), buffer_parts=2, epochs=4))
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "ref")
+
+
+def test_real_data_bag_of_words_all_resident_equals_mini(dataset, tmp_path):
+    """Cora's bag-of-words rows, row-normalized as each part is read, give mini's losses exactly."""
+    store = import_graph(dataset("cora"), tmp_path / "cora", format="planetoid", progress=False)
+    layout = _layout(store, tmp_path / "cora-p4", 4)
+    kw = dict(model="gcn", fanouts="5,5", batch_size=64, dropout=0.5)
+    trainer.train(_cfg(store, tmp_path / "mini", **kw))
+    trainer.train(_cfg(store, tmp_path / "buf", parts_dir=str(layout), **kw))
+    assert _losses(tmp_path / "buf") == _losses(tmp_path / "mini")
+    trainer.train(_cfg(store, tmp_path / "k1", parts_dir=str(layout), buffer_parts=1, **kw))
+    assert np.isfinite(_losses(tmp_path / "k1")).all()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(buffer_parts=5), "--buffer-parts 5: give 1 to 4"),
+    (dict(buffer_parts=0), "--buffer-parts"),
+    (dict(nproc=2), "--nproc 1"),
+    (dict(memory_budget="64M"), "smallest budget that works"),
+    (dict(buffer_cache="lots"), "--buffer-cache"),
+])
+def test_bad_input(sbm_store, p4, tmp_path, kw, match):
+    with pytest.raises(TrellisUserError, match=match):
+        trainer.train(_cfg(sbm_store, tmp_path / "bad", parts_dir=str(p4), **kw))
+    assert not (tmp_path / "bad" / "summary.json").exists()
+
+
+def test_buffer_flags_need_a_layout(sbm_store, tmp_path):
+    with pytest.raises(TrellisUserError, match="--buffer-parts applies to --strategy mini with --parts-dir"):
+        _cfg(sbm_store, tmp_path / "x", buffer_parts=2)
+
+
+def test_layout_of_another_store_and_damaged_parts(sbm_store, p4, tmp_path, capsys):
+    from trellis.data.generate import generate_sbm
+
+    other = generate_sbm(tmp_path / "other", nodes=500, avg_degree=8, features=16, classes=4, seed=1, progress=False)
+    rc = main(["train", str(other), "--strategy", "mini", "--parts-dir", str(p4), "--nproc", "1", "--out",
+               str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2 and "made from another store" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(p4, broken)
+    (broken / "part-00002" / "x.npy").unlink()
+    rc = main(["train", str(sbm_store), "--strategy", "mini", "--parts-dir", str(broken), "--nproc", "1", "--out",
+               str(tmp_path / "b"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "part-00002/x.npy" in err and "Traceback" not in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_not_destination_owned(sbm_store, tmp_path):
+    layout = _layout(sbm_store, tmp_path / "hash", 2, method="hash")
+    with pytest.raises(TrellisUserError, match="ownership dst"):
+        trainer.train(_cfg(sbm_store, tmp_path / "h", parts_dir=str(layout)))
