@@ -151,3 +151,12 @@ def test_not_destination_owned(sbm_store, tmp_path):
     layout = _layout(sbm_store, tmp_path / "hash", 2, method="hash")
     with pytest.raises(TrellisUserError, match="ownership dst"):
         trainer.train(_cfg(sbm_store, tmp_path / "h", parts_dir=str(layout)))
+
+
+def test_sampler_processes_give_the_same_losses(sbm_store, tmp_path):
+    """``--samplers 1``: batches prepared in a worker process train to the in-process losses, bit for bit."""
+    trainer.train(_cfg(sbm_store, tmp_path / "threads"))
+    trainer.train(_cfg(sbm_store, tmp_path / "procs", samplers=1))
+    assert _losses(tmp_path / "procs") == _losses(tmp_path / "threads")
+    with pytest.raises(TrellisUserError, match="--samplers"):
+        _cfg(sbm_store, tmp_path / "bad", samplers=-1)

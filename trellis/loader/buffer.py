@@ -88,7 +88,7 @@ def read_npy(path: Path, out: np.ndarray | None = None) -> np.ndarray:
                     raise TrellisUserError(f"{path}: holds {dtype} {shape}, which does not fit the buffer's slot "
                                            f"({out.dtype} {out.shape}); re-run `trellis partition`")
                 arr = out.reshape(-1)[:n]
-            view = memoryview(arr.view(np.uint8).reshape(-1)) if n else memoryview(b"")
+            view = memoryview(arr.view(np.uint8).reshape(-1)) if n else memoryview(b"")  # type: ignore[arg-type]
             got = 0
             while got < view.nbytes:
                 k = f.readinto(view[got:])

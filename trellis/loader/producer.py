@@ -58,6 +58,8 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
+import struct
 import tempfile
 import time
 import traceback
@@ -397,8 +399,15 @@ def _anon_fd(size: int) -> int:
 
 
 def _map_fd(fd: int, size: int) -> Tensor:
-    """The ``uint8 [size]`` tensor of a shared-memory descriptor (the mapping lives as long as the tensor)."""
-    return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+    """The ``uint8 [size]`` tensor of a shared-memory descriptor (the mapping lives as long as the tensor).
+
+    On Linux the memory is mapped through ``/proc/self/fd`` by torch, which keeps no descriptor open (a
+    Python ``mmap`` keeps a duplicate per mapping: a consumer holding many batches would run out of them).
+    """
+    path = f"/proc/self/fd/{fd}"
+    if os.path.exists(path):
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)  # pragma: no cover - no /proc
 
 
 def _shared_buffer(size: int) -> tuple[int, Tensor]:
@@ -421,7 +430,8 @@ def _mapped_file(a: np.ndarray) -> tuple[str, str, int] | None:
         return None
     base: Any = a
     while isinstance(base, np.ndarray):
-        if isinstance(base, np.memmap) and isinstance(base.base, mmap.mmap) and base.filename:
+        if (isinstance(base, np.memmap) and isinstance(base.base, mmap.mmap) and base.filename
+                and os.path.isfile(base.filename)):  # (a deleted file cannot be reopened: its data is copied)
             offset = int(base.offset) + a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
             mode = {"w+": "r+", "write": "r+", "readwrite": "r+", "readonly": "r", "copyonwrite": "c"}.get(
                 str(base.mode), str(base.mode))
@@ -639,8 +649,6 @@ def _worker_main(rank: int, conn: Connection, threads: int) -> None:
         except (EOFError, OSError):
             return  # the consumer is gone
         kind = msg[0]
-        if kind == "stop":
-            return
         if kind == "plan":
             plan, plan_error = None, None  # drop the previous plan's shared memory first
             plan_id = msg[1]
@@ -715,36 +723,49 @@ class _Worker:
     rank: int
     process: Any  # multiprocessing.process.BaseProcess
     conn: Connection
+    pid: int
     outstanding: int = 0
     read_bytes: int = 0  # since the worker loaded the source
     last_heard: float = 0.0
-    ready: bool = False
+    stopped: bool = False
 
     def describe(self, count: int) -> str:
-        return f"sampler worker {self.rank} of {count} (pid {self.process.pid})"
+        return f"sampler worker {self.rank} of {count} (pid {self.pid})"
 
 
 def _stop_workers(workers: list[_Worker]) -> None:
-    """Stop and join every worker: ask, then terminate, then kill; close the pipes. Idempotent."""
+    """Stop and join every worker: close its pipe (it exits), then terminate, then kill. Idempotent."""
+    workers = [w for w in workers if not w.stopped]
     for w in workers:
         try:
-            w.conn.send(("stop",))
-        except (OSError, ValueError):
-            pass
-        try:
-            w.conn.close()  # a worker blocked on its pipe sees EOF; queued descriptors are released
+            w.conn.close()  # the worker's next read sees EOF and it returns; queued descriptors are released
         except OSError:
             pass
     deadline = time.monotonic() + 1.0
     for w in workers:
         w.process.join(max(0.0, deadline - time.monotonic()))
     for w in workers:
+        if w.stopped:
+            continue
         if w.process.is_alive():
             w.process.terminate()
             w.process.join(1.0)
         if w.process.is_alive():
             w.process.kill()
             w.process.join(1.0)
+        if not w.process.is_alive():
+            w.process.close()  # releases its sentinel descriptor
+            w.stopped = True
+
+
+def _send_timeout(conn: Connection, seconds: float | None) -> None:
+    """Make sends on ``conn`` fail after ``seconds`` instead of blocking forever on a worker that stopped reading."""
+    if seconds is None:
+        return
+    sec = int(seconds)
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # the same socket: the option applies to conn
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", sec, int((seconds - sec) * 1e6)))
 
 
 def _exit_status(code: int | None) -> str:
@@ -766,7 +787,11 @@ class _Pool:
         self.workers: list[_Worker] = []
         self.broken: str | None = None
         ctx = _context(options.start_method)
-        shared = _Shared.dump(source)
+        try:
+            shared = _Shared.dump(source)
+        except (TypeError, AttributeError, pickle.PicklingError) as exc:
+            raise TypeError(f"--samplers: the batch source ({type(source).__name__}) cannot be sent to sampler "
+                            f"processes ({exc}); use --samplers 0 to prepare its batches on threads") from exc
         try:
             for rank in range(options.workers):
                 here, there = ctx.Pipe(duplex=True)
@@ -776,20 +801,17 @@ class _Pool:
                     proc.start()
                 finally:
                     there.close()
-                self.workers.append(_Worker(rank, proc, here, last_heard=time.monotonic()))
+                _send_timeout(here, options.timeout_s)
+                self.workers.append(_Worker(rank, proc, here, int(proc.pid), last_heard=time.monotonic()))
             # Every worker stops at interpreter exit too, even if nobody calls close().
             self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
             for w in self.workers:
-                shared.send(w.conn, ("source",), w.process.pid)
+                shared.send(w.conn, ("source",), w.pid)
         except BaseException:
             _stop_workers(self.workers)
             raise
         finally:
             shared.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.broken is None and bool(self.workers)
 
     def fail(self, message: str) -> RuntimeError:
         """Stop every worker and return the error to raise (the pool is unusable afterwards)."""
@@ -802,7 +824,7 @@ class _Pool:
         try:
             for w in self.workers:
                 try:
-                    shared.send(w.conn, ("plan", epoch_id), w.process.pid)
+                    shared.send(w.conn, ("plan", epoch_id), w.pid)
                 except OSError as exc:
                     raise self.fail(f"{w.describe(len(self.workers))} {_exit_status(w.process.exitcode)} "
                                     "before it received the epoch's plan") from exc
@@ -855,8 +877,7 @@ class _Pool:
             exc = _remote_exception(msg[1], msg[2])
             raise self.fail(f"{w.describe(len(self.workers))} could not load the batch source: "
                             f"{type(exc).__name__}: {exc}") from exc
-        if kind == "ready":
-            w.ready = True
+        if kind == "ready":  # the source is loaded (it only refreshes last_heard)
             return w, msg, None
         w.outstanding -= 1
         w.read_bytes = int(msg[-1])
@@ -1014,6 +1035,11 @@ class _ProcessEpoch(EpochBatches[T]):
         self._next += 1
         item = self._ready.pop(i)
         self._owner_of.pop(i, None)
+        try:
+            self._fill()  # the consumer has taken batch i, so batch i + in_flight may start now
+        except BaseException:
+            self.close()
+            raise
         return item
 
     def close(self) -> None:
@@ -1073,7 +1099,7 @@ class BatchProducer(Generic[T]):
     @property
     def pids(self) -> list[int]:
         """Process ids of the running workers (empty on threads or before start)."""
-        return [] if self._pool is None else [int(w.process.pid) for w in self._pool.workers]
+        return [] if self._pool is None else [w.pid for w in self._pool.workers if not w.stopped]
 
     def start(self) -> BatchProducer[T]:
         """Start the worker processes now (else the first :meth:`epoch` does); a no-op on threads."""

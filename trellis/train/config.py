@@ -213,6 +213,9 @@ class TrainConfig:
                                           "cost_per_epoch_usd and value = 1 / (epoch time x cost) (default: none)",
                                     metavar="PRICE")
     prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
+    samplers: int = _f(0, "mini/cluster: prepare batches in K worker processes (passed back through shared memory; "
+                          "the same batches as in-process preparation), 0 = in this process (default: 0)",
+                       metavar="K")
     deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
                                     "(default: off)")
     json: bool = _f(False, "print the summary as one JSON line at the end of stdout (default: off)")
@@ -318,6 +321,10 @@ class TrainConfig:
             Price.parse(self.price_per_hour)
         if self.buffer_parts is not None:
             _check_range("buffer_parts", self.buffer_parts, 1)
+        _check_range("samplers", self.samplers, 0)
+        if self.samplers > 0 and self.parts_dir is not None and self.strategy == "mini":
+            raise TrellisUserError("--samplers with --parts-dir: the partition buffer prepares its batches in this "
+                                   "process so far; drop --samplers")
         for flag_name, value in (("--buffer-parts", self.buffer_parts), ("--buffer-cache", self.buffer_cache)):
             if value is not None and (self.parts_dir is None or self.strategy != "mini"):
                 raise TrellisUserError(f"{flag_name} applies to --strategy mini with --parts-dir PART_DIR (a partition "

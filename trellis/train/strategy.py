@@ -180,7 +180,7 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 STRATEGY_OPTIONS = frozenset({"labor", "clusters", "clusters_per_batch", "boundary_hops", "cluster_method",
                               "pp_dir", "pp_loader", "chunk_size", "memory_budget", "spill_dir",
                               "prefetch", "parts_dir", "nproc", "timeout", "overlap", "staleness",
-                              "emulate_link", "buffer_parts", "buffer_cache"})
+                              "emulate_link", "buffer_parts", "buffer_cache", "samplers"})
 
 def register_strategy(name: str) -> Any:
     """Class decorator that registers a :class:`Strategy` under ``name``."""

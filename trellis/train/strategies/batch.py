@@ -31,7 +31,7 @@ from trellis.train.strategy import Strategy, register_strategy
 class MiniBatch(BatchStrategy):
     """Neighbour-sampled mini-batches (``--strategy mini``)."""
 
-    options = frozenset({"labor", "prefetch"})
+    options = frozenset({"labor", "prefetch", "samplers"})
 
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
@@ -54,7 +54,7 @@ class MiniBatch(BatchStrategy):
 class ClusterBatch(BatchStrategy):
     """Cluster-batches (``--strategy cluster``): Cluster-GCN with GraphTheta's optional boundary."""
 
-    options = frozenset({"clusters", "clusters_per_batch", "boundary_hops", "cluster_method", "prefetch"})
+    options = frozenset({"clusters", "clusters_per_batch", "boundary_hops", "cluster_method", "prefetch", "samplers"})
 
     def make_loader(self) -> ClusterLoader:
         """Cluster the graph once and load groups of clusters."""

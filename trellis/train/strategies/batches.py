@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from trellis.loader.blocks import Batch
 from trellis.loader.inference import layerwise_inference
+from trellis.loader.producer import BatchProducer, ProducerOptions
 from trellis.train.build import ModelSpec
 from trellis.train.data import load_graph_data
 from trellis.train.strategies.full import GraphStrategy
@@ -66,7 +67,7 @@ class BatchStrategy(GraphStrategy):
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         steps = 0
-        batches = self.loader.epoch(_epoch_seed())
+        batches = self._epoch_batches(_epoch_seed())
         for batch in batches:
             optimizer.zero_grad(set_to_none=True)
             loss, n = self._loss(model, batch, task)
@@ -79,7 +80,32 @@ class BatchStrategy(GraphStrategy):
             steps += 1
         self.last_epoch = {"batches": float(steps), "targets": float(count),
                            "wait_s": float(getattr(batches, "wait_s", 0.0))}
+        if self._producer is not None:
+            self.last_epoch["sampler_read_bytes"] = float(getattr(batches, "read_bytes", 0))
         return (total / max(count, 1)).to(torch.float32)
+
+    _producer: BatchProducer[Any] | None = None
+
+    def _epoch_batches(self, epoch_seed: int) -> Any:
+        """The epoch's batches: from the loader's own threads, or from ``--samplers K`` worker processes.
+
+        Both give the same batches (each is a pure function of the epoch's plan and its index); the worker
+        processes start once and serve every epoch.
+        """
+        samplers = int(getattr(self.cfg, "samplers", 0))
+        if samplers <= 0:
+            return self.loader.epoch(epoch_seed)
+        if self._producer is None:
+            opts = ProducerOptions.from_flags(samplers, prefetch=self.cfg.prefetch)
+            self._producer = BatchProducer(self.loader, opts).start()
+        return self._producer.epoch(epoch_seed)
+
+    def close(self) -> None:
+        """Stop the sampler processes, if any."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+        super().close()
 
     def _infer(self, model: nn.Module, rows: np.ndarray | None = None) -> Tensor:
         d = self.data

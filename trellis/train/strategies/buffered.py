@@ -78,6 +78,7 @@ class BufferedMini(BatchStrategy):
         budget: int | None = None
         if cfg.memory_budget is not None:
             budget, baseline = budget_and_baseline(cfg, self.device)
+        assert cfg.store is not None
         store = GraphStore(cfg.store)
         layout = open_layout_for(cfg, store)
         y, splits, task = load_labels(store, cfg.task, self.device, cfg.split_seed)
@@ -126,7 +127,7 @@ class BufferedMini(BatchStrategy):
         avg_degree = layout.num_edges / max(1, layout.num_nodes)
         return plan_buffer(costs, budget, buffer_parts=cfg.buffer_parts, cache_bytes=cache, avg_degree=avg_degree)
 
-    def make_loader(self) -> PartitionBuffer:  # type: ignore[override]
+    def make_loader(self) -> PartitionBuffer:
         """The partition buffer over the layout's parts."""
         cfg, d = self.cfg, self.data
         fanouts = parse_fanouts(cfg.fanouts, cfg.layers)

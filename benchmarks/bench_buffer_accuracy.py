@@ -1,0 +1,88 @@
+"""Accuracy of training through a partition buffer against neighbour sampling in memory, over seeds.
+
+    python -m benchmarks.bench_buffer_accuracy [--datasets amazon-computers,coauthor-cs] [--seeds 5]
+
+For each data set (the Shchur et al. npz files in ``TRELLIS_DATA_DIR``): partition into ``--parts`` (METIS),
+then per seed train GraphSAGE three ways with the same hyperparameters and report test accuracy at the best
+validation epoch (exact layer-wise evaluation in every case):
+
+* ``memory``: ``--strategy mini`` (the whole graph sampled);
+* ``buffer+cache``: ``--buffer-parts K`` plus a cache of ``--cache-frac`` of the rows ranked by inclusion
+  probability (the design Trellis uses under a budget);
+* ``in-buffer only``: ``--buffer-parts K`` and ``--buffer-cache 0`` (MariusGNN's in-buffer sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _store(name: str, root: Path) -> Path:
+    from trellis.data.importers import import_graph
+
+    data = Path(os.environ.get("TRELLIS_DATA_DIR", ROOT.parent / "shared" / "data"))
+    src = data / name
+    if not src.exists():
+        raise SystemExit(f"{src}: not found; set TRELLIS_DATA_DIR")
+    return import_graph(src, root / name, progress=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--datasets", default="amazon-computers,coauthor-cs")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--parts", type=int, default=8)
+    p.add_argument("--buffer-parts", type=int, default=2)
+    p.add_argument("--cache-frac", type=float, default=0.125)
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--fanouts", default="10,5")
+    p.add_argument("--batch-size", type=int, default=256)
+    a = p.parse_args(argv)
+
+    from trellis.data.store import GraphStore
+    from trellis.partition import partition_graph
+    from trellis.partition.layout import write_layout
+    from trellis.train.config import TrainConfig
+    from trellis.train.trainer import train
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for name in a.datasets.split(","):
+            store = _store(name, root)
+            s = GraphStore(store)
+            layout = write_layout(s, partition_graph(s, "metis", a.parts, measure=False), root / f"{name}-p")
+            row_bytes = s.num_features * 4 + int(s.num_edges / s.num_nodes * 32) + 16
+            cache = int(a.cache_frac * s.num_nodes) * row_bytes
+            configs = {"memory": {}, "buffer+cache": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts,
+                                                          buffer_cache=str(cache)),
+                       "in-buffer only": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0")}
+            acc: dict[str, list[float]] = {k: [] for k in configs}
+            for seed in range(a.seeds):
+                for label, kw in configs.items():
+                    cfg = TrainConfig(store=str(store), strategy="mini", model="sage", hidden=64, fanouts=a.fanouts,
+                                      batch_size=a.batch_size, epochs=a.epochs, patience=a.epochs, seed=seed,
+                                      split_seed=seed, out=str(root / f"{name}-{label}-{seed}"), progress=False,
+                                      device="cpu", checkpoint_every=0, **kw)
+                    acc[label].append(float(train(cfg)["test_acc_mean"]))
+                print(name, seed, {k: round(v[-1], 4) for k, v in acc.items()}, flush=True)
+            results[name] = acc
+            ref = statistics.mean(acc["memory"])
+            print(f"\n{name}: {a.parts} parts, {a.buffer_parts} resident, cache {a.cache_frac:.1%} of rows, "
+                  f"{a.seeds} seeds (mean ± std test accuracy)")
+            for label, v in acc.items():
+                sd = statistics.stdev(v) if len(v) > 1 else 0.0
+                print(f"  {label:<16} {100 * statistics.mean(v):6.2f} ± {100 * sd:4.2f}   "
+                      f"{100 * (statistics.mean(v) - ref):+6.2f} points vs memory")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
