@@ -122,3 +122,51 @@ def test_buffer_batches_only_read_resident_rows(layout, sbm_store, capacity, cac
         assert all(torch.equal(a, b) for a, b in zip(again, first))
     finally:
         buf.close()
+
+
+@pytest.mark.parametrize("sizes,batch", [([10], 4), ([3, 5, 0, 9], 4), ([2, 2, 2], 8), ([7, 1], 1)])
+def test_steps_span_states(sizes, batch):
+    """An epoch takes ceil(T / B) optimizer steps of B targets, whichever states they come from."""
+    from trellis.loader.buffer import BufferState, cut_steps
+
+    states = [BufferState((0,), None, None, np.arange(n)) for n in sizes]
+    cut_steps(states, batch)
+    cuts = [c for s in states for c in s.cuts]
+    total = sum(sizes)
+    assert sum(c[2] for c in cuts) == -(-total // batch)  # steps
+    weight = 0.0
+    for lo, hi, end, w in cuts:
+        assert hi > lo and 0 < w <= 1
+        weight += w
+        if end:
+            assert weight == pytest.approx(1.0)
+            weight = 0.0
+    if len(sizes) == 1:
+        assert all(c[3] == 1.0 and c[2] for c in cuts)  # one state: mini's batches
+
+
+@pytest.mark.parametrize("capacity,cache", [(4, 0), (1, 0), (2, 60)])
+def test_layerwise_inference_over_the_buffer(layout, sbm_store, tmp_path, capacity, cache):
+    """All parts resident: exact layer-wise inference; fewer: the same shapes, each row computed once."""
+    from trellis.loader.buffer_inference import buffer_inference
+    from trellis.loader.inference import layerwise_inference
+    from trellis.nn.models import build_model
+
+    store = GraphStore(sbm_store)
+    train = np.asarray(store.split("train"), dtype=np.int64)
+    degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
+    torch.manual_seed(0)
+    model = build_model("sage", 16, 4, hidden=8, layers=2, dropout=0.0)
+    ref = layerwise_inference(model, store.indptr, store.indices, torch.from_numpy(np.array(store.x)))
+    buf = PartitionBuffer(layout, capacity, [5, 5], train, 16, y=None, degree=degree, cache_rows=cache, prefetch=0)
+    try:
+        rows = np.arange(0, store.num_nodes, 3)
+        got = buffer_inference(model, buf, tmp_path, rows=rows)
+        assert got.shape == (rows.shape[0], 4)
+        if capacity == 4:
+            torch.testing.assert_close(got, ref[rows], rtol=1e-5, atol=1e-6)
+        else:
+            assert not torch.allclose(got, ref[rows])  # neighbours outside the buffer are left out
+        assert len(list(buf.epoch(0))) > 0  # training goes on after an evaluation
+    finally:
+        buf.close()

@@ -160,3 +160,16 @@ def test_sampler_processes_give_the_same_losses(sbm_store, tmp_path):
     assert _losses(tmp_path / "procs") == _losses(tmp_path / "threads")
     with pytest.raises(TrellisUserError, match="--samplers"):
         _cfg(sbm_store, tmp_path / "bad", samplers=-1)
+
+
+def test_budget_runs_evaluate_over_the_buffer(sbm_store, p4, tmp_path):
+    """Under --memory-budget, evaluation runs layer-wise over the buffer; with every part resident it is exact."""
+    exact = trainer.train(_cfg(sbm_store, tmp_path / "exact", parts_dir=str(p4)))
+    buffered = trainer.train(_cfg(sbm_store, tmp_path / "buf", parts_dir=str(p4), memory_budget="8G",
+                                  buffer_parts=4))
+    assert buffered["evaluation"] == "buffer" and exact["evaluation"] == "exact"
+    assert _losses(tmp_path / "buf") == _losses(tmp_path / "exact")
+    assert buffered["test_acc"] == pytest.approx(exact["test_acc"], abs=2e-3)
+    small = trainer.train(_cfg(sbm_store, tmp_path / "k1", parts_dir=str(p4), memory_budget="8G", buffer_parts=1,
+                               buffer_cache="0"))
+    assert 0.0 < small["test_acc_mean"] <= 1.0

@@ -42,6 +42,9 @@ class Batch:
         index: Position of the batch in its epoch.
         seed: The per-batch seed its random choices were drawn from (reproduces the batch).
         stats: Free-form counts (sampled edges per layer, ...) for benchmarks and logs.
+        step_end: The last batch of its optimizer step (a partition buffer builds a step that spans two
+            buffer states as one batch per state, and the trainer accumulates their gradients).
+        step_weight: The batch's share of its step's targets (1 for a whole step).
     """
 
     blocks: list[CSRGraph]
@@ -53,6 +56,8 @@ class Batch:
     index: int = 0
     seed: int = 0
     stats: dict[str, float] = field(default_factory=dict)
+    step_end: bool = True
+    step_weight: float = 1.0
 
     @property
     def targets(self) -> Tensor:

@@ -115,6 +115,8 @@ class BufferState:
         leaves: The part evicted when this state begins (None for the first state).
         targets: Global ids of this state's targets, in batch order.
         first_batch: Index (within the epoch) of the state's first batch.
+        cuts: The state's batches as ``(start, stop, step_end, weight)`` over ``targets`` (see
+            :func:`cut_steps`).
     """
 
     parts: tuple[int, ...]
@@ -122,10 +124,37 @@ class BufferState:
     leaves: int | None
     targets: np.ndarray
     first_batch: int = 0
+    cuts: list[tuple[int, int, bool, float]] = field(default_factory=list)
 
     def num_batches(self, batch_size: int) -> int:
-        """Batches of this state (its last may be smaller)."""
-        return -(-int(self.targets.shape[0]) // batch_size)
+        """Batches of this state."""
+        return len(self.cuts)
+
+
+def cut_steps(states: Sequence[BufferState], batch_size: int) -> None:
+    """Cut the epoch's targets, in state order, into optimizer steps of ``batch_size``; set each state's ``cuts``.
+
+    Why steps span states: a state holds about ``T / (P - K + 1)`` targets; cut per state, an epoch would take
+    many more, smaller and more skewed optimizer steps than in memory (on a small training set, one tiny step
+    per state). Here step ``j`` is targets ``[jB, (j+1)B)`` of the concatenation, and a step that crosses a
+    state boundary is built as one batch per state whose gradients the trainer accumulates (``weight`` is a
+    batch's share of the step's targets; ``step_end`` marks the step's last batch). With one state every
+    batch is a whole step, as ``--strategy mini`` cuts them.
+    """
+    total = sum(int(s.targets.shape[0]) for s in states)
+    start = 0
+    for s in states:
+        n = int(s.targets.shape[0])
+        s.cuts = []
+        a = 0
+        while a < n:
+            pos = start + a
+            step = pos // batch_size
+            step_lo, step_hi = step * batch_size, min((step + 1) * batch_size, total)
+            b = min(n, step_hi - start)
+            s.cuts.append((a, b, start + b == step_hi, (b - a) / (step_hi - step_lo)))
+            a = b
+        start += n
 
 
 @dataclass
@@ -561,6 +590,7 @@ class PartitionBuffer:
         order = self.train_ids[rng.permutation(self.train_ids.shape[0])]  # as NeighborLoader.plan draws it
         srng = np.random.default_rng(mix64(self.seed, epoch_seed, 0xB0FF) >> 1)
         states = buffer_states(self.num_parts, self.capacity, self.node_part[order], order, srng)
+        cut_steps(states, self.batch_size)
         first = 0
         for s in states:
             s.first_batch = first
@@ -582,9 +612,10 @@ class PartitionBuffer:
     def _build(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch,
                j: int) -> Batch:
         index = state.first_batch + j
-        seeds = state.targets[j * self.batch_size:(j + 1) * self.batch_size]
-        batch = sampler.sample(seeds, batch_seed(self.seed, plan.epoch, index))
+        lo, hi, step_end, weight = state.cuts[j]
+        batch = sampler.sample(state.targets[lo:hi], batch_seed(self.seed, plan.epoch, index))
         batch.index = index
+        batch.step_end, batch.step_weight = step_end, weight
         ids = batch.node_ids.numpy()
         with self._lock:
             self.stats.inputs += int(ids.shape[0])
@@ -610,6 +641,11 @@ class PartitionBuffer:
             if p not in self.slot_of_part:
                 slot = self.free_slots.pop()
                 self._activate(p, slot, self._load(p, slot))
+
+    def release(self) -> None:
+        """Evict every resident part (their slots are free for other use; the next epoch reads them again)."""
+        for p in list(self.slot_of_part):
+            self._evict(p)
 
     def _produce(self, plan: BufferEpoch) -> Iterator[Batch]:
         stats = self.stats

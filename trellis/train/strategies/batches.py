@@ -68,16 +68,23 @@ class BatchStrategy(GraphStrategy):
         count = 0
         steps = 0
         batches = self._epoch_batches(_epoch_seed())
+        open_step = False  # gradients were zeroed for the step in progress
+        backed = False  # some batch of the step in progress back-propagated a loss
         for batch in batches:
-            optimizer.zero_grad(set_to_none=True)
+            if not open_step:
+                optimizer.zero_grad(set_to_none=True)
+                open_step = True
             loss, n = self._loss(model, batch, task)
-            if loss is None:
-                continue
-            loss.backward()
-            optimizer.step()
-            total += loss.detach().to(torch.float64) * n
-            count += n
-            steps += 1
+            if loss is not None:
+                (loss if batch.step_weight == 1.0 else loss * batch.step_weight).backward()
+                backed = True
+                total += loss.detach().to(torch.float64) * n
+                count += n
+            if batch.step_end:  # a partition buffer's step may span batches of two buffer states
+                if backed:
+                    optimizer.step()
+                    steps += 1
+                open_step = backed = False
         self.last_epoch = {"batches": float(steps), "targets": float(count),
                            "wait_s": float(getattr(batches, "wait_s", 0.0))}
         if self._producer is not None:

@@ -8,12 +8,15 @@ task only; its ``x.npy`` is never read, so a graph needs one copy of its feature
 
 With every part resident (``--buffer-parts P``, no cache) an epoch is one buffer state and its batches are
 ``--strategy mini``'s, bit for bit. Evaluation is exact layer-wise inference over the whole graph, with input
-rows read from the layout's memory maps (it holds one ``[N, hidden]`` matrix per layer).
+rows read from the layout's memory maps (it holds one ``[N, hidden]`` matrix per layer); under
+``--memory-budget`` it runs layer-wise over the buffer instead (:mod:`trellis.loader.buffer_inference`),
+within the budget, with the buffer's neighbourhoods (exact when every part is resident).
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from trellis.data.store import GraphStore, feature_norm_of
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
 from trellis.loader.buffer import LayoutRows, PartitionBuffer
+from trellis.loader.buffer_inference import buffer_inference
 from trellis.loader.features import NormalizedRows
 from trellis.partition.base import methods_of_ownership
 from trellis.partition.layout import PartitionedGraph, part_dir_name
@@ -63,7 +67,8 @@ def open_layout_for(cfg: TrainConfig, store: GraphStore) -> PartitionedGraph:
 class BufferedMini(BatchStrategy):
     """``--strategy mini`` over a partitioned layout with a partition buffer (see the module docstring)."""
 
-    options = frozenset({"labor", "prefetch", "parts_dir", "nproc", "memory_budget", "buffer_parts", "buffer_cache"})
+    options = frozenset({"labor", "prefetch", "parts_dir", "nproc", "memory_budget", "buffer_parts", "buffer_cache",
+                         "spill_dir"})
 
     def load(self) -> None:
         """Open the store (labels, splits, degrees) and the layout; plan the residency; start the buffer."""
@@ -141,6 +146,13 @@ class BufferedMini(BatchStrategy):
                   f"{self.plan.cache_rows:,} rows filled in {buf.cache_fill_s:.1f} s", file=sys.stderr)
         return buf
 
+    def _infer(self, model: torch.nn.Module, rows: np.ndarray | None = None) -> torch.Tensor:
+        """Exact layer-wise inference without a budget; under one, layer-wise over the buffer (within it)."""
+        if self.plan.budget is None:
+            return super()._infer(model, rows)
+        with tempfile.TemporaryDirectory(prefix="trellis-eval-", dir=self.cfg.spill_dir) as tmp:
+            return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device)
+
     def epoch_info(self) -> dict[str, Any]:
         """The epoch's batches and the buffer's reads, waits and cache hits."""
         return {**self.last_epoch, **self.loader.stats.as_metrics()}
@@ -149,7 +161,8 @@ class BufferedMini(BatchStrategy):
         """The residency the run trained with."""
         p = self.plan
         return {**super().summary_info(), "buffer_parts": p.capacity, "num_parts": self.layout.num_parts,
-                "cache_rows": p.cache_rows, "memory_budget_bytes": p.budget}
+                "cache_rows": p.cache_rows, "memory_budget_bytes": p.budget,
+                "evaluation": "exact" if p.budget is None else "buffer"}
 
     def explain(self, model: torch.nn.Module) -> str:
         """The residency table (the model's plan is the mini-batch one)."""
