@@ -173,3 +173,28 @@ def test_budget_runs_evaluate_over_the_buffer(sbm_store, p4, tmp_path):
     small = trainer.train(_cfg(sbm_store, tmp_path / "k1", parts_dir=str(p4), memory_budget="8G", buffer_parts=1,
                                buffer_cache="0"))
     assert 0.0 < small["test_acc_mean"] <= 1.0
+
+
+def test_kill_9_mid_epoch_and_resume_give_the_uninterrupted_losses(sbm_store, p4, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.train.helpers import wait_for_epochs
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    args = ["--strategy", "mini", "--model", "sage", "--fanouts", "4,3", "--batch-size", "16", "--hidden", "16",
+            "--parts-dir", str(p4), "--nproc", "1", "--buffer-parts", "2", "--device", "cpu"]
+    proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(sbm_store), *args, "--epochs", "400",
+                             "--patience", "400", "--checkpoint-every", "1", "--no-progress", "--out", str(out)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_epochs(out, proc, 3)
+    proc.kill()
+    proc.wait(timeout=60)
+    cfg = json.loads((out / "config.json").read_text())
+    epochs = len(metrics_without_timing(out)) + 2
+    trainer.train(TrainConfig.from_dict({**cfg, "resume": str(out), "epochs": epochs, "progress": False}))
+    ref = {**cfg, "out": str(tmp_path / "ref"), "epochs": epochs, "progress": False, "checkpoint_every": 0}
+    trainer.train(TrainConfig.from_dict(ref))
+    assert _losses(out) == _losses(tmp_path / "ref")
