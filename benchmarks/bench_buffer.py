@@ -1,6 +1,7 @@
 """Mini-batch training beyond memory: the partition buffer against the same training in memory and a memory map.
 
     python -m benchmarks.bench_buffer beyond --store STORE --parts PART_DIR [--cap 3G --budget 2400M]
+    python -m benchmarks.bench_buffer producer --store STORE       # --samplers 1: epoch vs its two halves
 
 Runs, one after another (never two at once: this machine has 2 cores):
 
@@ -159,6 +160,55 @@ def child_prep(a: argparse.Namespace) -> None:
     print(json.dumps({"batches": n, "seconds": dt, "batches_per_s": n / dt, "rows": rows}))
 
 
+def producer(a: argparse.Namespace) -> None:
+    """One sampler process beside the trainer: the epoch against its sampling-only and training-only parts.
+
+    ``--strategy mini --samplers 1`` on ``--store``: (1) the epoch's batches from the sampler process with no
+    model (sampling-only), (2) the same batches trained from memory with no preparation (training-only),
+    (3) the whole epoch with the sampler process preparing while the trainer trains. On 2 cores the sampler
+    process (one thread) and the trainer (its torch threads) share them.
+    """
+    import torch
+
+    from trellis.loader.producer import BatchProducer, ProducerOptions
+    from trellis.train.build import build_run_optimizer, default_model_factory
+    from trellis.train.config import TrainConfig
+    from trellis.train.strategies import strategy_class
+
+    cfg = TrainConfig(store=a.store, strategy="mini", model="sage", hidden=a.hidden, fanouts=a.fanouts,
+                      batch_size=a.batch_size, epochs=1, progress=False, device="cpu", prefetch=2, samplers=1)
+    strategy = strategy_class("mini").for_config(cfg)(cfg, torch.device("cpu"))
+    strategy.load()
+    torch.manual_seed(0)
+    model = strategy.build_model(default_model_factory)
+    opt = build_run_optimizer(cfg, model)
+    with BatchProducer(strategy.loader, ProducerOptions.from_flags(1, prefetch=2)).start() as prod:
+        list(prod.epoch(0))  # warm-up: worker start, numba caches
+        t0 = time.perf_counter()
+        kept = [b.to("cpu") for b in prod.epoch(1)]  # sampling only (the consumer only keeps them)
+        sampling = time.perf_counter() - t0
+    model.train()
+    t0 = time.perf_counter()
+    for b in kept:  # training only
+        opt.zero_grad(set_to_none=True)
+        loss, _ = strategy._loss(model, b, strategy.task)
+        loss.backward()
+        opt.step()
+    training = time.perf_counter() - t0
+    del kept
+    strategy.train_step(model, opt, strategy.task, 0)  # starts the strategy's own sampler process
+    t0 = time.perf_counter()
+    strategy.train_step(model, opt, strategy.task, 1)
+    both = time.perf_counter() - t0
+    strategy.close()
+    bound = max(sampling, training)
+    for name, v in (("sampling only (1 sampler process)", sampling), ("training only (batches in memory)", training),
+                    ("epoch with --samplers 1", both)):
+        print(f"{name:<40} {v:8.2f} s")
+    print(f"{'epoch / max(sampling, training)':<40} {both / bound:8.2f}x  (goal <= 1.1x)")
+    print(json.dumps({"sampling_s": sampling, "training_s": training, "epoch_s": both, "ratio": both / bound}))
+
+
 # ---- driver -------------------------------------------------------------------------------------------
 def beyond(a: argparse.Namespace) -> None:
     parts = Path(a.parts)
@@ -201,9 +251,9 @@ def beyond(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cmd", choices=["beyond", "_epoch", "_prep"])
+    p.add_argument("cmd", choices=["beyond", "producer", "_epoch", "_prep"])
     p.add_argument("--store", required=True)
-    p.add_argument("--parts", required=True)
+    p.add_argument("--parts")
     p.add_argument("--cap", default="3G")
     p.add_argument("--budget", default="2400M")
     p.add_argument("--buffer-parts", type=int, default=0)
@@ -216,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, default=5)
     p.add_argument("--mode", default="buffer")
     a = p.parse_args(argv)
-    {"beyond": beyond, "_epoch": child_epoch, "_prep": child_prep}[a.cmd](a)
+    {"beyond": beyond, "producer": producer, "_epoch": child_epoch, "_prep": child_prep}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--method", default="metis", help="partitioner of the layout (default: metis)")
     p.add_argument("--configs", default="memory,buffer+cache,in-buffer only")
+    p.add_argument("--store", help="a store (e.g. a generated graph) instead of --datasets")
+    p.add_argument("--layout", help="--store's partitioned layout (default: partition it here)")
+    p.add_argument("--cache-buffer-parts", type=int, default=0,
+                   help="resident parts of the buffer+cache configuration (default: --buffer-parts)")
+    p.add_argument("--hidden", type=int, default=64)
     a = p.parse_args(argv)
 
     from trellis.data.store import GraphStore
@@ -57,24 +62,33 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for name in a.datasets.split(","):
-            store = _store(name, root)
+        names = [a.store] if a.store else a.datasets.split(",")
+        for name in names:
+            store = Path(a.store) if a.store else _store(name, root)
             s = GraphStore(store)
-            layout = write_layout(s, partition_graph(s, a.method, a.parts, measure=False), root / f"{name}-p")
+            per_class = s.manifest.get("source", {}).get("split") == "per-class"
+            name = Path(name).name
+            layout = (Path(a.layout) if a.layout else
+                      write_layout(s, partition_graph(s, a.method, a.parts, measure=False), root / f"{name}-p"))
             row_bytes = s.num_features * 4 + int(s.num_edges / s.num_nodes * 32) + 16
             cache = int(a.cache_frac * s.num_nodes) * row_bytes
-            configs = {"memory": {}, "buffer+cache": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts,
+            configs = {"memory": {}, "buffer+cache": dict(parts_dir=str(layout),
+                                                          buffer_parts=a.cache_buffer_parts or a.buffer_parts,
                                                           buffer_cache=str(cache)),
                        "in-buffer only": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0")}
             configs = {k: v for k, v in configs.items() if k in a.configs.split(",")}
             acc: dict[str, list[float]] = {k: [] for k in configs}
+            epoch_s: dict[str, list[float]] = {k: [] for k in configs}
             for seed in range(a.seeds):
                 for label, kw in configs.items():
-                    cfg = TrainConfig(store=str(store), strategy="mini", model="sage", hidden=64, fanouts=a.fanouts,
-                                      batch_size=a.batch_size, epochs=a.epochs, patience=a.epochs, seed=seed,
-                                      split_seed=seed, out=str(root / f"{name}-{label}-{seed}"), progress=False,
-                                      device="cpu", checkpoint_every=0, **kw)
-                    acc[label].append(float(train(cfg)["test_acc_mean"]))
+                    cfg = TrainConfig(store=str(store), strategy="mini", model="sage", hidden=a.hidden,
+                                      fanouts=a.fanouts, batch_size=a.batch_size, epochs=a.epochs, patience=a.epochs,
+                                      seed=seed, split_seed=seed if per_class else None,
+                                      out=str(root / f"{name}-{label}-{seed}"), progress=False, device="cpu",
+                                      checkpoint_every=0, **kw)
+                    summary = train(cfg)
+                    acc[label].append(float(summary["test_acc_mean"]))
+                    epoch_s[label].append(float(summary["epoch_time_s_median"]))
                 print(name, seed, {k: round(v[-1], 4) for k, v in acc.items()}, flush=True)
             results[name] = acc
             ref = statistics.mean(acc["memory"]) if "memory" in acc else 0.0
@@ -83,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
             for label, v in acc.items():
                 sd = statistics.stdev(v) if len(v) > 1 else 0.0
                 print(f"  {label:<16} {100 * statistics.mean(v):6.2f} ± {100 * sd:4.2f}   "
-                      f"{100 * (statistics.mean(v) - ref):+6.2f} points vs memory")
+                      f"{100 * (statistics.mean(v) - ref):+6.2f} points vs memory   "
+                      f"training step {statistics.median(epoch_s[label]):.2f} s (median)")
     print(json.dumps(results))
 
 

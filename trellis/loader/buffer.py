@@ -508,6 +508,14 @@ class PartitionBuffer:
 
     def _load(self, part: int, slot: int) -> PartRows:
         """Read part ``part`` into ``slot``: its rows (normalized) and its in-edges."""
+        t0 = time.perf_counter()
+        try:
+            return self._read_part(part, slot)
+        finally:
+            with self._lock:
+                self.stats.extra["read_s"] = self.stats.extra.get("read_s", 0.0) + time.perf_counter() - t0
+
+    def _read_part(self, part: int, slot: int) -> PartRows:
         nl = int(self.part_rows[part])
         rows = self.arena[slot * self.max_rows: slot * self.max_rows + nl]
         read_npy(self._part_file(part, "x.npy"), rows)
@@ -669,7 +677,9 @@ class PartitionBuffer:
                     assert nxt is not None
                     pending_slot = self.free_slots.pop()
                     pending = self._io.submit(self._load, nxt, pending_slot)
+                t0 = time.perf_counter()
                 sampler, kept, total = self._state_sampler(state)
+                stats.extra["state_build_s"] = stats.extra.get("state_build_s", 0.0) + time.perf_counter() - t0
                 eids = self._state_eids
                 assert eids is not None
                 stats.edges_kept += kept
