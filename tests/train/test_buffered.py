@@ -126,7 +126,7 @@ def test_bad_input(sbm_store, p4, tmp_path, kw, match):
 
 
 def test_buffer_flags_need_a_layout(sbm_store, tmp_path):
-    with pytest.raises(TrellisUserError, match="--buffer-parts applies to --strategy mini with --parts-dir"):
+    with pytest.raises(TrellisUserError, match="--buffer-parts applies to --strategy mini or cluster with --parts-dir"):
         _cfg(sbm_store, tmp_path / "x", buffer_parts=2)
 
 
@@ -198,3 +198,16 @@ def test_kill_9_mid_epoch_and_resume_give_the_uninterrupted_losses(sbm_store, p4
     ref = {**cfg, "out": str(tmp_path / "ref"), "epochs": epochs, "progress": False, "checkpoint_every": 0}
     trainer.train(TrainConfig.from_dict(ref))
     assert _losses(out) == _losses(tmp_path / "ref")
+
+
+def test_cluster_batches_from_the_buffer(sbm_store, p4, tmp_path):
+    """``--strategy cluster --parts-dir``: one batch per buffer state; all parts resident = full-batch training."""
+    kw = dict(model="sage", dropout=0.0, epochs=3, fanouts=None)
+    full = trainer.train(_cfg(sbm_store, tmp_path / "full", strategy="full", **kw))
+    trainer.train(_cfg(sbm_store, tmp_path / "c4", strategy="cluster", parts_dir=str(p4), **kw))
+    np.testing.assert_allclose(_losses(tmp_path / "c4"), _losses(tmp_path / "full"), rtol=1e-5)
+    assert full["test_acc_mean"] > 0
+    k2 = trainer.train(_cfg(sbm_store, tmp_path / "c2", strategy="cluster", parts_dir=str(p4), buffer_parts=2, **kw))
+    recs = metrics_without_timing(tmp_path / "c2")
+    assert all(r["buffer_states"] == 3 and r["batches"] == 3 for r in recs)
+    assert k2["buffer_parts"] == 2

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import Batch, attach_edge_data
+from trellis.loader.cluster import induced_subgraph, prefix_blocks
 from trellis.loader.features import FeatureGather, FeatureSource, expand_ranges, gather_rows, normalize_rows_, np_int64
 from trellis.loader.prefetch import prefetch_iter
 from trellis.loader.sampler import NeighborSampler, batch_seed, mix64
@@ -432,12 +433,16 @@ class PartitionBuffer:
         device: Where batches are delivered.
         prefetch: Batches prepared ahead on the producer thread.
         edge_weight / edge_feat: Edge data by the store's edge id (None = none).
+        cluster_layers: Cluster-batch mode for a model of this many layers (0 = neighbour batches): every
+            buffer state is one batch, the subgraph induced by its resident parts (GraphTheta's cluster-batch
+            with clusters = parts), with the loss on the state's targets.
     """
 
     def __init__(self, layout: PartitionedGraph, capacity: int, fanouts: Sequence[int], train_ids: np.ndarray,
                  batch_size: int, *, y: Tensor | None, degree: np.ndarray, feature_norm: str = "none",
                  cache_rows: int = 0, labor: bool = False, seed: int = 0, device: torch.device | str = "cpu",
-                 prefetch: int = 2, edge_weight: Tensor | None = None, edge_feat: Tensor | None = None) -> None:
+                 prefetch: int = 2, edge_weight: Tensor | None = None, edge_feat: Tensor | None = None,
+                 cluster_layers: int = 0) -> None:
         self.layout = layout
         self.path = Path(layout.path)
         self.num_parts = layout.num_parts
@@ -453,6 +458,7 @@ class PartitionBuffer:
         self.feature_norm = feature_norm
         self.y = y
         self.edge_weight, self.edge_feat = edge_weight, edge_feat
+        self.cluster_layers = int(cluster_layers)
         parts_info = layout.manifest["parts"]
         self.part_rows = np.array([int(p["num_local"]) for p in parts_info], dtype=np.int64)
         self.max_rows = int(self.part_rows.max()) if self.part_rows.size else 0
@@ -641,6 +647,29 @@ class PartitionBuffer:
             return batch.to(self.device, non_blocking=True)
         return batch
 
+    def _cluster_batch(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch,
+                       k: int) -> Batch:
+        """The state as one cluster-batch: the subgraph induced by its resident parts, loss on its targets."""
+        nodes = np.concatenate([self.pieces[p].rows for p in state.parts])
+        sub_ip, sub_ix, pos, node_ids, hop_ends = induced_subgraph(sampler.indptr, sampler.indices, nodes,
+                                                                   local_of=sampler._scratch.get())
+        ids_t = torch.from_numpy(node_ids)
+        blocks = prefix_blocks(sub_ip, sub_ix, hop_ends, self.cluster_layers, ids_t)
+        if self.edge_weight is not None or self.edge_feat is not None:
+            blocks[0].edge_ids = torch.from_numpy(eids[pos])
+            attach_edge_data(blocks, self.edge_weight, self.edge_feat)
+        mask = np.zeros(self.num_nodes, dtype=bool)
+        mask[state.targets] = True
+        batch = Batch(blocks=blocks, node_ids=ids_t, num_targets=int(node_ids.shape[0]),
+                      loss_mask=torch.from_numpy(mask[node_ids]), index=k,
+                      seed=int(batch_seed(self.seed, plan.epoch, k)))
+        with self._lock:
+            self.stats.inputs += int(node_ids.shape[0])
+        batch.x = self.features.gather(batch.node_ids, k)
+        if self.y is not None:
+            batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
+        return batch.to(self.device, non_blocking=True) if self.device.type != "cpu" else batch
+
     def _ensure(self, parts: Sequence[int]) -> None:
         """Make ``parts`` resident (the epoch's first state): evict others, read the missing ones."""
         for p in [p for p in self.slot_of_part if p not in parts]:
@@ -685,6 +714,9 @@ class PartitionBuffer:
                 stats.edges_kept += kept
                 stats.edges_total += total
                 stats.states += 1
+                if self.cluster_layers:
+                    yield self._cluster_batch(sampler, eids, state, plan, k)
+                    continue
                 for j in range(state.num_batches(self.batch_size)):
                     yield self._build(sampler, eids, state, plan, j)
         finally:

@@ -35,6 +35,7 @@ class BufferCosts:
         model_bytes: Parameters, gradients and optimizer state.
         batch_bytes: Feature rows and activations of the batches in flight.
         baseline: The process's ``RssAnon`` before any of it (interpreter, torch, compiled kernels).
+        batch_bytes_per_slot: What a batch costs per resident part (cluster-batches hold every resident row).
     """
 
     num_nodes: int
@@ -45,11 +46,13 @@ class BufferCosts:
     model_bytes: int
     batch_bytes: int
     baseline: int
+    batch_bytes_per_slot: int = 0
 
     @property
     def slot_bytes(self) -> int:
         """One part slot: its rows, its in-edges (source and edge id) and their share of the state CSR."""
-        return self.part_rows * self.row_bytes + self.part_edges * 32 + self.part_rows * 16
+        return (self.part_rows * self.row_bytes + self.part_edges * 32 + self.part_rows * 16
+                + self.batch_bytes_per_slot)
 
     @property
     def fixed_bytes(self) -> int:

@@ -322,13 +322,13 @@ class TrainConfig:
         if self.buffer_parts is not None:
             _check_range("buffer_parts", self.buffer_parts, 1)
         _check_range("samplers", self.samplers, 0)
-        if self.samplers > 0 and self.parts_dir is not None and self.strategy == "mini":
+        if self.samplers > 0 and self.parts_dir is not None and self.strategy in ("mini", "cluster"):
             raise TrellisUserError("--samplers with --parts-dir: the partition buffer prepares its batches in this "
                                    "process so far; drop --samplers")
         for flag_name, value in (("--buffer-parts", self.buffer_parts), ("--buffer-cache", self.buffer_cache)):
-            if value is not None and (self.parts_dir is None or self.strategy != "mini"):
-                raise TrellisUserError(f"{flag_name} applies to --strategy mini with --parts-dir PART_DIR (a partition "
-                                       "buffer); add them or drop it")
+            if value is not None and (self.parts_dir is None or self.strategy not in ("mini", "cluster")):
+                raise TrellisUserError(f"{flag_name} applies to --strategy mini or cluster with --parts-dir PART_DIR "
+                                       "(a partition buffer); add them or drop it")
         if self.buffer_cache is not None:
             parse_size(self.buffer_cache, flag="--buffer-cache")
         if self.nproc is not None and self.parts_dir is None:

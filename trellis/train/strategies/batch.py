@@ -23,7 +23,7 @@ from trellis.loader.cluster import ClusterLoader, cluster_assignment
 from trellis.loader.sampler import NeighborLoader, NeighborSampler
 from trellis.train.config import TrainConfig
 from trellis.train.strategies.batches import BatchStrategy
-from trellis.train.strategies.buffered import BufferedMini
+from trellis.train.strategies.buffered import BufferedCluster, BufferedMini
 from trellis.train.strategy import Strategy, register_strategy
 
 
@@ -55,6 +55,11 @@ class ClusterBatch(BatchStrategy):
     """Cluster-batches (``--strategy cluster``): Cluster-GCN with GraphTheta's optional boundary."""
 
     options = frozenset({"clusters", "clusters_per_batch", "boundary_hops", "cluster_method", "prefetch", "samplers"})
+
+    @classmethod
+    def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
+        """:class:`~trellis.train.strategies.buffered.BufferedCluster` with ``--parts-dir``, else this class."""
+        return BufferedCluster if cfg.parts_dir is not None else cls
 
     def make_loader(self) -> ClusterLoader:
         """Cluster the graph once and load groups of clusters."""

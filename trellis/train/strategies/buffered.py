@@ -117,30 +117,43 @@ class BufferedMini(BatchStrategy):
         edges = max(int(np.load(layout.path / part_dir_name(i) / "indices.npy", mmap_mode="r").shape[0])
                     for i in range(layout.num_parts))
         dim = self.spec.in_dim
-        fanouts = parse_fanouts(cfg.fanouts, cfg.layers)
-        inputs, frontier = cfg.batch_size, cfg.batch_size
-        for f in fanouts:
-            frontier *= max(1, f) if f > 0 else 32
-            inputs += frontier
-        inputs = min(inputs, layout.num_nodes)
-        batch_bytes = int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5)
+        batch_bytes, per_slot = self._batch_bytes(layout, rows, dim)
         h = cfg.hidden
         params = dim * h * 2 + h * h * 2 * max(0, cfg.layers - 2) + h * self.spec.out_dim * 2
         costs = BufferCosts(layout.num_nodes, layout.num_parts, rows, edges, dim * 4, params * 16, batch_bytes,
-                            baseline)
+                            baseline, per_slot)
         cache = None if cfg.buffer_cache is None else parse_size(cfg.buffer_cache, flag="--buffer-cache")
+        if self.cluster_mode:
+            cache = 0  # a cluster-batch is the induced subgraph of the resident parts: no rows from outside
         avg_degree = layout.num_edges / max(1, layout.num_nodes)
         return plan_buffer(costs, budget, buffer_parts=cfg.buffer_parts, cache_bytes=cache, avg_degree=avg_degree)
+
+    def _batch_bytes(self, layout: PartitionedGraph, part_rows: int, dim: int) -> tuple[int, int]:
+        """Bytes of the batches in flight: ``(fixed, per resident part)`` (neighbour batches: fixed only)."""
+        cfg = self.cfg
+        inputs, frontier = cfg.batch_size, cfg.batch_size
+        for f in self._fanouts():
+            frontier *= max(1, f) if f > 0 else 32
+            inputs += frontier
+        inputs = min(inputs, layout.num_nodes)
+        return int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5), 0
+
+    def _fanouts(self) -> list[int]:
+        return parse_fanouts(self.cfg.fanouts, self.cfg.layers)
+
+    #: Cluster-batch mode (``--strategy cluster``): one batch per buffer state.
+    cluster_mode = False
 
     def make_loader(self) -> PartitionBuffer:
         """The partition buffer over the layout's parts."""
         cfg, d = self.cfg, self.data
-        fanouts = parse_fanouts(cfg.fanouts, cfg.layers)
+        fanouts = self._fanouts()
         degree = np.diff(np.asarray(self.indptr)).astype(np.float32)
         buf = PartitionBuffer(self.layout, self.plan.capacity, fanouts, d.splits["train"].cpu().numpy(),
                               cfg.batch_size, y=d.y, degree=degree, feature_norm=self.feature_norm,
                               cache_rows=self.plan.cache_rows, labor=cfg.labor, device=self.device,
-                              prefetch=cfg.prefetch, edge_weight=d.edge_weight, edge_feat=d.edge_feat)
+                              prefetch=cfg.prefetch, edge_weight=d.edge_weight, edge_feat=d.edge_feat,
+                              cluster_layers=cfg.layers if self.cluster_mode else 0)
         if cfg.progress and self.plan.cache_rows:
             print(f"buffer: {self.plan.capacity} of {self.layout.num_parts} parts resident, cache of "
                   f"{self.plan.cache_rows:,} rows filled in {buf.cache_fill_s:.1f} s", file=sys.stderr)
@@ -176,4 +189,25 @@ class BufferedMini(BatchStrategy):
         super().close()
 
 
-__all__ = ["BufferedMini", "open_layout_for"]
+class BufferedCluster(BufferedMini):
+    """``--strategy cluster --parts-dir``: GraphTheta's cluster-batch with clusters = the buffer's resident parts.
+
+    Every buffer state is one batch: the subgraph induced by its K resident parts (GCN normalizes by the
+    subgraph's degrees, as Cluster-GCN does), with the loss on the training nodes the state was assigned, so
+    each is a target once per epoch. The reads, the residency plan and the evaluation are the mini-batch
+    buffer's.
+    """
+
+    options = frozenset({"prefetch", "parts_dir", "nproc", "memory_budget", "buffer_parts", "spill_dir"})
+    cluster_mode = True
+
+    def _fanouts(self) -> list[int]:
+        return [-1] * self.cfg.layers
+
+    def _batch_bytes(self, layout: PartitionedGraph, part_rows: int, dim: int) -> tuple[int, int]:
+        """A cluster-batch holds every resident row: its inputs and activations scale with K."""
+        width = max(dim, self.cfg.hidden)
+        return 0, int(part_rows * width * 4 * (self.cfg.prefetch + 2) * 1.5)
+
+
+__all__ = ["BufferedCluster", "BufferedMini", "open_layout_for"]
