@@ -211,3 +211,19 @@ def test_cluster_batches_from_the_buffer(sbm_store, p4, tmp_path):
     recs = metrics_without_timing(tmp_path / "c2")
     assert all(r["buffer_states"] == 3 and r["batches"] == 3 for r in recs)
     assert k2["buffer_parts"] == 2
+
+
+def test_predict_a_buffer_run_from_the_layout(sbm_store, p4, tmp_path):
+    """``trellis predict`` on a buffer run reads the layout (the store may have moved its features there)."""
+    from trellis.train.predict import predict
+
+    store = tmp_path / "store"
+    shutil.copytree(sbm_store, store)
+    GraphStore(store).move_features(p4)
+    summary = trainer.train(_cfg(store, tmp_path / "run", parts_dir=str(p4), buffer_parts=2, dropout=0.0))
+    got = predict(tmp_path / "run", store, tmp_path / "pred.npy", device="cpu")
+    pred = np.load(tmp_path / "pred.npy")
+    y = np.asarray(GraphStore(store).y)
+    test = np.asarray(GraphStore(store).split("test"))
+    assert got["num_nodes"] == 500 and pred.shape == (500,)
+    assert (pred[test] == y[test]).mean() == pytest.approx(summary["test_acc_mean"], abs=1e-9)

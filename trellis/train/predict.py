@@ -111,6 +111,9 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     if saved.get("format") != MODEL_FORMAT:
         raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
     run_cfg = read_json(open_run_dir(run_dir).config)
+    if run_cfg.get("parts_dir") and run_cfg.get("strategy") in ("mini", "cluster"):
+        return _predict_buffered(saved, run_dir, run_cfg, store, out_path, r, proba,
+                                 memory_budget or run_cfg.get("memory_budget"), spill_dir, model_factory)
     if memory_budget is None and run_cfg.get("strategy", "full") == "full":
         memory_budget = run_cfg.get("memory_budget")
     if memory_budget is not None:
@@ -165,6 +168,35 @@ def _predict_out_of_core(saved: dict[str, Any], run_dir: Path, run_cfg: dict[str
     logits, emb_dim = predict_out_of_core(cfg, model, task, emb_path)
     source = "penultimate" if len(getattr(model, "convs", ())) > 1 else "features"
     return _write(out_path, logits, None, source, task, proba, r, saved["model"], run_dir, emb_dim=emb_dim)
+
+
+def _predict_buffered(saved: dict[str, Any], run_dir: Path, run_cfg: dict[str, Any], store: str | os.PathLike[str],
+                      out_path: Path, r: int, proba: bool, memory_budget: str | None, spill_dir: str | None,
+                      model_factory: ModelFactory | None) -> dict[str, Any]:
+    """``predict`` for a run trained through a partition buffer: its strategy's inference over the same layout.
+
+    Layer-wise over the buffer within ``memory_budget`` (default: the run's own), exact without one; the
+    features are read from the layout (the store may hold none after ``trellis partition --move-features``).
+    """
+    from trellis.train.strategies import strategy_class
+
+    keep = {k: run_cfg[k] for k in ("strategy", "model", "parts_dir", "buffer_parts", "buffer_cache", "fanouts",
+                                    "batch_size", "layers", "hidden", "task", "split_seed", "labor")
+            if run_cfg.get(k) is not None}
+    cfg = TrainConfig.from_dict({**keep, "store": str(store), "nproc": 1, "device": "cpu", "progress": False,
+                                 "feature_norm": saved["feature_norm"], "memory_budget": memory_budget,
+                                 "spill_dir": spill_dir})
+    strategy = strategy_class(cfg.strategy).for_config(cfg)(cfg, torch.device("cpu"))
+    strategy.load()
+    try:
+        model = make_model(model_factory or default_model_factory, saved["model"], saved["in_dim"],
+                           saved["out_dim"], edge_dim=saved["edge_dim"], **saved["kwargs"])
+        model.load_state_dict(saved["state_dict"])
+        logits = strategy.predict(model)
+    finally:
+        strategy.close()
+    task = TASKS[saved["task"]](saved["out_dim"])
+    return _write(out_path, logits, logits, "logits", task, proba, r, saved["model"], run_dir)
 
 
 def _write(out_path: Path, logits: Tensor, emb: Tensor | None, emb_source: str, task: Any, proba: bool, r: int,
