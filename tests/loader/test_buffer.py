@@ -117,7 +117,11 @@ def test_buffer_batches_only_read_resident_rows(layout, sbm_store, capacity, cac
         st = buf.stats
         assert st.parts_loaded == 4 and st.states == 4 - capacity + 1
         assert (st.cache_inputs > 0) == (cache > 0)
-        again = [b.node_ids.clone() for b in buf.epoch(1)]  # the same seed, the same batches
+        carry = buf.carry
+        assert carry is not None and len(carry) == capacity  # the next epoch starts from the last state
+        again = [b.node_ids.clone() for b in buf.epoch(1)]  # the same seed and first state, the same batches
+        assert buf.stats.parts_loaded == 4 - capacity  # the carried state is not read again
+        buf.carry = carry
         first = [b.node_ids for b in buf.epoch(1)]
         assert all(torch.equal(a, b) for a, b in zip(again, first))
     finally:

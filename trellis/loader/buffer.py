@@ -178,7 +178,7 @@ class BufferEpoch:
 
 
 def buffer_states(num_parts: int, capacity: int, part_of: np.ndarray, order: np.ndarray,
-                  rng: np.random.Generator) -> list[BufferState]:
+                  rng: np.random.Generator, first: Sequence[int] | None = None) -> list[BufferState]:
     """The dispersed ordering: ``P - K + 1`` states, each part read once, each target in one state.
 
     Args:
@@ -187,8 +187,13 @@ def buffer_states(num_parts: int, capacity: int, part_of: np.ndarray, order: np.
         part_of: Part of every target in ``order``.
         order: The epoch's targets in batch order (a permutation of the training ids).
         rng: The epoch's generator (the ordering and the assignment are drawn from it).
+        first: The first state's parts (default: ``K`` drawn at random). The buffer passes the previous
+            epoch's last state, which is still resident: the epoch then starts without a read.
     """
     perm = rng.permutation(num_parts)
+    if first is not None and len(first) == capacity:
+        chosen = {int(p) for p in first}
+        perm = np.concatenate([np.array(sorted(chosen), dtype=perm.dtype), [p for p in perm if int(p) not in chosen]])
     resident = sorted(int(p) for p in perm[:capacity])
     states = [BufferState(tuple(resident), None, None, np.empty(0, np.int64))]
     for q in perm[capacity:]:
@@ -483,6 +488,9 @@ class PartitionBuffer:
         self.cache_piece: PartRows | None = None
         self._state_eids: np.ndarray | None = None
         self.stats = BufferStats()
+        #: The previous epoch's last state: the next epoch starts from it (its parts are still resident). Part
+        #: of a run's checkpointed state (:meth:`state_dict`), so a resumed run plans the same epochs.
+        self.carry: tuple[int, ...] | None = None
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-buffer-io")
         self._lock = threading.Lock()
         if cache_rows > 0:
@@ -603,7 +611,7 @@ class PartitionBuffer:
         rng = np.random.default_rng(mix64(self.seed, epoch_seed, 0x5EED) >> 1)
         order = self.train_ids[rng.permutation(self.train_ids.shape[0])]  # as NeighborLoader.plan draws it
         srng = np.random.default_rng(mix64(self.seed, epoch_seed, 0xB0FF) >> 1)
-        states = buffer_states(self.num_parts, self.capacity, self.node_part[order], order, srng)
+        states = buffer_states(self.num_parts, self.capacity, self.node_part[order], order, srng, first=self.carry)
         cut_steps(states, self.batch_size)
         first = 0
         for s in states:
@@ -733,7 +741,17 @@ class PartitionBuffer:
         plan = self.plan(epoch_seed)
         stats = self.stats
         yield from prefetch_iter(self._produce(plan), self.prefetch)
+        self.carry = plan.states[-1].parts  # only once the whole epoch was produced
         stats.extra["storage_bytes_read"] = float(proc_io().get("read_bytes", 0) - io0)
+
+    def state_dict(self) -> dict[str, list[int]]:
+        """What a resumed run needs to plan the same epochs: the last state's parts."""
+        return {"carry": [] if self.carry is None else list(self.carry)}
+
+    def load_state_dict(self, state: dict[str, list[int]]) -> None:
+        """Restore :meth:`state_dict` (an empty carry: the next epoch draws its first state)."""
+        carry = state.get("carry") or []
+        self.carry = tuple(int(p) for p in carry) if carry else None
 
     def close(self) -> None:
         """Stop the reading thread."""

@@ -166,6 +166,18 @@ class BufferedMini(BatchStrategy):
         with tempfile.TemporaryDirectory(prefix="trellis-eval-", dir=self.cfg.spill_dir) as tmp:
             return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device)
 
+    def begin_run(self, seed: int) -> None:
+        """A run plans its first epoch afresh (as a resumed run at that point would)."""
+        self.loader.carry = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffer's last state (the next epoch starts from it)."""
+        return {"buffer": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.loader.load_state_dict(state.get("buffer", {}))
+
     def epoch_info(self) -> dict[str, Any]:
         """The epoch's batches and the buffer's reads, waits and cache hits."""
         return {**self.last_epoch, **self.loader.stats.as_metrics()}
