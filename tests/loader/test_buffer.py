@@ -174,3 +174,17 @@ def test_layerwise_inference_over_the_buffer(layout, sbm_store, tmp_path, capaci
         assert len(list(buf.epoch(0))) > 0  # training goes on after an evaluation
     finally:
         buf.close()
+
+
+def test_state_graphs_reuse_their_arrays_without_leaking_counts():
+    from trellis.loader.buffer import StateGraphs
+
+    a = PartRows(0, np.array([0, 2]), np.array([0, 3, 5]), np.array([1, 3, 4, 0, 3]), np.array([10, 11, 12, 13, 14]))
+    b = PartRows(1, np.array([4]), np.array([0, 2]), np.array([2, 3]), np.array([20, 21]))
+    avail = np.ones(5, dtype=bool)
+    skip = np.zeros(5, dtype=bool)
+    builder = StateGraphs(5)
+    for pieces in ([a, b], [b], [a], [a, b]):
+        got = builder.build(pieces, avail, skip)
+        ref = state_graph(5, pieces, avail, skip)
+        assert all(np.array_equal(x, y) for x, y in zip(got[:3], ref[:3])) and got[3:] == ref[3:]
