@@ -278,6 +278,10 @@ class PartRows:
         return int(self.rows.nbytes + self.indptr.nbytes + self.src.nbytes + self.eid.nbytes)
 
 
+#: A state's graph: ``(indptr, indices, edge_ids, kept, total)`` (see :class:`StateGraphs`).
+StateGraph = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
+
+
 class StateGraphs:
     """Builds the in-edge CSR over global ids that each buffer state samples from, reusing its ``O(N)`` arrays.
 
@@ -511,10 +515,10 @@ class PartitionBuffer:
         self.cached = np.zeros(self.num_nodes, dtype=bool)
         self._in_parts = np.zeros(self.num_nodes, dtype=bool)  # node's part is resident
         self._avail = np.zeros(self.num_nodes, dtype=bool)  # resident or cached
-        self._graphs = StateGraphs(self.num_nodes)
+        self._builders = (StateGraphs(self.num_nodes), StateGraphs(self.num_nodes))
+        self._flip = 0
         self.cache_base = self.arena.shape[0] - int(cache_rows)
         self.cache_piece: PartRows | None = None
-        self._state_eids: np.ndarray | None = None
         self.stats = BufferStats()
         #: The previous epoch's last state: the next epoch starts from it (its parts are still resident). Part
         #: of a run's checkpointed state (:meth:`state_dict`), so a resumed run plans the same epochs.
@@ -652,14 +656,36 @@ class PartitionBuffer:
             first += s.num_batches(self.batch_size)
         return BufferEpoch(epoch_seed, states, self.batch_size)
 
-    def _state_sampler(self, state: BufferState) -> tuple[NeighborSampler, int, int]:
+    def _state_graph(self, state: BufferState, entering: PartRows | None = None) -> StateGraph:
+        """The graph ``state`` samples from; ``entering``: built ahead, for the state after the current one.
+
+        Built ahead (on the reading thread, while the current state's batches train), the availability is the
+        current one with the leaving part's rows taken out and the entering part's put in, and the row pointers
+        go to the other of two alternating builders (the current state's graph is still in use).
+        """
         in_parts, avail = self._in_parts, self._avail  # kept up to date by _activate and _evict
-        pieces = [self.pieces[p] for p in state.parts]
+        pieces = [self.pieces[p] for p in state.parts if entering is None or p != entering.part]
+        if entering is not None:
+            assert state.leaves is not None
+            in_parts, avail = in_parts.copy(), avail.copy()
+            gone = self.pieces[state.leaves].rows
+            in_parts[gone] = False
+            avail[gone] = self.cached[gone]
+            in_parts[entering.rows] = True
+            avail[entering.rows] = True
+            pieces.append(entering)
         if self.cache_piece is not None:  # the cache's rows whose part is not resident come from the cache
             pieces.append(self.cache_piece)
-        indptr, indices, eids, kept, total = self._graphs.build(pieces, avail, in_parts)
-        self._state_eids = eids
-        return self.sampler.with_graph(indptr, indices), kept, total
+        self._flip ^= 1
+        return self._builders[self._flip].build(pieces, avail, in_parts)
+
+    def _load_ahead(self, state: BufferState, slot: int) -> tuple[PartRows, StateGraph, float]:
+        """Read ``state``'s entering part into ``slot`` and build ``state``'s graph (the reading thread's job)."""
+        assert state.enters is not None
+        piece = self._load(state.enters, slot)
+        t0 = time.perf_counter()
+        graph = self._state_graph(state, piece)
+        return piece, graph, time.perf_counter() - t0
 
     def _build(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch,
                j: int) -> Batch:
@@ -727,28 +753,27 @@ class PartitionBuffer:
         t0 = time.perf_counter()
         self._ensure(plan.states[0].parts)
         stats.load_wait_s += time.perf_counter() - t0
-        pending: Future[PartRows] | None = None
+        pending: Future[tuple[PartRows, StateGraph, float]] | None = None
         pending_slot = -1
+        t0 = time.perf_counter()
+        graph = self._state_graph(plan.states[0])
+        stats.extra["state_build_s"] = time.perf_counter() - t0
         try:
             for k, state in enumerate(plan.states):
                 if k > 0:
                     assert pending is not None and state.leaves is not None and state.enters is not None
                     t0 = time.perf_counter()
-                    piece = pending.result()
+                    piece, graph, build_s = pending.result()
                     pending = None
                     stats.load_wait_s += time.perf_counter() - t0
+                    stats.extra["state_build_s"] += build_s
                     self._evict(state.leaves)  # every batch of the previous state is built: its slot is free
                     self._activate(state.enters, pending_slot, piece)
                 if k + 1 < len(plan.states):  # read the next state's part while this state's batches train
-                    nxt = plan.states[k + 1].enters
-                    assert nxt is not None
                     pending_slot = self.free_slots.pop()
-                    pending = self._io.submit(self._load, nxt, pending_slot)
-                t0 = time.perf_counter()
-                sampler, kept, total = self._state_sampler(state)
-                stats.extra["state_build_s"] = stats.extra.get("state_build_s", 0.0) + time.perf_counter() - t0
-                eids = self._state_eids
-                assert eids is not None
+                    pending = self._io.submit(self._load_ahead, plan.states[k + 1], pending_slot)
+                indptr, indices, eids, kept, total = graph
+                sampler = self.sampler.with_graph(indptr, indices)
                 stats.edges_kept += kept
                 stats.edges_total += total
                 stats.states += 1

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from trellis.errors import TrellisUserError
 from trellis.utils.sizes import format_size
 
-#: Bytes of ``O(N)`` state the buffer keeps per node (maps, degrees, labels, masks, the state CSR's row
+#: Bytes of ``O(N)`` state the buffer keeps per node (maps, degrees, labels, masks, two state CSRs' row
 #: pointers and the sampler's scratch map).
-NODE_BYTES = 64
+NODE_BYTES = 96
 #: Fixed head-room for the allocator and small temporaries.
 MARGIN_BYTES = 64 * 2**20
 
