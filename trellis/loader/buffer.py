@@ -300,7 +300,7 @@ class StateGraphs:
 
     def __init__(self, num_nodes: int) -> None:
         self.num_nodes = int(num_nodes)
-        self._counts = np.zeros(self.num_nodes + 1, dtype=np.int64)
+        self._counts = np.zeros(self.num_nodes + 1, dtype=np.int32)  # a row's count; the pointers are int64
         self._indptr = np.zeros(self.num_nodes + 1, dtype=np.int64)
         self._no_skip = np.zeros(self.num_nodes, dtype=bool)
 
@@ -314,7 +314,7 @@ class StateGraphs:
         for p, skip in zip(pieces, skips):
             kept += int(_count_available(p.rows, p.indptr, p.src, avail, skip, counts))
             total += int(p.src.shape[0])
-        indptr = np.cumsum(counts, out=self._indptr)
+        indptr = np.cumsum(counts, out=self._indptr, dtype=np.int64)
         for p in pieces:
             counts[p.rows + 1] = 0
         indices = np.empty(kept, dtype=np.int64)
@@ -403,7 +403,7 @@ class LayoutRows(FeatureSource):
         self.node_part = node_part
         order = np.argsort(node_part, kind="stable")
         starts = np.searchsorted(node_part[order], np.arange(num_parts))
-        self.row_in_part = np.empty(node_part.shape[0], dtype=np.int64)
+        self.row_in_part = np.empty(node_part.shape[0], dtype=np.int32 if order.shape[0] < 2**31 else np.int64)
         self.row_in_part[order] = np.arange(order.shape[0], dtype=np.int64) - starts[node_part[order]]
         self.num_rows = int(node_part.shape[0])
         self.dim = int(self.maps[0].shape[1]) if self.maps else 0

@@ -17,7 +17,7 @@ from trellis.utils.sizes import format_size
 
 #: Bytes of ``O(N)`` state the buffer keeps per node (maps, degrees, labels, masks, two state CSRs' row
 #: pointers and the sampler's scratch map).
-NODE_BYTES = 96
+NODE_BYTES = 80
 #: Fixed head-room for the allocator and small temporaries.
 MARGIN_BYTES = 64 * 2**20
 
