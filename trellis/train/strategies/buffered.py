@@ -74,8 +74,9 @@ class BufferedMini(BatchStrategy):
         """Open the store (labels, splits, degrees) and the layout; plan the residency; start the buffer."""
         cfg = self.cfg
         if cfg.nproc not in (None, 1):
-            raise TrellisUserError(f"--strategy mini --nproc {cfg.nproc}: mini-batch training across ranks is not "
-                                   "built yet; use --nproc 1 (one process trains every part through its buffer)")
+            raise TrellisUserError(f"--strategy {cfg.strategy} --nproc {cfg.nproc}: {cfg.strategy}-batch training across "
+                                   "ranks is not built yet; use --nproc 1 (one process trains every part through "
+                                   "its buffer)")
         if cfg.features != "store":
             raise TrellisUserError(f"--features {cfg.features} with --parts-dir: the partition buffer trains on the "
                                    "layout's node features; drop --features or --parts-dir")
