@@ -227,3 +227,17 @@ def test_predict_a_buffer_run_from_the_layout(sbm_store, p4, tmp_path):
     test = np.asarray(GraphStore(store).split("test"))
     assert got["num_nodes"] == 500 and pred.shape == (500,)
     assert (pred[test] == y[test]).mean() == pytest.approx(summary["test_acc_mean"], abs=1e-9)
+
+
+def test_label_skew_measures_parts_that_follow_the_labels():
+    from trellis.train.strategies.buffered import label_skew
+
+    ids = np.arange(100)
+    y = ids % 4
+    assert label_skew(y.astype(np.int32), ids, y, 4) == pytest.approx(0.75)  # part = class
+    assert label_skew(((ids // 4) % 4).astype(np.int32), ids, y, 4) == pytest.approx(0.0)  # every part mixed
+
+
+def test_a_skewed_layout_is_warned_about(sbm_store, p4, tmp_path, capsys):
+    summary = trainer.train(_cfg(sbm_store, tmp_path / "w", parts_dir=str(p4), buffer_parts=1, epochs=1))
+    assert summary["label_skew"] > 0.25 and "follow the labels" in capsys.readouterr().err

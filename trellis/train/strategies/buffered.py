@@ -64,6 +64,31 @@ def open_layout_for(cfg: TrainConfig, store: GraphStore) -> PartitionedGraph:
     return layout
 
 
+def label_skew(node_part: np.ndarray, train_ids: np.ndarray, y: np.ndarray, num_parts: int) -> float:
+    """How far the parts' training labels are from the whole training set's: the mean total-variation distance.
+
+    Why it matters: a buffer state trains on the targets of its K resident parts. When parts follow the labels
+    (min-cut partitions of a homophilous graph), a state's steps see few classes and training degrades sharply
+    (docs/minibatch.md: a 1M-node planted graph at 2 of 16 GREM parts trains to chance). 0 = every part holds
+    the global label mix; 1 = parts hold disjoint classes. Multiclass labels only (0 otherwise).
+    """
+    if y.ndim != 1 or train_ids.size == 0:
+        return 0.0
+    labels = y[train_ids].astype(np.int64)
+    classes = int(labels.max()) + 1
+    parts = node_part[train_ids].astype(np.int64)
+    hist = np.bincount(parts * classes + labels, minlength=num_parts * classes).reshape(num_parts, classes)
+    sizes = hist.sum(axis=1)
+    whole = hist.sum(axis=0) / max(1, int(sizes.sum()))
+    share = hist / np.maximum(sizes, 1)[:, None]
+    tv = 0.5 * np.abs(share - whole).sum(axis=1)
+    return float((tv * sizes).sum() / max(1, int(sizes.sum())))
+
+
+#: Label skew above which a buffer run with fewer parts resident than the layout has is warned about.
+SKEW_WARNING = 0.25
+
+
 class BufferedMini(BatchStrategy):
     """``--strategy mini`` over a partitioned layout with a partition buffer (see the module docstring)."""
 
@@ -108,6 +133,13 @@ class BufferedMini(BatchStrategy):
         self.indices = np.asarray(store.indices)
         self.layout = layout
         self.plan = self._plan(layout, budget, baseline)
+        self.skew = label_skew(node_part, splits["train"].cpu().numpy(), np.asarray(store.y), layout.num_parts)
+        if self.plan.capacity < layout.num_parts and self.skew > SKEW_WARNING:
+            print(f"warning: the parts of {cfg.parts_dir} follow the labels (skew {self.skew:.2f}: mean total-variation "
+                  f"distance of a part's training labels from the whole set's). With {self.plan.capacity} of "
+                  f"{layout.num_parts} parts resident, each buffer state trains on few classes, which can cost "
+                  "much accuracy; partition with `--method random` for buffer training, or raise --buffer-parts "
+                  "(docs/minibatch.md)", file=sys.stderr)
         self.last_epoch: dict[str, float] = {}
         self.loader = self.make_loader()
 
@@ -187,7 +219,7 @@ class BufferedMini(BatchStrategy):
         """The residency the run trained with."""
         p = self.plan
         return {**super().summary_info(), "buffer_parts": p.capacity, "num_parts": self.layout.num_parts,
-                "cache_rows": p.cache_rows, "memory_budget_bytes": p.budget,
+                "cache_rows": p.cache_rows, "memory_budget_bytes": p.budget, "label_skew": self.skew,
                 "evaluation": "exact" if p.budget is None else "buffer"}
 
     def explain(self, model: torch.nn.Module) -> str:
@@ -223,4 +255,4 @@ class BufferedCluster(BufferedMini):
         return 0, int(part_rows * width * 4 * (self.cfg.prefetch + 2) * 1.5)
 
 
-__all__ = ["BufferedCluster", "BufferedMini", "open_layout_for"]
+__all__ = ["BufferedCluster", "BufferedMini", "label_skew", "open_layout_for"]
