@@ -99,9 +99,9 @@ class BufferedMini(BatchStrategy):
         """Open the store (labels, splits, degrees) and the layout; plan the residency; start the buffer."""
         cfg = self.cfg
         if cfg.nproc not in (None, 1):
-            raise TrellisUserError(f"--strategy {cfg.strategy} --nproc {cfg.nproc}: {cfg.strategy}-batch training across "
-                                   "ranks is not built yet; use --nproc 1 (one process trains every part through "
-                                   "its buffer)")
+            raise TrellisUserError(f"--strategy {cfg.strategy} --nproc {cfg.nproc}: {cfg.strategy}-batch training "
+                                   "across ranks is not built yet; use --nproc 1 (one process trains every part "
+                                   "through its buffer)")
         if cfg.features != "store":
             raise TrellisUserError(f"--features {cfg.features} with --parts-dir: the partition buffer trains on the "
                                    "layout's node features; drop --features or --parts-dir")
@@ -135,8 +135,8 @@ class BufferedMini(BatchStrategy):
         self.plan = self._plan(layout, budget, baseline)
         self.skew = label_skew(node_part, splits["train"].cpu().numpy(), np.asarray(store.y), layout.num_parts)
         if self.plan.capacity < layout.num_parts and self.skew > SKEW_WARNING:
-            print(f"warning: the parts of {cfg.parts_dir} follow the labels (skew {self.skew:.2f}: mean total-variation "
-                  f"distance of a part's training labels from the whole set's). With {self.plan.capacity} of "
+            print(f"warning: the parts of {cfg.parts_dir} follow the labels (skew {self.skew:.2f}: mean total-"
+                  f"variation distance of a part's training labels from the whole set's). With {self.plan.capacity} of "
                   f"{layout.num_parts} parts resident, each buffer state trains on few classes, which can cost "
                   "much accuracy; partition with `--method random` for buffer training, or raise --buffer-parts "
                   "(docs/minibatch.md)", file=sys.stderr)
