@@ -651,10 +651,31 @@ def open_partitioned(path: str | os.PathLike[str], verify: bool | str = "auto") 
     return PartitionedGraph(path, verify=verify)
 
 
+def open_layout_of(path: str | os.PathLike[str], store: GraphStore, fix: str) -> PartitionedGraph:
+    """Open the layout ``--parts-dir PATH`` and refuse one made from another store than ``store``.
+
+    Args:
+        path: The layout directory.
+        store: The store the run trains on.
+        fix: The command that remakes the layout (named in the error).
+
+    Raises:
+        TrellisUserError: The layout is missing or damaged, or its recorded store checksum differs.
+    """
+    layout = PartitionedGraph(path)
+    made_from = layout.manifest.get("store", {}).get("checksum")
+    if made_from != store.checksum:
+        raise TrellisUserError(f"--parts-dir {path}: the layout was made from another store (checksum "
+                               f"{str(made_from)[:12]}…, {store.path} has {str(store.checksum)[:12]}…); re-run "
+                               f"`{fix}`")
+    return layout
+
+
 def load_partition_book(path: str | os.PathLike[str]) -> PartitionBook:
     """Load the :class:`PartitionBook` of a layout (or of a directory written by ``PartitionBook.save``)."""
     return PartitionBook.load(path)
 
 
 __all__ = ["EdgeBucket", "LocalGraph", "PullCSR", "PartitionedGraph", "write_layout", "open_partitioned",
+           "open_layout_of",
            "load_partition_book", "BOOK_FILE", "NODE_PARTS_FILE"]

@@ -30,7 +30,7 @@ from trellis.loader.buffer import LayoutRows, PartitionBuffer
 from trellis.loader.buffer_inference import buffer_inference
 from trellis.loader.features import NormalizedRows
 from trellis.partition.base import methods_of_ownership
-from trellis.partition.layout import PartitionedGraph, part_dir_name
+from trellis.partition.layout import PartitionedGraph, open_layout_of, part_dir_name
 from trellis.plan.residency import BufferCosts, BufferPlan, plan_buffer
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
@@ -48,12 +48,7 @@ def open_layout_for(cfg: TrainConfig, store: GraphStore) -> PartitionedGraph:
         TrellisUserError: Missing or damaged, made from another store, not destination-owned, or without features.
     """
     assert cfg.parts_dir is not None
-    layout = PartitionedGraph(cfg.parts_dir)
-    made_from = layout.manifest.get("store", {}).get("checksum")
-    if made_from != store.checksum:
-        raise TrellisUserError(f"--parts-dir {cfg.parts_dir}: the layout was made from another store (checksum "
-                               f"{str(made_from)[:12]}…, {cfg.store} has {str(store.checksum)[:12]}…); re-run "
-                               f"`trellis partition {cfg.store} --out {cfg.parts_dir} --overwrite`")
+    layout = open_layout_of(cfg.parts_dir, store, f"trellis partition {cfg.store} --out {cfg.parts_dir} --overwrite")
     if layout.ownership != "dst":
         raise TrellisUserError(f"--parts-dir {cfg.parts_dir}: a partition buffer needs each node's in-edges in its own "
                                f"part (ownership dst), this layout's is {layout.ownership!r}; partition with "

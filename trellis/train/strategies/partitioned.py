@@ -39,7 +39,7 @@ from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of
 from trellis.ops.dropout import keyed_rows
 from trellis.ops.graph import CSRGraph
-from trellis.partition.layout import LocalGraph, PartitionedGraph
+from trellis.partition.layout import LocalGraph, PartitionedGraph, open_layout_of
 from trellis.plan.cost import GraphStats
 from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
@@ -61,12 +61,7 @@ def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) ->
         TrellisUserError: One line naming the flag and the fix.
     """
     assert cfg.parts_dir is not None
-    layout = PartitionedGraph(cfg.parts_dir)
-    made_from = layout.manifest.get("store", {}).get("checksum")
-    if made_from != store.checksum:
-        raise TrellisUserError(f"--parts-dir {cfg.parts_dir}: the layout was made from another store (checksum "
-                               f"{str(made_from)[:12]}…, {cfg.store} has {str(store.checksum)[:12]}…); re-run "
-                               f"`trellis partition {cfg.store} --parts N --out {cfg.parts_dir}`")
+    layout = open_layout_of(cfg.parts_dir, store, f"trellis partition {cfg.store} --parts N --out {cfg.parts_dir}")
     if world_size is not None and world_size != layout.num_parts:
         raise TrellisUserError(f"--nproc {world_size} does not match the {layout.num_parts} parts of "
                                f"{cfg.parts_dir}: one rank trains one part; pass --nproc {layout.num_parts} or "
