@@ -170,12 +170,6 @@ class BufferEpoch:
         """Number of batches in the epoch."""
         return sum(s.num_batches(self.batch_size) for s in self.states)
 
-    @property
-    def reads(self) -> list[int]:
-        """Parts in the order the epoch reads them (the first state's, then one per state)."""
-        first = list(self.states[0].parts)
-        return first + [s.enters for s in self.states[1:] if s.enters is not None]
-
 
 def buffer_states(num_parts: int, capacity: int, part_of: np.ndarray, order: np.ndarray,
                   rng: np.random.Generator, first: Sequence[int] | None = None) -> list[BufferState]:
