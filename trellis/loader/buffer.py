@@ -127,8 +127,9 @@ class BufferState:
     first_batch: int = 0
     cuts: list[tuple[int, int, bool, float]] = field(default_factory=list)
 
-    def num_batches(self, batch_size: int) -> int:
-        """Batches of this state."""
+    @property
+    def num_batches(self) -> int:
+        """Batches of this state (its ``cuts``)."""
         return len(self.cuts)
 
 
@@ -168,7 +169,7 @@ class BufferEpoch:
 
     def __len__(self) -> int:
         """Number of batches in the epoch."""
-        return sum(s.num_batches(self.batch_size) for s in self.states)
+        return sum(s.num_batches for s in self.states)
 
 
 def buffer_states(num_parts: int, capacity: int, part_of: np.ndarray, order: np.ndarray,
@@ -647,7 +648,7 @@ class PartitionBuffer:
         first = 0
         for s in states:
             s.first_batch = first
-            first += s.num_batches(self.batch_size)
+            first += s.num_batches
         return BufferEpoch(epoch_seed, states, self.batch_size)
 
     def _state_graph(self, state: BufferState, entering: PartRows | None = None) -> StateGraph:
@@ -774,7 +775,7 @@ class PartitionBuffer:
                 if self.cluster_layers:
                     yield self._cluster_batch(sampler, eids, state, plan, k)
                     continue
-                for j in range(state.num_batches(self.batch_size)):
+                for j in range(state.num_batches):
                     yield self._build(sampler, eids, state, plan, j)
         finally:
             if pending is not None:  # stopped early: the slot being read is free again once the read ends
