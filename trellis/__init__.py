@@ -1,3 +1,40 @@
-"""Trellis: GNN training on graphs from thousands to billions of edges."""
+"""Trellis: GNN training on graphs from thousands to billions of edges.
+
+The library's front door (``docs/api.md``)::
+
+    import trellis
+    run = trellis.train("stores/cora", model="gcn", epochs=50)   # -> trellis.Run
+    run.model, run.history, run.summary, run.predict()
+    trellis.load_run("runs/cora-gcn")                            # a run directory as a Run
+    trellis.predict(run_dir, store, out)                         # what `trellis predict` writes
+    trellis.partition(store, parts=8, out="parts")               # what `trellis partition` writes
+
+``trellis.train`` is both this function and the package of strategies and the trainer (the module is
+callable). Everything is imported on first use, so ``import trellis`` stays cheap.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Run": ("trellis.train.api", "Run"),
+    "load_run": ("trellis.train.api", "load_run"),
+    "predict": ("trellis.train.predict", "predict"),
+    "TrellisUserError": ("trellis.errors", "TrellisUserError"),
+    "TrainConfig": ("trellis.train.config", "TrainConfig"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in ("train", "partition", "data", "nn"):
+        return importlib.import_module(f"trellis.{name}")
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'trellis' has no attribute {name!r}")
+
+
+__all__ = ["Run", "TrainConfig", "TrellisUserError", "load_run", "predict", "train", "partition", "__version__"]

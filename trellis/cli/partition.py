@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from trellis.errors import TrellisUserError
@@ -67,40 +66,17 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, partition, evaluate, write; print a table or one JSON line."""
-    from trellis.data.store import open_store
-    from trellis.partition.base import check_out_dir, create_partitioner, partition_graph
-    from trellis.partition.layout import write_layout
-    from trellis.partition.quality import evaluate
+    from trellis.partition.api import partition
 
-    if args.parts < 1:
-        raise TrellisUserError(f"--parts must be at least 1 (got {args.parts})")
-    if args.width < 1:
-        raise TrellisUserError(f"--width must be at least 1 (got {args.width})")
-    out = None if args.no_layout else args.out
-    if args.move_features and args.no_layout:
+    if args.no_layout and args.move_features:
         raise TrellisUserError("--move-features needs a layout to move the features into; drop --no-layout")
+    out = None if args.no_layout else args.out
     if out is None and not args.no_layout:
         raise TrellisUserError("--out PART_DIR is required (or pass --no-layout to only report)")
     opts = _options(args)
-    create_partitioner(args.method, args.parts, **opts)  # rejects unknown methods and bad options now
-    if out is not None:
-        check_out_dir(out, overwrite=args.overwrite)
-    store = open_store(args.store)
-    if args.parts > store.num_nodes:
-        raise TrellisUserError(f"--parts {args.parts} exceeds the graph's {store.num_nodes} nodes; "
-                               "every part needs a node")
-    progress = not args.json
-    book = partition_graph(store, args.method, args.parts, progress=progress, **opts)
-    quality = evaluate(store, book, width=args.width)
-    report: dict[str, Any] = quality.to_dict()
-    if out is not None:
-        t0 = time.perf_counter()
-        write_layout(store, book, out, overwrite=args.overwrite, quality=quality, progress=progress)
-        report["layout_time_s"] = time.perf_counter() - t0
-        report["out"] = str(out)
-        if args.move_features:
-            report["moved_feature_bytes"] = store.move_features(out)
-    report["params"] = book.params
+    report, quality = partition(args.store, args.parts, method=args.method, out=out, width=args.width,
+                                overwrite=args.overwrite, move_features=args.move_features,
+                                progress=not args.json, **opts)
     if args.json:
         print(json.dumps(report, default=str))
     else:

@@ -12,6 +12,10 @@ Typical use::
     local = open_partitioned("graph.parts8/").part(3)   # local CSR + halo of part 3
 """
 
+import sys
+import types
+from typing import Any
+
 from trellis.partition.base import (
     DEFAULT_IMBALANCE,
     OWNERSHIPS,
@@ -39,3 +43,16 @@ __all__ = [
     "PartitionedGraph", "Partitioner", "available_methods", "create_partitioner", "evaluate", "get_partitioner",
     "load_partition_book", "open_partitioned", "part_cap", "partition_graph", "register", "write_layout",
 ]
+
+
+
+class _CallableModule(types.ModuleType):
+    """``trellis.partition(store, parts=P, out=DIR)`` is :func:`trellis.partition.api.partition`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from trellis.partition.api import partition
+
+        return partition(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -16,6 +16,7 @@ batches and ends with the same metrics, line for line, as a run that was never i
 
 from __future__ import annotations
 
+import copy
 import shutil
 import signal
 import statistics
@@ -31,7 +32,7 @@ from typing import IO, Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 import trellis
 from trellis.errors import TrellisUserError
@@ -115,21 +116,35 @@ class Trainer:
     """Runs ``cfg.runs`` training runs of ``cfg.strategy`` and writes the run directory.
 
     Args:
-        cfg: The validated configuration.
+        cfg: The validated configuration (copied: the caller's object is never changed).
         model_factory: Builds the message-passing model by name (default: :func:`trellis.nn.build_model`).
         callbacks: Called after every epoch with the trainer and the epoch's metrics record (tests use
             this to interrupt a run at a chosen epoch via :meth:`request_stop`).
         err: Stream for the progress bar and notices (default: stderr).
+        handle_signals: Turn SIGINT/SIGTERM into "checkpoint and stop" while training (the CLI's choice; a
+            library caller's process keeps its own handlers).
+        run_dir: Write the run directory (default). False trains in a scratch directory that is removed at
+            the end: the models and the history stay in memory (:attr:`models`, :attr:`history`), and the
+            summary's ``run_dir`` is None (``trellis.train`` without ``out``).
+        keep_models: Keep every run's best-validation model and the metrics records in memory.
     """
 
     def __init__(self, cfg: TrainConfig, *, model_factory: ModelFactory | None = None,
-                 callbacks: Sequence[EpochCallback] = (), err: IO[str] | None = None) -> None:
-        self.cfg = cfg
+                 callbacks: Sequence[EpochCallback] = (), err: IO[str] | None = None,
+                 handle_signals: bool = True, run_dir: bool = True, keep_models: bool = False) -> None:
+        self.cfg = copy.deepcopy(cfg)
         self.model_factory = model_factory or default_model_factory
         self.callbacks = list(callbacks)
         self.err = err if err is not None else sys.stderr
+        self.handle_signals = handle_signals
+        self.write_run_dir = run_dir
+        self.keep_models = keep_models or not run_dir
         self._stop_signal: int | None = None
         self.paths: RunPaths | None = None
+        #: Per run, its best-validation model (with ``keep_models``).
+        self.models: list[nn.Module] = []
+        #: The metrics records of every epoch (with ``keep_models``), as ``metrics.jsonl`` holds them.
+        self.history: list[dict[str, Any]] = []
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Checkpoint at the end of the current epoch and stop (what SIGINT/SIGTERM do)."""
@@ -198,7 +213,10 @@ class Trainer:
         else:
             prog = _Progress()
         scratch = None
-        if not strategy.writes_run_dir:  # a peer of the process that writes the run directory
+        if paths is None and not self.write_run_dir:
+            scratch = tempfile.mkdtemp(prefix="trellis-run-")
+            paths = prepare_run_dir(scratch, overwrite=True)
+        elif not strategy.writes_run_dir:  # a peer of the process that writes the run directory
             scratch = tempfile.mkdtemp(prefix="trellis-peer-")
             paths = prepare_run_dir(scratch, overwrite=True)
         elif paths is None:
@@ -222,6 +240,8 @@ class Trainer:
                     self._run(ctx, r, run_state if r == prog.run else None, rng)
                     run_state = rng = None
             summary = self._summary(ctx, time.perf_counter() - t_start).to_dict()
+            if self.keep_models:
+                self.history = list(iter_jsonl(paths.metrics))
         finally:
             log.close()
             meter.stop()
@@ -236,7 +256,7 @@ class Trainer:
     @contextmanager
     def _signals(self) -> Iterator[None]:
         """Turn SIGINT/SIGTERM into "checkpoint after this epoch"; a second SIGINT aborts at once."""
-        if threading.current_thread() is not threading.main_thread():
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
             yield
             return
 
@@ -345,6 +365,8 @@ class Trainer:
         finally:
             bar.close()
         stopper.restore(model)  # the run ended (patience or epoch budget): keep the best-validation weights
+        if self.keep_models:
+            self.models.append(model)
         result = {"run": r, "seed": seed, "best_epoch": stopper.best_epoch, "epochs": epoch + 1, "time_s": run_time,
                   **stopper.best_metrics}
         save_model(ctx.paths.model(r), model, cfg, ctx.metric, result, strategy.model_record(cfg))
@@ -368,7 +390,7 @@ class Trainer:
             "num_classes": task.num_outputs, "device": str(ctx.device), "threads": torch.get_num_threads(),
             "store": str(store.path), "store_name": store.name, "store_checksum": ctx.checksum,
             "num_nodes": store.num_nodes, "num_edges": strategy.num_edges, "num_features": strategy.spec.in_dim,
-            "run_dir": str(ctx.paths.root), "trellis_version": trellis.__version__,
+            "run_dir": str(ctx.paths.root) if self.write_run_dir else None, "trellis_version": trellis.__version__,
             "torch_version": torch.__version__, "config": cfg.to_dict(),
         }
         strategy_info = strategy.summary_info()

@@ -216,7 +216,7 @@ def save_state(s: ConfigState, path: Path) -> None:
 
 def load_state(s: ConfigState, path: Path, device: torch.device) -> None:
     """Restore a candidate saved by :func:`save_state` (its log truncated back to the saved offset)."""
-    st = torch.load(path, map_location=device, weights_only=False)
+    st = torch.load(path, map_location=device, weights_only=True)
     s.model.load_state_dict(st["model"])
     s.optimizer.load_state_dict(st["optimizer"])
     s.generator.set_state(st["generator"])

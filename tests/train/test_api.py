@@ -1,0 +1,154 @@
+"""``trellis.train`` / ``trellis.load_run`` / ``Run.predict``: the library front door (trellis/train/api.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import trellis
+from tests.train.helpers import summary_without_timing
+from trellis.cli.main import main
+from trellis.errors import TrellisUserError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_train_returns_a_run_and_writes_nothing(sbm_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    options = {"epochs": 4, "hidden": 8, "lr": 0.01}
+    seen_handlers = []
+    from trellis.train import trainer as trainer_mod
+
+    real = trainer_mod.Trainer._run
+
+    def spy(self, *a, **k):  # the handlers while an epoch trains
+        seen_handlers.append({s: signal.getsignal(s) for s in handlers})
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "_run", spy)
+    run = trellis.train(sbm_store, model="gcn", **options)
+    assert options == {"epochs": 4, "hidden": 8, "lr": 0.01}
+    assert list(tmp_path.iterdir()) == []  # no runs/ directory
+    assert seen_handlers == [handlers]
+    assert run.run_dir is None and run.summary["run_dir"] is None
+    assert len(run.history) == 4 and [r["epoch"] for r in run.history] == [0, 1, 2, 3]
+    assert isinstance(run.model, torch.nn.Module) and len(run.models) == 1
+    assert run.config.epochs == 4 and run.config.model == "gcn"
+    assert 0.0 <= run.test_score() <= 1.0
+    pred = run.predict()
+    assert pred.shape == (500,) and pred.dtype == torch.int64
+    proba = run.predict(proba=True)
+    assert proba.shape == (500, 4) and torch.allclose(proba.sum(1), torch.ones(500), atol=1e-5)
+    assert torch.equal(proba.argmax(1), pred)
+    # the best-validation model's test accuracy, recomputed from its predictions
+    y = torch.from_numpy(np.load(Path(sbm_store) / "y.npy"))
+    test = torch.from_numpy(np.load(Path(sbm_store) / "test_idx.npy"))
+    assert abs(float((pred[test] == y[test]).float().mean()) - run.test_score()) < 1e-6
+
+
+def test_same_summary_as_the_cli(sbm_store, tmp_path):
+    args = ["--epochs", "3", "--hidden", "8", "--seed", "2"]
+    assert main(["train", str(sbm_store), *args, "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+    run = trellis.train(sbm_store, epochs=3, hidden=8, seed=2, out=tmp_path / "api")
+    assert run.run_dir == tmp_path / "api"
+    assert summary_without_timing(tmp_path / "api") == summary_without_timing(tmp_path / "cli")
+    cli_cfg = json.loads((tmp_path / "cli" / "config.json").read_text())
+    api_cfg = json.loads((tmp_path / "api" / "config.json").read_text())
+    assert {k: v for k, v in api_cfg.items() if k != "out"} == {k: v for k, v in cli_cfg.items() if k != "out"}
+    # the CLI's predictions file equals Run.predict
+    assert main(["predict", str(tmp_path / "cli"), str(sbm_store), "--out", str(tmp_path / "p.npy")]) == 0
+    assert np.array_equal(np.load(tmp_path / "p.npy"), run.predict().numpy())
+    again = trellis.load_run(tmp_path / "api")
+    assert again.summary == run.summary and len(again.history) == 3
+    assert torch.equal(again.predict(), run.predict())
+
+
+def test_errors_are_the_cli_messages_as_exceptions(sbm_store, tmp_path):
+    with pytest.raises(TrellisUserError, match="--lr must be a positive"):
+        trellis.train(sbm_store, lr=-1)
+    with pytest.raises(TrellisUserError, match="unknown option|did you mean|not an option"):
+        trellis.train(sbm_store, learning_rate=0.1)
+    with pytest.raises(TrellisUserError, match="not a Trellis store"):
+        trellis.train(tmp_path / "missing")
+    with pytest.raises(TrellisUserError, match="cannot train on a int"):
+        trellis.train(3)
+    with pytest.raises(TrellisUserError, match="pass the graph as the first argument"):
+        trellis.train(sbm_store, store=str(sbm_store))
+    with pytest.raises(TrellisUserError, match="lambda"):
+        trellis.train(sbm_store, model=lambda i, o: torch.nn.Linear(i, o))
+    assert list(tmp_path.iterdir()) == []
+
+
+class LinearProbe(torch.nn.Module):
+    """A user's own model: a linear map of the target rows."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden: int = 0) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(in_dim, out_dim)
+
+    def forward(self, graph, x, **_):
+        n = graph.num_dst if hasattr(graph, "num_dst") else graph[-1].num_dst
+        return self.lin(x[:n])
+
+
+def test_a_model_builder_and_arrays(sbm_store):
+    run = trellis.train(sbm_store, model=LinearProbe, epochs=3)
+    assert run.config.model == "linearprobe" and isinstance(run.model, LinearProbe)
+    # a PyG-style Data object (duck-typed) and a dict of arrays train the same graph
+    ptr, idx = np.load(Path(sbm_store) / "indptr.npy"), np.load(Path(sbm_store) / "indices.npy")
+    dst = np.repeat(np.arange(500), np.diff(ptr))
+    x = np.load(Path(sbm_store) / "x.npy")
+    y = np.load(Path(sbm_store) / "y.npy")
+    splits = {k: np.load(Path(sbm_store) / f"{k}_idx.npy") for k in ("train", "val", "test")}
+
+    class Data:
+        edge_index = torch.from_numpy(np.stack([idx, dst]))
+        num_nodes = 500
+
+    d = Data()
+    d.x, d.y = torch.from_numpy(x), torch.from_numpy(y)
+    for k, v in splits.items():
+        mask = torch.zeros(500, dtype=torch.bool)
+        mask[v] = True
+        setattr(d, f"{k}_mask", mask)
+    a = trellis.train(d, epochs=3, hidden=8)
+    b = trellis.train({"src": idx, "dst": dst, "x": x, "y": y, "splits": splits}, epochs=3, hidden=8)
+    c = trellis.train(sbm_store, epochs=3, hidden=8)
+    assert a.summary["num_edges"] == b.summary["num_edges"] == c.summary["num_edges"]
+    assert [r["loss"] for r in a.history] == [r["loss"] for r in b.history]
+    assert abs(a.history[-1]["loss"] - c.history[-1]["loss"]) < 1e-5
+    assert a.predict().shape == (500,)
+
+
+def test_fresh_interpreter_needs_no_cli(sbm_store):
+    code = ("import sys, trellis; run = trellis.train(sys.argv[1], epochs=2, hidden=8); "
+            "assert not [m for m in sys.modules if m.startswith('trellis.cli')], 'cli imported'; "
+            "print(run.history[-1]['epoch'])")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code, str(sbm_store)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+
+
+def test_partition_is_callable_like_the_cli(sbm_store, tmp_path, capsys):
+    report, quality = trellis.partition(sbm_store, 4, out=tmp_path / "p4")
+    assert (tmp_path / "p4" / "manifest.json").is_file()
+    assert main(["partition", str(sbm_store), "--parts", "4", "--out", str(tmp_path / "c4"), "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    skip = {"time_s", "layout_time_s", "out", "peak_rss_mb", "peak_rss_anon_mb"}
+    assert {k: v for k, v in report.items() if k not in skip} == {k: v for k, v in cli.items() if k not in skip}
+    assert "part" in quality.table()
+    with pytest.raises(TrellisUserError, match="--parts must be at least 1"):
+        trellis.partition(sbm_store, 0, out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

@@ -1,0 +1,244 @@
+"""The library's front door: ``trellis.train(...)`` returns a :class:`Run`; ``trellis.load_run`` reads one back.
+
+Why a separate entry point from :class:`~trellis.train.trainer.Trainer`: a notebook caller wants a trained
+model and its history, not a directory, a signal handler or a progress bar it did not ask for, and wants its
+own objects left alone. :func:`train` therefore builds the same :class:`TrainConfig` the CLI builds (so every
+option and every error is the CLI's, as a :class:`~trellis.errors.TrellisUserError`), runs the one trainer
+loop without installing signal handlers, writes a run directory only when ``out`` is given, and keeps the
+models in memory. ``trellis train`` and ``trellis.train(..., out=DIR)`` write the same ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trellis.data.convert import from_arrays, from_pyg
+from trellis.data.store import GraphStore
+from trellis.errors import TrellisUserError
+from trellis.nn.models import MODELS
+from trellis.train.build import ModelFactory, default_model_factory, make_model
+from trellis.train.config import TrainConfig
+from trellis.train.data import resolve_device
+from trellis.train.features import NodeEmbedding
+from trellis.train.runs import iter_jsonl, open_run_dir, read_json
+from trellis.train.strategies import strategy_class
+from trellis.train.tasks import TASKS, Task
+
+#: What :func:`train` accepts as the graph.
+GraphLike = str | os.PathLike[str] | GraphStore | Any
+
+
+@dataclass
+class Run:
+    """A finished training job: its models, per-epoch history and summary.
+
+    Attributes:
+        summary: What ``summary.json`` holds (``run_dir`` is None when no directory was written).
+        history: One record per epoch and run, as in ``metrics.jsonl``.
+        models: Per run (seed), the best-validation model.
+        config: The resolved configuration.
+        run_dir: The run directory, or None.
+    """
+
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+    models: list[nn.Module]
+    config: TrainConfig
+    run_dir: Path | None = None
+    model_factory: ModelFactory = field(default=default_model_factory, repr=False)
+    _keep: Any = field(default=None, repr=False)  # a temporary store the run trained on, kept alive with it
+
+    @property
+    def model(self) -> nn.Module:
+        """The best-validation run's model."""
+        return self.models[int(self.summary["best_run"])]
+
+    @property
+    def metric(self) -> str:
+        """The metric early stopping selected on (``acc``, ``f1_macro``, ...)."""
+        return str(self.summary["metric"])
+
+    def test_score(self) -> float:
+        """Mean test value of :attr:`metric` over the runs."""
+        return float(self.summary[f"test_{self.metric}_mean"])
+
+    @torch.no_grad()
+    def predict(self, store: str | os.PathLike[str] | GraphStore | None = None, *, run: int | None = None,
+                proba: bool = False, logits: bool = False, device: str | None = None) -> Tensor:
+        """Predictions for every node of ``store`` (default: the store the run trained on).
+
+        The run's strategy predicts, as it evaluated during training (a buffer run reads its layout, a
+        budgeted full-batch run tiles). Multiclass: class ids ``[N]`` (``proba``: softmax ``[N, C]``);
+        binary and multilabel as ``trellis predict`` writes them; ``logits`` returns the raw outputs.
+
+        Args:
+            store: A graph store with the training features' width (default: the run's own).
+            run: Which run's model (default: the best-validation one).
+            proba: Probabilities instead of predictions.
+            logits: The model's raw outputs.
+            device: ``auto|cpu|cuda[:N]`` (default: the run's).
+        """
+        cfg = TrainConfig.from_dict({**self.config.to_dict(), "store": _store_path(store) if store else
+                                     self.config.store, "device": device or self.config.device,
+                                     "progress": False, "nproc": 1 if self.config.parts_dir else None},
+                                    source="Run.predict")
+        model = self.models[int(self.summary["best_run"]) if run is None else run]
+        strategy = strategy_class(cfg.strategy).for_config(cfg)(cfg, resolve_device(cfg.device))
+        strategy.load()
+        try:
+            was_training = model.training
+            model.eval()
+            out = strategy.predict(model)
+            model.train(was_training)
+        finally:
+            strategy.close()
+        if logits:
+            return out
+        task: Task = TASKS[self.summary["task"]](int(self.summary["num_classes"]))
+        pred, prob = task.predict(out)
+        return prob if proba else pred
+
+
+def _store_path(data: str | os.PathLike[str] | GraphStore) -> str:
+    return str(data.path) if isinstance(data, GraphStore) else os.fspath(data)
+
+
+def as_store(data: GraphLike, tmp: str | None = None) -> tuple[str, Any]:
+    """A store path for ``data``, and what must stay alive while it is used (a temporary store's directory).
+
+    ``data`` is a store path, a :class:`GraphStore`, a PyG-style ``Data`` (``edge_index``; written with
+    :func:`trellis.data.from_pyg`) or a mapping of arrays (``src``, ``dst``, ``x``, ``y``, ``splits``...,
+    the arguments of :func:`trellis.data.from_arrays`).
+    """
+    if isinstance(data, (str, os.PathLike, GraphStore)):
+        return _store_path(data), None
+    keep = tempfile.TemporaryDirectory(prefix="trellis-store-", dir=tmp)
+    out = Path(keep.name) / "store"
+    if hasattr(data, "edge_index"):
+        return str(from_pyg(data, out)), keep
+    if isinstance(data, dict):
+        if "src" not in data or "dst" not in data:
+            raise TrellisUserError("a graph given as a dict needs 'src' and 'dst' edge arrays (the arguments of "
+                                   "trellis.data.from_arrays)")
+        return str(from_arrays(out=out, **data)), keep
+    raise TrellisUserError(f"cannot train on a {type(data).__name__}: pass a store path, a GraphStore, a PyG Data "
+                           "or a dict of arrays (trellis.data.from_arrays)")
+
+
+def model_option(model: str | Callable[..., nn.Module] | None) -> tuple[str | None, ModelFactory | None]:
+    """``model=`` as a name, or a builder ``(in_dim, out_dim, **hparams) -> Module`` registered under its name.
+
+    A builder is registered in :data:`trellis.nn.models.MODELS` (so the config accepts its name and a saved
+    run can be rebuilt in this process) and receives the hyperparameters it declares (``hidden``,
+    ``layers``, ``dropout``, ...).
+    """
+    if model is None or isinstance(model, str):
+        return model, None
+    if not callable(model):
+        raise TrellisUserError(f"model={model!r}: pass a model name ({', '.join(MODELS)}) or a builder "
+                               "(in_dim, out_dim, **hparams) -> torch.nn.Module")
+    name = getattr(model, "__name__", "").lower()
+    if not name.isidentifier():
+        raise TrellisUserError("model=: a builder needs a name (a function or class, not a lambda); it is "
+                               "recorded in the run's config")
+    if MODELS.get(name) not in (None, model) and name in ("gcn", "sage", "gin", "gat", "gate", "mlp"):
+        raise TrellisUserError(f"model={name}: the name of a built-in model; rename the builder")
+    MODELS[name] = _accepting(model)
+    return name, None
+
+
+def _accepting(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``builder`` called with only the keyword options its signature names (all of them with ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        return builder
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return builder
+
+    def build(in_dim: int, out_dim: int, **kwargs: Any) -> nn.Module:
+        return builder(in_dim, out_dim, **{k: v for k, v in kwargs.items() if k in params})
+
+    build.__wrapped__ = builder  # type: ignore[attr-defined]
+    return build
+
+
+def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, progress: bool = False,
+          model: str | Callable[..., nn.Module] | None = None, **options: Any) -> Run:
+    """Train a GNN and return the :class:`Run` (``trellis train`` as a function).
+
+    Args:
+        data: A store path, a :class:`GraphStore`, a PyG ``Data`` or a dict of arrays (see :func:`as_store`).
+        out: Write the run directory there (default: none; models and history stay in memory).
+        progress: Show progress bars (``tqdm.auto``: a notebook widget in Jupyter).
+        model: A model name (``gcn``, ``sage``, ...) or a builder ``(in_dim, out_dim, **hparams) -> Module``.
+        **options: Any ``trellis train`` option by its field name (``epochs=50``, ``lr=0.005``,
+            ``strategy="mini"``, ``fanouts="10,5"``); values are validated as the CLI validates flags.
+
+    Raises:
+        TrellisUserError: A bad option or store (the CLI's message, which names the flag).
+    """
+    from trellis.train.trainer import Trainer
+    from trellis.train.trainer import train as train_cfg
+
+    for bad in ("store", "resume", "json", "explain"):
+        if bad in options:
+            raise TrellisUserError(f"trellis.train: {bad}= is not an option here "
+                                   + {"store": "(pass the graph as the first argument)",
+                                      "resume": "(use trellis.resume(run_dir))",
+                                      "json": "(the Run is the result)",
+                                      "explain": "(use trellis.explain(...))"}[bad])
+    name, _ = model_option(model)
+    path, keep = as_store(data)
+    values = {**options, "store": path, "progress": progress}
+    if name is not None:
+        values["model"] = name
+    if out is not None:
+        values["out"] = os.fspath(out)
+    cfg = TrainConfig.from_dict(values, source="trellis.train")
+    from trellis.train.launch import needs_launch
+
+    if needs_launch(cfg):
+        if out is None:
+            raise TrellisUserError("trellis.train: a run over several processes (nproc > 1) needs out= (the ranks "
+                                   "write their models there)")
+        train_cfg(cfg)
+        return load_run(cfg.out or "")
+    trainer = Trainer(cfg, handle_signals=False, run_dir=out is not None, keep_models=True)
+    summary = trainer.fit()
+    return Run(summary, trainer.history, trainer.models, trainer.cfg,
+               Path(summary["run_dir"]) if summary.get("run_dir") else None, _keep=keep)
+
+
+def load_run(run_dir: str | os.PathLike[str]) -> Run:
+    """A finished run directory as a :class:`Run` (models rebuilt from ``models/run-*.pt``)."""
+    paths = open_run_dir(run_dir)
+    if not paths.summary.is_file():
+        raise TrellisUserError(f"{paths.root}: the run has not finished (no summary.json); continue it with "
+                               f"`trellis train --resume {paths.root}`")
+    summary = dict(read_json(paths.summary))
+    cfg = TrainConfig.from_dict(read_json(paths.config), source=f"{paths.config}")
+    models = []
+    for r in range(len(summary["seeds"])):
+        saved = torch.load(paths.model(r), map_location="cpu", weights_only=True)
+        if saved.get("strategy") == "pp" or "kwargs" not in saved:
+            raise TrellisUserError(f"{paths.model(r)}: a {saved.get('model')} model file cannot be rebuilt as a "
+                                   "module here; use trellis.predict(run_dir, store, out)")
+        m = make_model(default_model_factory, saved["model"], saved["in_dim"], saved["out_dim"],
+                       edge_dim=saved["edge_dim"], **saved["kwargs"])
+        features = str(saved.get("features", "store"))
+        if features.startswith("embedding:"):
+            m = NodeEmbedding(m, saved["num_nodes"], int(features.split(":", 1)[1]))
+        m.load_state_dict(saved["state_dict"])
+        models.append(m)
+    return Run(summary, list(iter_jsonl(paths.metrics)), models, cfg, paths.root)
