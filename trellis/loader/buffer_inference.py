@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from trellis.errors import TrellisUserError
 from trellis.loader.blocks import attach_edge_data
 from trellis.loader.buffer import PartitionBuffer, PartRows, buffer_states, read_npy, state_graph
 from trellis.loader.features import gather_rows, normalize_rows_
@@ -106,7 +107,10 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
         device: Where the layers run.
     """
     convs: list[nn.Module] = list(model.convs)  # type: ignore[arg-type]
-    act: Callable[[Tensor], Tensor] = model.activation  # type: ignore[assignment]
+    if getattr(model, "jk", "none") != "none":
+        raise TrellisUserError("--jk needs every layer's output of a node at once; buffer inference writes one "
+                               "layer at a time (drop --jk, or evaluate without --memory-budget)")
+    post: Callable[[int, Tensor, Tensor], Tensor] = model.post  # type: ignore[assignment]
     dev = torch.device(device)
     was_training = model.training
     model.eval()
@@ -175,13 +179,14 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
                         gather_rows(arena, np.where(from_cache, 0, where), h_in)
                         if from_cache.any():
                             h_in[from_cache] = cache_in[where[from_cache] - c_base]
-                        y = conv(block.to(dev), torch.from_numpy(h_in).to(dev))
+                        x_in = torch.from_numpy(h_in).to(dev)
+                        y = post(li, x_in, conv(block.to(dev), x_in))
                         if last:
                             if out is None:
                                 out = torch.empty((wanted.shape[0], *y.shape[1:]), dtype=y.dtype, device=dev)
                             out[torch.from_numpy(np.searchsorted(wanted, dst[a:b])).to(dev)] = y
                             continue
-                        y_np = act(y).float().cpu().numpy()
+                        y_np = y.float().cpu().numpy()
                         if f is None:
                             f, append = _write_rows(spill / f"h{li + 1}-{q:05d}.npy", nodes.shape[0], y_np.shape[1])
                         append(y_np)

@@ -36,13 +36,23 @@ def chunk_bounds(indptr: np.ndarray, chunk_edges: int = DEFAULT_CHUNK_EDGES, max
     return b.astype(np.int64)
 
 
-def _layers(model: nn.Module) -> tuple[list[nn.Module], Callable[[Tensor], Tensor]] | None:
-    """The message-passing layers and the activation between them, if ``model`` is a layer stack."""
+def _layers(model: nn.Module) -> tuple[list[nn.Module], Callable[[int, Tensor, Tensor], Tensor]] | None:
+    """The message-passing layers and what follows each (``post(i, input, output)``), if ``model`` is a stack.
+
+    A :class:`trellis.nn.models.GNN` says what follows a layer (normalization, activation, residual); a stack
+    with only ``convs`` and ``activation`` applies the activation between layers.
+    """
     convs = getattr(model, "convs", None)
-    act = getattr(model, "activation", None)
-    if convs is None or act is None:
+    post = getattr(model, "post", None)
+    if convs is None:
         return None
-    return list(convs), act
+    if post is None:
+        act = getattr(model, "activation", None)
+        if act is None:
+            return None
+        last = len(convs) - 1
+        return list(convs), lambda i, h, y: y if i == last else act(y)
+    return list(convs), post
 
 
 @torch.no_grad()
@@ -85,7 +95,9 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
         stack = _layers(model)
         if stack is None:
             return _rowwise(model, x, rows_np, dev, chunk_edges)
-        convs, act = stack
+        convs, post = stack
+        jk = getattr(model, "jk", "none") != "none"
+        outs: list[Tensor] = []
         embed = getattr(model, "embed_inputs", None)  # --features embedding:D: ids -> table rows, once
         h: Tensor | FeatureSource = x if embed is None else embed(x.to(dev))  # type: ignore[union-attr]
         for li, conv in enumerate(convs):
@@ -109,17 +121,17 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
                     h_in = h.gather(batch.node_ids).to(dev)
                 else:
                     h_in = h.index_select(0, batch.node_ids.to(h.device)).to(dev)
-                y = conv(block, h_in)
-                if not last:
-                    y = act(y)
+                y = post(li, h_in, conv(block, h_in))
                 if out is None:
                     total = n if targets is None else targets.shape[0]
                     out = torch.empty((total, *y.shape[1:]), dtype=y.dtype, device=dev)
                 out[a:b] = y
             assert out is not None
+            if jk:  # the readout reads every layer's output of the returned rows
+                outs.append(out if rows_np is None or last else out.index_select(0, torch.from_numpy(rows_np).to(dev)))
             h = out
         assert isinstance(h, Tensor)
-        return h
+        return model.readout(outs) if jk else h  # type: ignore[operator]
     finally:
         model.train(was_training)
 

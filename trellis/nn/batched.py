@@ -74,6 +74,13 @@ def family_of(model: nn.Module) -> str:
         raise TrellisUserError(f"a model with layers {kinds} cannot be model-batched; batchable families: {batchable}")
     if model.activation is not F.relu:
         raise TrellisUserError("model batching supports ReLU between layers only")
+    if not model.plain:
+        raise TrellisUserError("a model with --norm, --residual or --jk runs whole-graph in memory, on mini- or "
+                               "cluster-batches and across ranks; out-of-core tiles and model batching run the "
+                               "plain layer stack (drop those options there)")
+    if any(getattr(c, "edge_weight", False) for c in convs):
+        raise TrellisUserError("--edge-weight runs whole-graph in memory and on mini- or cluster-batches; out-of-core "
+                               "tiles and model batching aggregate without edge weights (drop --edge-weight there)")
     return names.pop()  # type: ignore[return-value]
 
 

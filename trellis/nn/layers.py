@@ -22,6 +22,7 @@ from trellis.nn.executor import run_layer
 from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
 from trellis.ops.dropout import dropout
 from trellis.ops.graph import Aggregation, CSRGraph, SplitAttention
+from trellis.ops.norm import weighted_mean_norm
 from trellis.ops.sparse_rows import head_rows, linear
 from trellis.plan import GraphStats, LayerDecl, LayerPlan, plan_layer, plan_layer_step
 
@@ -118,9 +119,9 @@ class GCNConv(PushdownConv):
 
     family = "gcn"
 
-    def __init__(self, in_dim: int, out_dim: int, bias: bool = True) -> None:
+    def __init__(self, in_dim: int, out_dim: int, bias: bool = True, edge_weight: bool = False) -> None:
         super().__init__()
-        self.in_dim, self.out_dim = in_dim, out_dim
+        self.in_dim, self.out_dim, self.edge_weight = in_dim, out_dim, edge_weight
         self.lin = nn.Linear(in_dim, out_dim, bias=False)
         self.bias = nn.Parameter(torch.zeros(out_dim)) if bias else None
         _glorot(self.lin.weight)
@@ -130,8 +131,8 @@ class GCNConv(PushdownConv):
         return LayerDecl("gcn", self.in_dim, self.out_dim, message="weighted", aggregate="sum", root="self_loop")
 
     def aggregation(self, graph: CSRGraph) -> Aggregation:
-        """The symmetric normalization as edge weights plus the self loop's diagonal."""
-        ew, sw = gcn_norm(graph, add_self_loops=True)
+        """The symmetric normalization as edge weights plus the self loop's diagonal (weighted: PyG's form)."""
+        ew, sw = gcn_norm(graph, add_self_loops=True, weighted=self.edge_weight)
         return Aggregation(ew, sw, "sum")
 
     def transform_weight(self) -> Tensor:
@@ -152,9 +153,9 @@ class SAGEConv(PushdownConv):
 
     family = "sage"
 
-    def __init__(self, in_dim: int, out_dim: int, aggregate: str = "mean") -> None:
+    def __init__(self, in_dim: int, out_dim: int, aggregate: str = "mean", edge_weight: bool = False) -> None:
         super().__init__()
-        self.in_dim, self.out_dim, self.aggregate = in_dim, out_dim, aggregate
+        self.in_dim, self.out_dim, self.aggregate, self.edge_weight = in_dim, out_dim, aggregate, edge_weight
         self.lin_l = nn.Linear(in_dim, out_dim, bias=True)
         self.lin_r = nn.Linear(in_dim, out_dim, bias=False)
 
@@ -163,7 +164,9 @@ class SAGEConv(PushdownConv):
         return LayerDecl("sage", self.in_dim, self.out_dim, message="copy", aggregate=self.aggregate, root="linear")
 
     def aggregation(self, graph: CSRGraph) -> Aggregation:
-        """The unweighted neighbour rows, reduced by ``aggregate``."""
+        """The neighbour rows reduced by ``aggregate``; weighted: ``sum_j w_ij x_j / sum_j w_ij`` (a weighted mean)."""
+        if self.edge_weight and graph.edge_weight is not None and self.aggregate == "mean":
+            return Aggregation(weighted_mean_norm(graph), None, "sum")
         return Aggregation(None, None, self.aggregate)
 
     def transform_weight(self) -> Tensor:
@@ -181,16 +184,19 @@ class GINConv(PushdownConv):
 
     family = "gin"
 
-    def __init__(self, in_dim: int, out_dim: int, eps: float = 0.0, train_eps: bool = False) -> None:
+    def __init__(self, in_dim: int, out_dim: int, eps: float = 0.0, train_eps: bool = False,
+                 mlp_hidden: int | None = None) -> None:
         super().__init__()
         self.in_dim, self.out_dim = in_dim, out_dim
-        self.lin1 = nn.Linear(in_dim, out_dim)
-        self.lin2 = nn.Linear(out_dim, out_dim)
+        width = mlp_hidden or out_dim  # the MLP's hidden width (default: the layer's output width)
+        self.lin1 = nn.Linear(in_dim, width)
+        self.lin2 = nn.Linear(width, out_dim)
         self.eps = nn.Parameter(torch.tensor(float(eps)), requires_grad=train_eps)
 
     def declare(self) -> LayerDecl:
         """A copy message summed, a ``(1 + eps)`` root and an MLP update."""
-        return LayerDecl("gin", self.in_dim, self.out_dim, message="copy", aggregate="sum", root="eps", update="mlp")
+        return LayerDecl("gin", self.in_dim, self.lin1.out_features, message="copy", aggregate="sum", root="eps",
+                         update="mlp")
 
     def aggregation(self, graph: CSRGraph) -> Aggregation:
         """The unweighted neighbour rows, summed."""

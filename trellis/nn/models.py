@@ -9,7 +9,9 @@ graphs), so the same model code runs under every training strategy. ``model(grap
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -17,6 +19,7 @@ from trellis.nn.layers import GATConv, GCNConv, GINConv, MessagePassing, SAGECon
 from trellis.nn.view import IDENTITY, GraphView
 from trellis.ops.dropout import dropout as hash_dropout
 from trellis.ops.graph import CSRGraph
+from trellis.ops.sparse_rows import head_rows, is_sparse, linear
 from trellis.plan.ir import format_plans
 
 Graphs = CSRGraph | Sequence[CSRGraph]
@@ -31,14 +34,91 @@ def per_layer(graph: Graphs, depth: int) -> list[CSRGraph]:
     return list(graph)
 
 
-class GNN(nn.Module):
-    """A stack of message-passing layers with dropout before each layer and an activation between them."""
+#: ``--norm`` choices: normalization after each hidden layer's aggregation.
+NORMS = ("none", "layer", "batch")
+#: ``--jk`` choices: jumping knowledge over the layers' outputs (Xu et al. 2018).
+JKS = ("none", "cat", "max")
 
-    def __init__(self, convs: Sequence[nn.Module], dropout: float = 0.5, activation: Callable = F.relu) -> None:
+
+class GNN(nn.Module):
+    """A stack of message-passing layers with dropout before each layer and an activation between them.
+
+    Options real graphs need (Platonov et al. 2023 report GCN with residual connections and layer
+    normalization on heterophilous graphs; Xu et al.'s jumping knowledge):
+
+    * ``norm``: ``layer`` or ``batch`` normalization of each hidden layer's output, before the activation;
+    * ``residual``: each hidden layer adds its (undropped) input, through a linear projection where the
+      widths differ: ``h' = act(norm(conv(dropout(h)))) + skip(h)``;
+    * ``jk``: every layer is hidden-wide and a final linear map reads the layers' outputs concatenated
+      (``cat``) or their element-wise maximum (``max``).
+
+    With none of them (the default) the model is the plain stack, the one model batching and out-of-core
+    tiling run (:attr:`plain`).
+    """
+
+    def __init__(self, convs: Sequence[nn.Module], dropout: float = 0.5, activation: Callable = F.relu, *,
+                 norm: str = "none", residual: bool = False, jk: str = "none", widths: Sequence[int] = (),
+                 out_dim: int = 0) -> None:
         super().__init__()
+        if norm not in NORMS:
+            raise ValueError(f"norm {norm!r} is not one of {', '.join(NORMS)}")
+        if jk not in JKS:
+            raise ValueError(f"jk {jk!r} is not one of {', '.join(JKS)}")
         self.convs = nn.ModuleList(convs)
         self.dropout = dropout
         self.activation = activation
+        self.norm, self.residual, self.jk = norm, bool(residual), jk
+        # widths[i] = input width of layer i, widths[i + 1] its output width (needed by norm/residual/jk)
+        hidden = range(len(convs) if jk != "none" else len(convs) - 1)
+        if norm != "none" or residual or jk != "none":
+            if len(widths) != len(convs) + 1:
+                raise ValueError("norm, residual and jk need the layer widths")
+        self.norms = nn.ModuleList(
+            (nn.LayerNorm(widths[i + 1]) if norm == "layer" else nn.BatchNorm1d(widths[i + 1])) for i in hidden
+        ) if norm != "none" else nn.ModuleList()
+        self.skips = nn.ModuleList(
+            nn.Identity() if widths[i] == widths[i + 1] else nn.Linear(widths[i], widths[i + 1], bias=False)
+            for i in hidden) if residual else nn.ModuleList()
+        self.jk_lin: nn.Module | None = None
+        if jk != "none":
+            width = widths[-1] * len(convs) if jk == "cat" else widths[-1]
+            self.jk_lin = nn.Linear(width, out_dim)
+
+    @property
+    def plain(self) -> bool:
+        """No normalization, residual or jumping knowledge: the stack model batching and tiling run."""
+        return self.norm == "none" and not self.residual and self.jk == "none"
+
+    def post(self, i: int, h: Tensor, y: Tensor) -> Tensor:
+        """What follows layer ``i``'s aggregation ``y`` given its input ``h``: norm, activation, residual.
+
+        Nothing after the last layer (unless jumping knowledge makes every layer a hidden one). ``h`` holds
+        the layer's destinations as its first rows (a block, a partition's owned rows, the whole graph).
+        """
+        if i == len(self.convs) - 1 and self.jk == "none":
+            return y
+        if self.norm != "none":
+            y = self.norms[i](y)
+        y = self.activation(y)
+        if self.residual:
+            rows = head_rows(h, y.shape[0])  # a first layer's input may be sparse bag-of-words rows
+            skip = self.skips[i]
+            if isinstance(skip, nn.Linear):
+                y = y + linear(rows, skip.weight)
+            else:
+                y = y + (rows.to_dense() if is_sparse(rows) else rows)
+        return y
+
+    def readout(self, outs: Sequence[Tensor]) -> Tensor:
+        """The model's output from the layers' outputs (their first rows are the final destinations)."""
+        if self.jk_lin is None:
+            return outs[-1]
+        n = outs[-1].shape[0]
+        if self.jk == "cat":
+            z = torch.cat([o[:n] for o in outs], 1)
+        else:
+            z = torch.stack([o[:n] for o in outs]).amax(0)
+        return self.jk_lin(hash_dropout(z, self.dropout, self.training))
 
     def forward(self, graph: Graphs, x: Tensor, return_embedding: bool = False,
                 view: GraphView | None = None) -> Tensor:
@@ -51,13 +131,21 @@ class GNN(nn.Module):
             view: Supplies each layer's input rows after its dropout (default: the identity).
         """
         view = IDENTITY if view is None else view
+        outs: list[Tensor] = []
         for i, (conv, g) in enumerate(zip(self.convs, per_layer(graph, len(self.convs)))):
-            if return_embedding and i == len(self.convs) - 1:
+            if return_embedding and i == len(self.convs) - 1 and self.jk == "none":
                 return x
+            h = x
             x = hash_dropout(x, self.dropout, self.training)
-            x = conv(g, view.layer_input(i, g, x))
-            if i < len(self.convs) - 1:
-                x = self.activation(x)
+            x = self.post(i, h, conv(g, view.layer_input(i, g, x)))
+            if self.jk != "none":
+                outs.append(x)
+        if self.jk != "none":
+            if return_embedding:
+                n = x.shape[0]
+                return torch.cat([o[:n] for o in outs], 1) if self.jk == "cat" else torch.stack(
+                    [o[:n] for o in outs]).amax(0)
+            return self.readout(outs)
         return x
 
     def explain(self, graph: Graphs) -> str:
@@ -74,8 +162,8 @@ class GNN(nn.Module):
 class GAT(GNN):
     """GAT uses ELU between layers (Veličković et al.)."""
 
-    def __init__(self, convs: Sequence[nn.Module], dropout: float = 0.6) -> None:
-        super().__init__(convs, dropout, F.elu)
+    def __init__(self, convs: Sequence[nn.Module], dropout: float = 0.6, **options: Any) -> None:
+        super().__init__(convs, dropout, F.elu, **options)
 
 
 class MLP(nn.Module):
@@ -110,42 +198,62 @@ def _dims(in_dim: int, hidden: int, out_dim: int, layers: int) -> list[tuple[int
     return list(zip(dims[:-1], dims[1:]))
 
 
-def _gcn(in_dim: int, out_dim: int, *, hidden: int, layers: int, dropout: float, **_: object) -> nn.Module:
-    return GNN([GCNConv(a, b) for a, b in _dims(in_dim, hidden, out_dim, layers)], dropout)
+def _stack(make: Callable[[int, int], nn.Module], in_dim: int, out_dim: int, *, hidden: int, layers: int,
+           dropout: float, norm: str = "none", residual: bool = False, jk: str = "none") -> GNN:
+    """A :class:`GNN` of ``make(in, out)`` layers; with jumping knowledge every layer is ``hidden`` wide."""
+    widths = [in_dim] + [hidden] * (layers if jk != "none" else layers - 1) + ([] if jk != "none" else [out_dim])
+    convs = [make(a, b) for a, b in zip(widths[:-1], widths[1:])]
+    return GNN(convs, dropout, norm=norm, residual=residual, jk=jk, widths=widths, out_dim=out_dim)
 
 
-def _sage(in_dim: int, out_dim: int, *, hidden: int, layers: int, dropout: float, **_: object) -> nn.Module:
-    return GNN([SAGEConv(a, b) for a, b in _dims(in_dim, hidden, out_dim, layers)], dropout)
+def _gcn(in_dim: int, out_dim: int, *, hidden: int, layers: int, dropout: float, norm: str = "none",
+         residual: bool = False, jk: str = "none", edge_weight: bool = False, **_: object) -> nn.Module:
+    return _stack(lambda a, b: GCNConv(a, b, edge_weight=edge_weight), in_dim, out_dim, hidden=hidden,
+                  layers=layers, dropout=dropout, norm=norm, residual=residual, jk=jk)
 
 
-def _gin(in_dim: int, out_dim: int, *, hidden: int, layers: int, dropout: float, **_: object) -> nn.Module:
-    return GNN([GINConv(a, b) for a, b in _dims(in_dim, hidden, out_dim, layers)], dropout)
+def _sage(in_dim: int, out_dim: int, *, hidden: int, layers: int, dropout: float, norm: str = "none",
+          residual: bool = False, jk: str = "none", edge_weight: bool = False, **_: object) -> nn.Module:
+    return _stack(lambda a, b: SAGEConv(a, b, edge_weight=edge_weight), in_dim, out_dim, hidden=hidden,
+                  layers=layers, dropout=dropout, norm=norm, residual=residual, jk=jk)
+
+
+def _gin(in_dim: int, out_dim: int, *, hidden: int, layers: int, dropout: float, norm: str = "none",
+         residual: bool = False, jk: str = "none", mlp_hidden: int = 0, **_: object) -> nn.Module:
+    return _stack(lambda a, b: GINConv(a, b, mlp_hidden=mlp_hidden or None), in_dim, out_dim, hidden=hidden,
+                  layers=layers, dropout=dropout, norm=norm, residual=residual, jk=jk)
 
 
 def _gat_stack(in_dim: int, out_dim: int, *, hidden: int, layers: int, heads: int, dropout: float,
-               out_heads: int = 1, edge_dim: int = 0, attn_dropout: float | None = None) -> nn.Module:
+               out_heads: int = 1, edge_dim: int = 0, attn_dropout: float | None = None, norm: str = "none",
+               residual: bool = False, jk: str = "none") -> nn.Module:
     ad = dropout if attn_dropout is None else attn_dropout
     convs: list[nn.Module] = []
-    d = in_dim
-    for _ in range(layers - 1):
-        convs.append(GATConv(d, hidden, heads, concat=True, dropout=ad, edge_dim=edge_dim))
-        d = hidden * heads
-    convs.append(GATConv(d, out_dim, out_heads, concat=False, dropout=ad, edge_dim=edge_dim))
-    return GAT(convs, dropout)
+    widths = [in_dim]
+    for _ in range(layers - 1 if jk == "none" else layers):
+        convs.append(GATConv(widths[-1], hidden, heads, concat=True, dropout=ad, edge_dim=edge_dim))
+        widths.append(hidden * heads)
+    if jk == "none":
+        convs.append(GATConv(widths[-1], out_dim, out_heads, concat=False, dropout=ad, edge_dim=edge_dim))
+        widths.append(out_dim)
+    return GAT(convs, dropout, norm=norm, residual=residual, jk=jk, widths=widths, out_dim=out_dim)
 
 
 def _gat(in_dim: int, out_dim: int, *, hidden: int, layers: int, heads: int, dropout: float,
-         out_heads: int = 1, attn_dropout: float | None = None, **_: object) -> nn.Module:
+         out_heads: int = 1, attn_dropout: float | None = None, norm: str = "none", residual: bool = False,
+         jk: str = "none", **_: object) -> nn.Module:
     return _gat_stack(in_dim, out_dim, hidden=hidden, layers=layers, heads=heads, dropout=dropout,
-                      out_heads=out_heads, attn_dropout=attn_dropout)
+                      out_heads=out_heads, attn_dropout=attn_dropout, norm=norm, residual=residual, jk=jk)
 
 
 def _gate(in_dim: int, out_dim: int, *, hidden: int, layers: int, heads: int, dropout: float, edge_dim: int = 0,
-          out_heads: int = 1, attn_dropout: float | None = None, **_: object) -> nn.Module:
+          out_heads: int = 1, attn_dropout: float | None = None, norm: str = "none", residual: bool = False,
+          jk: str = "none", **_: object) -> nn.Module:
     if edge_dim <= 0:
         raise ValueError("gate (GAT with edge features) needs a graph with edge features")
     return _gat_stack(in_dim, out_dim, hidden=hidden, layers=layers, heads=heads, dropout=dropout,
-                      out_heads=out_heads, edge_dim=edge_dim, attn_dropout=attn_dropout)
+                      out_heads=out_heads, edge_dim=edge_dim, attn_dropout=attn_dropout, norm=norm,
+                      residual=residual, jk=jk)
 
 
 def _mlp(in_dim: int, out_dim: int, *, hidden: int, layers: int, dropout: float, **_: object) -> nn.Module:

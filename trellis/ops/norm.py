@@ -46,7 +46,7 @@ def row_norm(graph: CSRGraph) -> Tensor:
     return graph.cache["row_norm"]
 
 
-def gcn_norm(graph: CSRGraph, add_self_loops: bool = True) -> tuple[Tensor, Tensor | None]:
+def gcn_norm(graph: CSRGraph, add_self_loops: bool = True, weighted: bool = False) -> tuple[Tensor, Tensor | None]:
     """GCN's symmetric normalization ``D^-1/2 (A + I) D^-1/2`` as edge weights plus a diagonal term.
 
     The self loop is *not* inserted into the CSR: it is returned as ``self_weight`` and :func:`spmm` adds
@@ -68,19 +68,39 @@ def gcn_norm(graph: CSRGraph, add_self_loops: bool = True) -> tuple[Tensor, Tens
     The self term ``self_weight[i]`` pairs destination ``i`` with source row ``i``: a graph whose
     destinations are not its first source rows, in the same order, gets wrong self weights.
 
+    With ``weighted`` and a graph that carries ``edge_weight``, PyG's weighted form: ``deg_i = 1 + sum_j
+    w_ij`` over the graph's own edges (a block's sampled edges; global degree hints count edges, so they are
+    not used), and ``w_ij / sqrt(deg_i deg_j)``.
+
     Args:
         graph: The graph (full graph, block or partition).
         add_self_loops: Count a self loop in every degree and return its weight (default: True).
+        weighted: Fold ``graph.edge_weight`` in (default: False: structural).
 
     Returns:
         ``(edge_weight [E], self_weight [num_dst] or None)``, float32 on the graph's device, cached in
         ``graph.cache``. A zero degree gives weight 0, never ``inf``.
     """
-    key = f"gcn_norm:{bool(add_self_loops)}"
+    weights = graph.edge_weight if weighted else None
+    key = f"gcn_norm:{bool(add_self_loops)}:{weights is not None}"
     if key in graph.cache:
         return graph.cache[key]
     loop = 1.0 if add_self_loops else 0.0
     nd = graph.num_dst
+    if weights is not None:
+        w = weights.to(graph.device, torch.float64)
+        dst = graph.dst_of_edges()
+        dd = torch.zeros(nd, dtype=torch.float64, device=graph.device).index_add_(0, dst, w) + loop
+        if graph.num_src == nd:
+            ds = dd
+        else:
+            ds = torch.zeros(graph.num_src, dtype=torch.float64, device=graph.device).index_add_(0, graph.indices, w)
+            ds[:nd] += loop
+        dd_is, ds_is = _safe_inv(dd).sqrt(), _safe_inv(ds).sqrt()
+        ew = (w * dd_is.index_select(0, dst) * ds_is.index_select(0, graph.indices)).to(torch.float32)
+        sw = (dd_is * ds_is[:nd]).to(torch.float32) if add_self_loops else None
+        graph.cache[key] = (ew, sw)
+        return ew, sw
     if graph.dst_degree is not None:
         dd = graph.dst_degree.to(graph.device, torch.float64) + loop
     else:
@@ -98,3 +118,19 @@ def gcn_norm(graph: CSRGraph, add_self_loops: bool = True) -> tuple[Tensor, Tens
     sw = (dd_is * ds_is[:nd]).to(torch.float32) if add_self_loops else None
     graph.cache[key] = (ew, sw)
     return ew, sw
+
+
+def weighted_mean_norm(graph: CSRGraph) -> Tensor:
+    """``w_ij / sum_j w_ij`` over each destination's in-edges (a weighted mean as a sum); 0 where the sum is 0.
+
+    Over the graph's own edges (a block's sampled edges), cached in ``graph.cache``.
+    """
+    if graph.edge_weight is None:
+        raise ValueError("weighted_mean_norm needs a graph with edge weights")
+    key = "weighted_mean_norm"
+    if key not in graph.cache:
+        w = graph.edge_weight.to(graph.device, torch.float64)
+        dst = graph.dst_of_edges()
+        total = torch.zeros(graph.num_dst, dtype=torch.float64, device=graph.device).index_add_(0, dst, w)
+        graph.cache[key] = (w * _safe_inv(total).index_select(0, dst)).to(torch.float32)
+    return graph.cache[key]

@@ -31,6 +31,7 @@ from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
 from trellis.nn import MODELS
 from trellis.nn.init import INITS
+from trellis.nn.models import JKS, NORMS
 from trellis.train.features import parse_features
 from trellis.train.optim import OPTIMIZERS
 from trellis.train.tasks import TASKS, check_metric
@@ -42,8 +43,6 @@ PP_MODELS = ("sgc", "sign", "hoga")
 #: ``--pp-loader`` choices (trellis.loader.pp.LOADERS; auto = the placement planner's choice).
 PP_LOADERS = ("auto", "naive", "naive-batch", "index", "prefetch", "chunk", "storage")
 
-#: Models the mini- and cluster-batch strategies train (message-passing stacks and the graph-free MLP).
-BATCH_MODELS = ("gcn", "sage", "gin", "gat", "gate", "mlp")
 
 #: ``--cluster-method`` choices (partitioners of trellis.partition, and ``hash`` = balanced random).
 CLUSTER_METHODS = ("metis", "grem", "hash")
@@ -115,6 +114,14 @@ class TrainConfig:
                                   "sage/gin/mlp 64)", resolved=True)
     layers: int = _f(2, "number of layers (default: 2)")
     heads: int = _f(None, "attention heads of hidden layers (default: 8 for gat/gate, else 1)", resolved=True)
+    norm: str = _f("none", "normalization of each hidden layer's output before the activation: none, layer or "
+                           "batch (default: none)", choices=NORMS)
+    residual: bool = _f(False, "hidden layers add their input (projected where widths differ) (default: off)")
+    jk: str = _f("none", "jumping knowledge: every layer hidden-wide, a linear map reads their outputs "
+                         "concatenated (cat) or their maximum (max) (default: none)", choices=JKS)
+    mlp_hidden: int = _f(0, "gin: hidden width of each layer's MLP (default: 0 = the layer's width)")
+    edge_weight: bool = _f(False, "gcn/sage: use the store's edge weights (PyG's edge_weight: weighted GCN "
+                                  "normalization, weighted mean) (default: off)")
     dropout: float = _f(None, "dropout before every layer (default: 0.5; gat 0.6)", resolved=True)
     lr: float = _f(None, "learning rate (default: 0.01; gat 0.005)", resolved=True)
     weight_decay: float = _f(None, "L2 penalty (default: 5e-4)", resolved=True)
@@ -243,6 +250,22 @@ class TrainConfig:
         self.validate()
 
     # ---- validation ----------------------------------------------------------------------------
+    def _validate_model_options(self) -> None:
+        """Model options only the models that read them accept (a silently ignored option is a wrong run)."""
+        if self.norm not in NORMS:
+            raise TrellisUserError(_choice_msg("norm", self.norm, NORMS))
+        if self.jk not in JKS:
+            raise TrellisUserError(_choice_msg("jk", self.jk, JKS))
+        _check_range("mlp_hidden", self.mlp_hidden, 0)
+        stack = self.model not in (*PP_MODELS, "mlp")
+        for name, on in (("norm", self.norm != "none"), ("residual", self.residual), ("jk", self.jk != "none")):
+            if on and not stack:
+                raise TrellisUserError(f"--{name} applies to message-passing models, not --model {self.model}")
+        if self.mlp_hidden and self.model != "gin":
+            raise TrellisUserError(f"--mlp-hidden is GIN's MLP width; --model {self.model} has no such MLP")
+        if self.edge_weight and self.model not in ("gcn", "sage"):
+            raise TrellisUserError(f"--edge-weight applies to gcn and sage (got --model {self.model})")
+
     def validate(self) -> None:
         """Check every field; raise :class:`TrellisUserError` naming the flag and the fix."""
         for f in fields(self):
@@ -284,9 +307,7 @@ class TrainConfig:
         if self.clusters_per_batch > self.clusters:
             raise TrellisUserError(f"--clusters-per-batch {self.clusters_per_batch} exceeds --clusters "
                                    f"{self.clusters}; a batch cannot hold more clusters than there are")
-        if self.strategy in ("mini", "cluster") and self.model not in BATCH_MODELS:
-            raise TrellisUserError(f"--strategy {self.strategy} does not apply to --model {self.model}: it trains "
-                                   f"message-passing models ({', '.join(BATCH_MODELS)})")
+        self._validate_model_options()
         if (self.strategy == "pp") != (self.model in PP_MODELS):
             raise TrellisUserError(
                 f"--model {self.model} trains on the pre-propagation strategy only: add --strategy pp --pp-dir "
@@ -385,8 +406,11 @@ class TrainConfig:
 
     def model_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``trellis.nn.build_model`` (besides name, in_dim, out_dim)."""
+        options = {"norm": self.norm, "residual": self.residual, "jk": self.jk, "mlp_hidden": self.mlp_hidden,
+                   "edge_weight": self.edge_weight}
+        defaults = {"norm": "none", "residual": False, "jk": "none", "mlp_hidden": 0, "edge_weight": False}
         return {"hidden": self.hidden, "layers": self.layers, "heads": self.heads, "dropout": self.dropout,
-                **self.model_args}
+                **{k: v for k, v in options.items() if v != defaults[k]}, **self.model_args}
 
 
 def check_keys(values: dict[str, Any], source: str) -> None:

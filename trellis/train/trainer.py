@@ -155,6 +155,10 @@ class Trainer:
         cls.check_options(self.cfg)
         strategy = cls(self.cfg, device)
         strategy.load()
+        if self.cfg.edge_weight and strategy.store.edge_weight is None:
+            strategy.close()
+            raise TrellisUserError(f"--edge-weight: the store {self.cfg.store} has no edge weights (import them "
+                                   "with the edges, e.g. a third column or edge_weight=)")
         return strategy
 
     # ---- explain --------------------------------------------------------------------------------

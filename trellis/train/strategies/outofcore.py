@@ -145,12 +145,14 @@ class OutOfCoreFull(Strategy):
         model = build_run_model(self.cfg, self.spec, factory)
         try:
             family_of(model)
-        except TrellisUserError:
+        except TrellisUserError as exc:
             need = self._in_memory_estimate(model)
+            why = (str(exc) if getattr(model, "plain", True) is False or self.cfg.edge_weight else
+                   "the out-of-core engine tiles GCN, SAGE (mean) and GIN")
             raise TrellisUserError(
-                f"--model {self.cfg.model} cannot train under --memory-budget: the out-of-core engine tiles GCN, "
-                f"SAGE (mean) and GIN; in memory it needs about {format_size(need)} — drop --memory-budget (a "
-                f"budget of at least {format_size(need)} of free RAM runs it in memory)") from None
+                f"--model {self.cfg.model} cannot train under --memory-budget: {why}; in memory it needs about "
+                f"{format_size(need)} — drop --memory-budget (a budget of at least {format_size(need)} of free "
+                "RAM runs it in memory)") from None
         if self.plan is None:
             self.plan_for(model)
         return model

@@ -120,6 +120,17 @@ class PartitionedFull(Strategy):
 
     name = "full"
     options = frozenset({"parts_dir", "nproc", "timeout", "overlap", "staleness", "emulate_link"})
+
+    @classmethod
+    def check_options(cls, cfg: TrainConfig) -> None:
+        """Also refuse model options whose result would depend on how the graph is split across ranks."""
+        super().check_options(cfg)
+        if cfg.norm == "batch":
+            raise TrellisUserError("--norm batch across ranks would normalize each rank's rows by their own "
+                                   "statistics; use --norm layer (row-wise, exact across ranks)")
+        if cfg.edge_weight:
+            raise TrellisUserError("--edge-weight is not available across ranks (each rank's weighted degrees would "
+                                   "be local); train in one process, or drop --edge-weight")
     eval_splits = ("train", "val", "test")
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
