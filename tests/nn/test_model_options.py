@@ -12,7 +12,7 @@ from tests.nn.test_layers import random_graph
 from trellis.errors import TrellisUserError
 from trellis.loader.inference import layerwise_inference
 from trellis.nn import GCNConv, SAGEConv, build_model
-from trellis.nn.batched import family_of
+from trellis.nn.batched import BatchedGNN, capture_generator, check_tileable, family_of
 from trellis.ops.graph import CSRGraph
 
 OPTIONS = [dict(residual=True), dict(norm="layer"), dict(norm="batch"), dict(jk="cat"), dict(jk="max"),
@@ -45,7 +45,7 @@ def test_layerwise_inference_equals_the_forward(name, opts):
     some = layerwise_inference(model, g.indptr, g.indices, x, chunk_edges=50, rows=rows)
     torch.testing.assert_close(some, full[rows], rtol=1e-4, atol=1e-5)
     with pytest.raises(TrellisUserError, match="--norm, --residual or --jk" if name != "gat" else "GAT"):
-        family_of(model)
+        check_tileable(model)
 
 
 def test_residual_adds_the_projected_input():
@@ -102,3 +102,35 @@ def test_weighted_sage_is_a_weighted_mean():
     mean = torch.where(total > 0, wadj / total.clamp_min(1e-12), torch.zeros_like(wadj)) @ x
     ref = mean @ conv.lin_l.weight.T + conv.lin_l.bias + x @ conv.lin_r.weight.T
     torch.testing.assert_close(conv(g, x), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gcn", "sage", "gin"])
+def test_model_batching_runs_the_options_as_solo_runs(family):
+    """K configurations with different options in one batch: each equals its solo model (outputs, gradients)."""
+    g, _ = random_graph(n=60, p=0.1, seed=7)
+    x = torch.randn(60, 6)
+    configs = [dict(), dict(residual=True, norm="layer"), dict(jk="cat", norm="batch"), dict(jk="max", residual=True)]
+
+    def build(k, opts):
+        torch.manual_seed(k)
+        return build_model(family, 6, 3, hidden=8, layers=3, dropout=0.3, **opts), capture_generator("cpu")
+
+    reference = []
+    for k, opts in enumerate(configs):
+        model, gen = build(k, opts)
+        model.train()
+        torch.set_rng_state(gen.get_state())
+        out = model(g, x)
+        out.square().sum().backward()
+        reference.append((out.detach(), [q.grad.clone() for q in model.parameters() if q.requires_grad]))
+    built = [build(k, opts) for k, opts in enumerate(configs)]
+    torch.manual_seed(123)
+    bm = BatchedGNN([m for m, _ in built], [gen for _, gen in built])
+    bm.train()
+    outs = bm(g, x)
+    torch.stack([o.square().sum() for o in outs]).sum().backward()
+    for k, (out, (ref, grads)) in enumerate(zip(outs, reference)):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for a, b in zip([q.grad for q in bm.models[k].parameters() if q.requires_grad], grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert family_of(built[1][0]) == family

@@ -74,14 +74,25 @@ def family_of(model: nn.Module) -> str:
         raise TrellisUserError(f"a model with layers {kinds} cannot be model-batched; batchable families: {batchable}")
     if model.activation is not F.relu:
         raise TrellisUserError("model batching supports ReLU between layers only")
-    if not model.plain:
-        raise TrellisUserError("a model with --norm, --residual or --jk runs whole-graph in memory, on mini- or "
-                               "cluster-batches and across ranks; out-of-core tiles and model batching run the "
-                               "plain layer stack (drop those options there)")
-    if any(getattr(c, "edge_weight", False) for c in convs):
-        raise TrellisUserError("--edge-weight runs whole-graph in memory and on mini- or cluster-batches; out-of-core "
-                               "tiles and model batching aggregate without edge weights (drop --edge-weight there)")
     return names.pop()  # type: ignore[return-value]
+
+
+def check_tileable(model: nn.Module) -> str:
+    """:func:`family_of` for the out-of-core engine, which runs the plain stack without edge weights.
+
+    Raises:
+        TrellisUserError: What :func:`family_of` refuses, normalization, residual connections, jumping
+            knowledge or edge weights.
+    """
+    family = family_of(model)
+    if not cast(GNN, model).plain:
+        raise TrellisUserError("a model with --norm, --residual or --jk runs whole-graph in memory, on mini- or "
+                               "cluster-batches and across ranks; out-of-core tiles run the plain layer stack "
+                               "(drop those options there)")
+    if any(getattr(c, "edge_weight", False) for c in cast(GNN, model).convs):
+        raise TrellisUserError("--edge-weight runs whole-graph in memory and on mini- or cluster-batches; out-of-core "
+                               "tiles aggregate without edge weights (drop --edge-weight there)")
+    return family
 
 
 def model_decl(model: nn.Module, family: str | None = None) -> ModelDecl:
@@ -121,6 +132,9 @@ class BatchedGNN(nn.Module):
         families = [family_of(m) for m in models]
         self.decls = [model_decl(m, f) for m, f in zip(models, families)]
         check_batchable(self.decls)
+        if len({bool(getattr(m.convs[0], "edge_weight", False)) for m in models}) > 1:  # type: ignore[index]
+            raise TrellisUserError("configurations with and without --edge-weight aggregate differently and cannot "
+                                   "share a batch")
         self.family = families[0]
         self.models = nn.ModuleList(models)
         self._gnns = [cast(GNN, m) for m in models]  # the same modules, typed
@@ -179,21 +193,38 @@ class BatchedGNN(nn.Module):
         plans = [by_graph[g].layers[i] for i, g in enumerate(graphs)]
         fuse = FUSE in by_graph[graphs[0]].rewrites
         hs, wide0 = self._first_inputs(x, models, gens, plans[0], fuse)
+        raws: list[Tensor] = [x] * len(models)  # undropped layer inputs (residual connections read them)
+        jk: list[list[Tensor]] = [[] for _ in models]
         for i, (g, lp) in enumerate(zip(graphs, plans)):
             convs = [cast(PushdownConv, m.convs[i]) for m in models]
             hs, constant = _view_inputs(view, i, g, hs, x if i == 0 else None)
             outs = run_layer(convs, g, hs, lp, cache=self.cache if constant is x else None, constant=constant,
                              prebuilt=wide0 if i == 0 else None)
-            if i == self.depth - 1:
-                return [o + b if (b := c.output_bias()) is not None else o for o, c in zip(outs, convs)]
-            hs = []
-            for o, c, m, gen in zip(outs, convs, models, gens):
-                if fuse:
-                    hs.append(bias_act_dropout(o, c.output_bias(), act=True, p=m.dropout, training=self.training,
-                                               generator=gen))
+            last = i == self.depth - 1
+            results, hs, next_raws = [], [], []
+            for k, (o, c, m, gen) in enumerate(zip(outs, convs, models, gens)):
+                b = c.output_bias()
+                if not m.plain:  # the solo model's own post-processing, then its dropout stream's next mask
+                    y = m.post(i, raws[k], o + b if b is not None else o)
+                    if m.jk != "none":
+                        jk[k].append(y)
+                    if last:
+                        results.append(y if m.jk_lin is None else
+                                       m.jk_lin(dropout(m.jk_inputs(jk[k]), m.dropout, self.training, gen)))
+                    else:
+                        next_raws.append(y)
+                        hs.append(dropout(y, m.dropout, self.training, gen))
+                elif last:
+                    results.append(o + b if b is not None else o)
+                elif fuse:
+                    next_raws.append(x)  # unused: a plain model has no residual
+                    hs.append(bias_act_dropout(o, b, act=True, p=m.dropout, training=self.training, generator=gen))
                 else:
-                    b = c.output_bias()
+                    next_raws.append(x)
                     hs.append(dropout(F.relu(o + b if b is not None else o), m.dropout, self.training, gen))
+            if last:
+                return results
+            raws = next_raws
         raise AssertionError("unreachable")
 
     def _first_inputs(self, x: Tensor, models: list[GNN], gens: list[torch.Generator | None],

@@ -109,16 +109,18 @@ class GNN(nn.Module):
                 y = y + (rows.to_dense() if is_sparse(rows) else rows)
         return y
 
-    def readout(self, outs: Sequence[Tensor]) -> Tensor:
-        """The model's output from the layers' outputs (their first rows are the final destinations)."""
-        if self.jk_lin is None:
-            return outs[-1]
+    def jk_inputs(self, outs: Sequence[Tensor]) -> Tensor:
+        """The layers' outputs combined (``cat`` or ``max``) on the final destinations (their first rows)."""
         n = outs[-1].shape[0]
         if self.jk == "cat":
-            z = torch.cat([o[:n] for o in outs], 1)
-        else:
-            z = torch.stack([o[:n] for o in outs]).amax(0)
-        return self.jk_lin(hash_dropout(z, self.dropout, self.training))
+            return torch.cat([o[:n] for o in outs], 1)
+        return torch.stack([o[:n] for o in outs]).amax(0)
+
+    def readout(self, outs: Sequence[Tensor]) -> Tensor:
+        """The model's output from the layers' outputs: the last one, or jumping knowledge's linear map."""
+        if self.jk_lin is None:
+            return outs[-1]
+        return self.jk_lin(hash_dropout(self.jk_inputs(outs), self.dropout, self.training))
 
     def forward(self, graph: Graphs, x: Tensor, return_embedding: bool = False,
                 view: GraphView | None = None) -> Tensor:
@@ -141,11 +143,7 @@ class GNN(nn.Module):
             if self.jk != "none":
                 outs.append(x)
         if self.jk != "none":
-            if return_embedding:
-                n = x.shape[0]
-                return torch.cat([o[:n] for o in outs], 1) if self.jk == "cat" else torch.stack(
-                    [o[:n] for o in outs]).amax(0)
-            return self.readout(outs)
+            return self.jk_inputs(outs) if return_embedding else self.readout(outs)
         return x
 
     def explain(self, graph: Graphs) -> str:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trellis.errors import TrellisUserError
-from trellis.nn.batched import family_of, model_decl
+from trellis.nn.batched import check_tileable, model_decl
 from trellis.nn.layers import PushdownConv
 from trellis.nn.models import GNN
 from trellis.nn.runtime import bias_act_dropout
@@ -127,7 +127,7 @@ class TiledGNN:
     def __init__(self, model: nn.Module, graph: MappedCSR, x: np.ndarray, spill: SpillDir,
                  bounds: np.ndarray, *, cold: bool = False, halo: HaloRows | None = None,
                  source_bounds: np.ndarray | None = None, stats: GraphStats | None = None) -> None:
-        family_of(model)  # refuses a model that cannot run from its plan
+        check_tileable(model)  # refuses a model that cannot run from its plan
         self.model = cast(GNN, model)
         self.convs = [cast(PushdownConv, c) for c in self.model.convs]
         self.decls = [c.declare() for c in self.convs]

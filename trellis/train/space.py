@@ -73,15 +73,19 @@ def _round(v: float) -> float:
 
 Space = dict[str, Dim]
 
-#: Per model: the default space (see the module docstring for the sources). ``layers`` stays at 2: deeper
-#: GCNs over-smooth on these graphs and a depth changes which candidates can share a batch.
+#: The architecture dimensions of message-passing models' spaces: depth, residual connections and layer
+#: normalization (Platonov et al. 2023: on heterophilous graphs GCN needs residual connections and layer
+#: normalization, and up to 5 layers, to reach its published figures). Candidates batch by depth.
+_ARCH: dict[str, Any] = {"layers": [2, 3, 4], "residual": [False, True], "norm": ["none", "layer"]}
+
+#: Per model: the default space (see the module docstring for the sources).
 DEFAULT_SPACES: dict[str, dict[str, Any]] = {
     "gcn": {"lr": {"log_uniform": [0.002, 0.05]}, "weight_decay": {"log_uniform": [1e-6, 1e-3]},
-            "hidden": [32, 64, 128, 256], "dropout": {"uniform": [0.1, 0.8]}},
+            "hidden": [32, 64, 128, 256], "dropout": {"uniform": [0.1, 0.8]}, **_ARCH},
     "sage": {"lr": {"log_uniform": [0.002, 0.05]}, "weight_decay": {"log_uniform": [1e-6, 1e-3]},
-             "hidden": [64, 128, 256], "dropout": {"uniform": [0.1, 0.8]}},
+             "hidden": [64, 128, 256], "dropout": {"uniform": [0.1, 0.8]}, **_ARCH},
     "gin": {"lr": {"log_uniform": [0.001, 0.02]}, "weight_decay": {"log_uniform": [1e-6, 1e-3]},
-            "hidden": [64, 128, 256], "dropout": {"uniform": [0.0, 0.7]}},
+            "hidden": [64, 128, 256], "dropout": {"uniform": [0.0, 0.7]}, **_ARCH},
     "gat": {"lr": {"log_uniform": [0.002, 0.02]}, "weight_decay": {"log_uniform": [1e-5, 1e-3]},
             "hidden": [8, 16], "dropout": {"uniform": [0.3, 0.8]}},
     "sign": {"lr": {"log_uniform": [0.0005, 0.01]}, "weight_decay": {"log_uniform": [1e-7, 1e-4]},
@@ -122,7 +126,7 @@ def parse_space(raw: Any, source: str) -> Space:
             raise TrellisUserError(f"{where}: expected a list of values or one of "
                                    + ", ".join(f'{{"{k}": [low, high]}}' for k in RANGE_KINDS))
         kind, bounds = next(iter(spec.items()))
-        if gk.kind == "choice":
+        if gk.kind in ("choice", "bool"):
             raise TrellisUserError(f"{where}: {name} takes a list of choices ({', '.join(gk.choices)}), not a range")
         if (not isinstance(bounds, list) or len(bounds) != 2
                 or not all(isinstance(b, (int, float)) and math.isfinite(b) for b in bounds)):

@@ -49,6 +49,7 @@ from tqdm import tqdm
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, capture_generator, family_of, model_decl
 from trellis.nn.init import INITS
+from trellis.nn.models import JKS, NORMS
 from trellis.nn.runtime import generator_scope
 from trellis.plan import GraphStats
 from trellis.plan.batching import balanced_batches, choose_k, default_budget_bytes
@@ -77,7 +78,7 @@ class GridKey:
 
     Attributes:
         name: Field of :class:`TrainConfig`.
-        kind: ``float``, ``int`` or ``choice``.
+        kind: ``float``, ``int``, ``bool`` or ``choice``.
         choices: Allowed values of a ``choice`` key.
         help: What it is.
     """
@@ -99,6 +100,9 @@ GRID_KEYS: dict[str, GridKey] = {k.name: k for k in (
     GridKey("optimizer", "choice", tuple(OPTIMIZERS), help="optimizer (each configuration has its own)"),
     GridKey("init", "choice", INITS, help="weight initialization"),
     GridKey("momentum", "float", help="sgd momentum / adam beta1"),
+    GridKey("residual", "bool", help="residual connections (true/false)"),
+    GridKey("norm", "choice", NORMS, help="normalization of hidden layers"),
+    GridKey("jk", "choice", JKS, help="jumping knowledge"),
 )}
 
 
@@ -159,6 +163,11 @@ def parse_grid_value(k: GridKey, text: str, item: str) -> Any:
             return int(text)
         except ValueError:
             raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not an integer") from None
+    if k.kind == "bool":
+        value = {"true": True, "false": False, "1": True, "0": False}.get(text.lower())
+        if value is None:
+            raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not true or false")
+        return value
     if text not in k.choices:
         hint = difflib.get_close_matches(text, list(k.choices), n=1)
         raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not one of {', '.join(k.choices)}"

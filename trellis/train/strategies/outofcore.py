@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
-from trellis.nn.batched import family_of
+from trellis.nn.batched import check_tileable
 from trellis.nn.models import GNN
 from trellis.nn.tiled import Gather, TiledGNN, layer_shapes
 from trellis.ops.tiled import MappedCSR, iter_tiles
@@ -144,7 +144,7 @@ class OutOfCoreFull(Strategy):
         """This run's model; the first call plans the tiles under the budget (and refuses what cannot run)."""
         model = build_run_model(self.cfg, self.spec, factory)
         try:
-            family_of(model)
+            check_tileable(model)
         except TrellisUserError as exc:
             need = self._in_memory_estimate(model)
             why = (str(exc) if getattr(model, "plain", True) is False or self.cfg.edge_weight else
@@ -322,7 +322,7 @@ def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task, emb_path
             raise TrellisUserError(f"{cfg.store}: features have width {strategy.spec.in_dim}, not the model's; "
                                    "predict on a store with the same features")
         try:
-            family_of(model)
+            check_tileable(model)
         except TrellisUserError:
             raise TrellisUserError(f"--memory-budget: --model {cfg.model} cannot run out of core (GCN, SAGE and "
                                    "GIN tile); drop --memory-budget") from None

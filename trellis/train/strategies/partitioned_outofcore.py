@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from trellis.distributed.halo import MappedHalo, Route, Traffic
 from trellis.distributed.ownership import dst_methods
 from trellis.errors import TrellisUserError
-from trellis.nn.batched import family_of
+from trellis.nn.batched import check_tileable
 from trellis.nn.tiled import Gather, TiledGNN, layer_shapes
 from trellis.ops.tiled import MappedCSR
 from trellis.partition.layout import LocalGraph, PartitionedGraph
@@ -121,10 +121,12 @@ class PartitionedOutOfCore(PartitionedFull):
         """The run's model; the first call plans the tiles under the budget (and refuses what cannot run)."""
         model = Strategy.build_model(self, factory)
         try:
-            family_of(model)
-        except TrellisUserError:
-            raise TrellisUserError(f"--model {self.cfg.model} cannot train under --memory-budget: the out-of-core "
-                                   "engine tiles GCN, SAGE (mean) and GIN; drop --memory-budget") from None
+            check_tileable(model)
+        except TrellisUserError as exc:
+            why = (str(exc) if not getattr(model, "plain", True)
+                   else "the out-of-core engine tiles GCN, SAGE (mean) and GIN")
+            raise TrellisUserError(f"--model {self.cfg.model} cannot train under --memory-budget: {why}; drop "
+                                   "--memory-budget") from None
         if self.plan is None:
             self._plan(model)
         return model
