@@ -8,8 +8,8 @@ input rows where they are not all local (halo rows, tiles). A layer declares its
 """
 
 from trellis.nn.layers import GATConv, GCNConv, GINConv, MessagePassing, PushdownConv, SAGEConv
-from trellis.nn.models import GNN, MLP, MODELS, build_model
+from trellis.nn.models import GNN, MLP, MODELS, build_model, register_model
 from trellis.nn.view import IDENTITY, GraphView, IdentityView
 
 __all__ = ["GATConv", "GCNConv", "GINConv", "GNN", "GraphView", "IDENTITY", "IdentityView", "MLP", "MODELS",
-           "MessagePassing", "PushdownConv", "SAGEConv", "build_model"]
+           "MessagePassing", "PushdownConv", "SAGEConv", "build_model", "register_model"]

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from trellis.errors import TrellisUserError
 from trellis.nn.executor import run_layer
-from trellis.nn.layers import PUSHDOWN_LAYERS, PushdownConv
+from trellis.nn.layers import PUSHDOWN_LAYERS, MessagePassing, PushdownConv
 from trellis.nn.models import GNN, Graphs, per_layer
 from trellis.nn.runtime import AggregationCache, bias_act_dropout, default_generator, dropout
 from trellis.nn.view import IDENTITY, GraphView
@@ -68,7 +68,8 @@ def family_of(model: nn.Module) -> str:
     batchable = ", ".join(sorted(PUSHDOWN_LAYERS))
     if not isinstance(model, GNN) or convs is None or type(model) is not GNN:
         raise TrellisUserError(f"{type(model).__name__} cannot be model-batched; batchable families: {batchable}")
-    names = {c.family if isinstance(c, PushdownConv) else None for c in convs}
+    names = {c.family if isinstance(c, PushdownConv) or (isinstance(c, MessagePassing) and c.user_defined
+                                                        and c.pushdown) else None for c in convs}
     if None in names or len(names) != 1:
         kinds = ", ".join(sorted({type(c).__name__ for c in convs}))
         raise TrellisUserError(f"a model with layers {kinds} cannot be model-batched; batchable families: {batchable}")
@@ -85,6 +86,9 @@ def check_tileable(model: nn.Module) -> str:
             knowledge or edge weights.
     """
     family = family_of(model)
+    if family not in PUSHDOWN_LAYERS:
+        raise TrellisUserError(f"{family.removeprefix('user:')}: out-of-core tiles run the built-in GCN, SAGE and GIN "
+                               "layers (a user layer's aggregation is its own code); drop --memory-budget")
     if not cast(GNN, model).plain:
         raise TrellisUserError("a model with --norm, --residual or --jk runs whole-graph in memory, on mini- or "
                                "cluster-batches and across ranks; out-of-core tiles run the plain layer stack "

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trellis.errors import TrellisUserError
+from trellis.nn import user
 from trellis.nn.executor import run_layer
 from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
 from trellis.ops.dropout import dropout
@@ -32,19 +34,108 @@ PLAN_CACHE_SIZE = 1024
 
 
 class MessagePassing(nn.Module):
-    """Base of all graph layers: a declaration, and the plans the planner makes of it.
+    """Base of all graph layers, built-in and user-defined: a declaration, and the plans the planner makes of it.
 
-    Calling ``layer(graph, x)`` runs the layer's step plan for this input (:meth:`step_plan`); ``layer(graph,
-    x, plan=...)`` runs a given plan (a model-level planner's, or a test's).
+    **A user layer** subclasses this and writes Lotan's three functions in torch (see :mod:`trellis.nn.user`)::
+
+        class MyGCN(trellis.nn.MessagePassing):
+            aggregate = "sum"                        # Γ: sum, mean or max
+            transform = "lin"                        # a bias-free nn.Linear applied to every source row
+
+            def __init__(self, in_dim, out_dim):
+                super().__init__()
+                self.lin = nn.Linear(in_dim, out_dim, bias=False)
+                self.bias = nn.Parameter(torch.zeros(out_dim))
+
+            def edge_weights(self, graph):           # fixed per-edge weights (and self-loop weights)
+                return trellis.ops.gcn_norm(graph)
+
+            def message(self, x_j, edge_weight):     # φ, per edge
+                return edge_weight.unsqueeze(-1) * x_j
+
+            def update(self, aggr, x):               # ψ, per destination (x: its own input row)
+                return aggr + self.bias
+
+    The planner reads the message: an unparameterized copy or weighted message with a linear aggregate is
+    pushed down into one SpMM and reordered with the transform, like the built-in layers (and such a layer is
+    model-batchable); any other message gets the general plan (gather, apply per edge, segment-reduce).
+
+    **Built-in layers** override :meth:`declare` and ``forward``. Calling ``layer(graph, x)`` runs the layer's
+    step plan for this input (:meth:`step_plan`); ``layer(graph, x, plan=...)`` runs a given plan (a
+    model-level planner's, or a test's).
     """
+
+    #: Γ of a user layer: ``sum``, ``mean`` or ``max``.
+    aggregate: str = "sum"
+    #: Name of a user layer's transform: a bias-free ``nn.Linear`` submodule applied to every source row.
+    transform: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         super().__init__()
         self._plan_memo: dict[tuple[GraphStats, bool, bool] | GraphStats, LayerPlan] = {}
 
-    def declare(self) -> LayerDecl:
-        """The layer in message / aggregate / update form (see :class:`LayerDecl`)."""
+    # ---- what a user writes ----------------------------------------------------------------------
+    def message(self, x_j: Tensor) -> Tensor:
+        """φ: the message along each edge (a user layer overrides it)."""
         raise NotImplementedError
+
+    def update(self, aggr: Tensor) -> Tensor:
+        """ψ: the destination's output from its aggregated messages (default: the aggregate itself)."""
+        return aggr
+
+    def edge_weights(self, graph: CSRGraph) -> Tensor | tuple[Tensor, Tensor | None] | None:
+        """Fixed per-edge weights for ``message(edge_weight=...)``, or ``(edge, self-loop)`` weights; None = 1."""
+        return None
+
+    @property
+    def user_defined(self) -> bool:
+        """Whether the layer is written as message / aggregate / update (not a built-in)."""
+        return type(self).message is not MessagePassing.message
+
+    def declare(self) -> LayerDecl:
+        """The layer in message / aggregate / update form (see :class:`LayerDecl`); read from a user layer's code."""
+        if not self.user_defined:
+            raise TrellisUserError(f"{type(self).__name__} has no message: a layer writes message (and optionally "
+                                   "aggregate, update, transform, edge_weights)")
+        return user.declare(self)
+
+    @property
+    def pushdown(self) -> bool:
+        """Whether the layer runs as one SpMM (an unparameterized message with a linear aggregate)."""
+        return self.declare().unparameterized_message and self.declare().aggregate in ("sum", "mean")
+
+    @property
+    def family(self) -> str:
+        """The model-batching family of a user layer: its class (configurations of one class share a batch)."""
+        return f"user:{type(self).__qualname__}"
+
+    def forward(self, graph: CSRGraph, x: Tensor, plan: LayerPlan | None = None) -> Tensor:
+        """A user layer on ``graph``: its pushdown plan (one SpMM, either order) or the general plan."""
+        if self.pushdown:
+            return run_layer([self], graph, [x], plan if plan is not None else self.step_plan(graph, x))[0]
+        return user.run_general(self, graph, x)
+
+    # ---- a pushed-down user layer as the executor sees it (trellis.nn.executor.PushdownLayer) -------
+    def aggregation(self, graph: CSRGraph) -> Aggregation:
+        """What is aggregated: the ``edge_weights`` hook's weights (none for a copy message)."""
+        return user.aggregation(self, graph)
+
+    def transform_weight(self) -> Tensor:
+        """The declared transform's weight."""
+        lin = user.transform_of(self)
+        assert lin is not None, "a layer without a transform always aggregates first"
+        return lin.weight
+
+    def epilogue(self, a: Tensor, h: Tensor, z: Tensor | None, aggregate_first: bool, n: int) -> Tensor:
+        """``update`` of the aggregation (transformed first when the plan aggregated the untransformed rows)."""
+        lin = user.transform_of(self)
+        if aggregate_first and lin is not None:
+            a = linear(a, lin.weight)
+        return user.finish(self, a, h, n)
+
+    def output_bias(self) -> Tensor | None:
+        """None: a user layer adds its bias in ``update``."""
+        return None
 
     def plan(self, graph: CSRGraph) -> LayerPlan:
         """The planner's forward plan for this layer on ``graph`` (what ``--explain`` prints)."""

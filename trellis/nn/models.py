@@ -267,6 +267,34 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "gate": _gate,
     "mlp": _mlp,
 }
+_BUILTIN = frozenset(MODELS)
+
+
+def register_model(name: str, builder: Callable[..., nn.Module]) -> None:
+    """Register a user's model builder ``(in_dim, out_dim, **hparams) -> Module`` under ``name``.
+
+    The builder receives only the keyword options its signature names (all of them if it takes
+    ``**kwargs``), so ``def my_model(in_dim, out_dim, hidden=32)`` works with every strategy's options. A
+    process that trains the model (a spawned rank, a sampler) must register it too, as it imports its models.
+    """
+    import inspect
+
+    if name in _BUILTIN and MODELS.get(name) is not builder:
+        raise ValueError(f"{name!r} is a built-in model; choose another name")
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        MODELS[name] = builder
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        MODELS[name] = builder
+        return
+
+    def build(in_dim: int, out_dim: int, **kwargs: Any) -> nn.Module:
+        return builder(in_dim, out_dim, **{k: v for k, v in kwargs.items() if k in params})
+
+    build.__wrapped__ = builder  # type: ignore[attr-defined]
+    MODELS[name] = build
 
 
 def build_model(name: str, in_dim: int, out_dim: int, *, hidden: int = 64, layers: int = 2, heads: int = 1,

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from trellis.data.convert import from_arrays, from_pyg
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
-from trellis.nn.models import MODELS
+from trellis.nn.models import MODELS, register_model
 from trellis.train.build import ModelFactory, default_model_factory, make_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import resolve_device
@@ -149,28 +149,11 @@ def model_option(model: str | Callable[..., nn.Module] | None) -> tuple[str | No
     if not name.isidentifier():
         raise TrellisUserError("model=: a builder needs a name (a function or class, not a lambda); it is "
                                "recorded in the run's config")
-    if MODELS.get(name) not in (None, model) and name in ("gcn", "sage", "gin", "gat", "gate", "mlp"):
-        raise TrellisUserError(f"model={name}: the name of a built-in model; rename the builder")
-    MODELS[name] = _accepting(model)
-    return name, None
-
-
-def _accepting(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """``builder`` called with only the keyword options its signature names (all of them with ``**kwargs``)."""
-    import inspect
-
     try:
-        params = inspect.signature(builder).parameters
-    except (TypeError, ValueError):
-        return builder
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return builder
-
-    def build(in_dim: int, out_dim: int, **kwargs: Any) -> nn.Module:
-        return builder(in_dim, out_dim, **{k: v for k, v in kwargs.items() if k in params})
-
-    build.__wrapped__ = builder  # type: ignore[attr-defined]
-    return build
+        register_model(name, model)
+    except ValueError as exc:
+        raise TrellisUserError(f"model={name}: {exc}; rename the builder") from None
+    return name, None
 
 
 def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, progress: bool = False,

@@ -164,10 +164,10 @@ def parse_grid_value(k: GridKey, text: str, item: str) -> Any:
         except ValueError:
             raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not an integer") from None
     if k.kind == "bool":
-        value = {"true": True, "false": False, "1": True, "0": False}.get(text.lower())
-        if value is None:
+        flag_value = {"true": True, "false": False, "1": True, "0": False}.get(text.lower())
+        if flag_value is None:
             raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not true or false")
-        return value
+        return flag_value
     if text not in k.choices:
         hint = difflib.get_close_matches(text, list(k.choices), n=1)
         raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not one of {', '.join(k.choices)}"

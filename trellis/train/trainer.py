@@ -236,12 +236,20 @@ class Trainer:
         meter = PeakMemory(device=device).start()
         ctx = _RunContext(strategy, task, metric, paths, log, meter, prog, checksum, device)
         t_start = time.perf_counter()
+        fresh = ckpt is None and scratch is None
         try:
             with self._signals():
                 run_state = ckpt.get("run_state") if ckpt else None
                 rng = ckpt.get("rng") if ckpt else None
                 for r in range(prog.run, cfg.runs):
-                    self._run(ctx, r, run_state if r == prog.run else None, rng)
+                    try:
+                        self._run(ctx, r, run_state if r == prog.run else None, rng)
+                    except TrellisUserError:
+                        # refused in the first epoch (a user layer's wrong shape): leave nothing half-written
+                        if fresh and r == 0 and not prog.results and not log.offset:
+                            log.close()
+                            shutil.rmtree(paths.root, ignore_errors=True)
+                        raise
                     run_state = rng = None
             summary = self._summary(ctx, time.perf_counter() - t_start).to_dict()
             if self.keep_models:

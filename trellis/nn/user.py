@@ -1,0 +1,209 @@
+"""User-defined layers: Lotan's message φ, aggregate Γ and update ψ written in torch, planned like built-ins.
+
+A user subclasses :class:`trellis.nn.MessagePassing` and writes
+
+* ``message(self, x_j, [x_i], [edge_weight], [edge_attr]) -> [E, d]`` (φ, per edge: the source row ``x_j``,
+  the destination row ``x_i``, the edge's fixed weight and its features),
+* ``aggregate = "sum" | "mean" | "max"`` (Γ, a class attribute),
+* ``update(self, aggr, [x]) -> [n, out]`` (ψ, per destination, given its own input row ``x``; default: ``aggr``),
+* optionally ``transform = "lin"``: the name of a bias-free :class:`torch.nn.Linear` applied to every source row
+  before the message, and ``edge_weights(self, graph)``: fixed (unparameterized) per-edge weights, or
+  ``(edge weights, self-loop weights)`` — :func:`trellis.ops.gcn_norm` returns exactly that pair.
+
+Why read the code instead of asking for a declaration: the planner can move only what it understands, and a
+user should not have to know the planner. :func:`declare` probes ``message`` numerically: a message that reads
+only ``x_j`` (and ``edge_weight``), touches no parameter, and returns ``x_j`` (or ``edge_weight * x_j``) on
+random probes is a copy (weighted) message; with a linear aggregate (sum, mean) the layer is then pushed down
+into one SpMM, and the transform may run before or after it (Lotan §4.2), exactly like the built-in GCN — so it
+is also model-batchable. Anything else gets the general plan (:func:`run_general`): gather the rows per edge,
+apply the message, segment-reduce to the destinations, one layer's edges at a time; autograd supplies the
+backward (the segment reduction's own backward, the gathers' scatter-adds).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trellis.errors import TrellisUserError
+from trellis.ops import segment_reduce
+from trellis.ops.graph import Aggregation, CSRGraph
+from trellis.ops.sparse_rows import head_rows, is_sparse, linear
+from trellis.plan.decl import AGGREGATES, LayerDecl
+
+#: A layer (``trellis.nn.layers.MessagePassing``; not imported: that module builds on this one).
+MessagePassing = Any
+
+#: What ``message`` may read.
+MESSAGE_ARGS = ("x_j", "x_i", "edge_weight", "edge_attr")
+
+
+def _params(fn: Any) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def message_args(layer: MessagePassing) -> list[str]:
+    """The arguments ``layer.message`` reads (refusing names the engine cannot supply)."""
+    names = _params(layer.message)
+    unknown = [n for n in names if n not in MESSAGE_ARGS]
+    if unknown:
+        raise TrellisUserError(f"{type(layer).__name__}.message: unknown argument {unknown[0]!r}; a message reads "
+                               f"{', '.join(MESSAGE_ARGS)}")
+    if "x_j" not in names:
+        raise TrellisUserError(f"{type(layer).__name__}.message must read the source rows x_j")
+    return names
+
+
+def transform_of(layer: MessagePassing) -> nn.Linear | None:
+    """The layer's declared transform (a bias-free linear map applied to every source row), if any."""
+    name = type(layer).transform
+    if name is None:
+        return None
+    lin = getattr(layer, name, None)
+    if not isinstance(lin, nn.Linear):
+        raise TrellisUserError(f"{type(layer).__name__}.transform = {name!r} must name an nn.Linear submodule")
+    if lin.bias is not None:
+        raise TrellisUserError(f"{type(layer).__name__}.{name}: a transform that commutes with the aggregation has no "
+                               "bias (nn.Linear(..., bias=False)); add a bias in update")
+    return lin
+
+
+def _probe(layer: MessagePassing, names: list[str]) -> str:
+    """``copy``, ``weighted`` or ``custom``: what ``message`` computes on random probes."""
+    if "x_i" in names or "edge_attr" in names:
+        return "custom"
+    params = [p for p in layer.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    kind = None
+    probe: Any = layer.message
+    for width in (3, 5):
+        x_j = torch.randn(7, width, generator=gen)
+        w = torch.rand(7, generator=gen) + 0.5
+        args = {"x_j": x_j, "edge_weight": w} if "edge_weight" in names else {"x_j": x_j}
+        with torch.enable_grad():
+            try:
+                out = probe(**args)
+            except Exception:  # noqa: BLE001 - a message that needs more than a probe gives: the general plan
+                return "custom"
+            if not isinstance(out, Tensor) or out.shape != x_j.shape:
+                return "custom"
+            if params and out.requires_grad:
+                grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
+                if any(g is not None for g in grads):
+                    return "custom"
+        if torch.allclose(out, x_j, rtol=0, atol=1e-6):
+            now = "copy"
+        elif "edge_weight" in names and torch.allclose(out, w[:, None] * x_j, rtol=1e-6, atol=1e-6):
+            now = "weighted"
+        else:
+            return "custom"
+        if kind not in (None, now):
+            return "custom"
+        kind = now
+    return kind or "custom"
+
+
+def declare(layer: MessagePassing) -> LayerDecl:
+    """The layer's declaration, read from its code (cached on the layer)."""
+    cached = layer.__dict__.get("_user_decl")
+    if cached is not None:
+        return cached
+    cls = type(layer)
+    if cls.aggregate not in AGGREGATES:
+        raise TrellisUserError(f"{cls.__name__}.aggregate = {cls.aggregate!r}: the engine aggregates with "
+                               f"{', '.join(AGGREGATES)}")
+    names = message_args(layer)
+    lin = transform_of(layer)
+    kind = _probe(layer, names)
+    pushdown = kind in ("copy", "weighted") and cls.aggregate in ("sum", "mean")
+    in_dim = lin.in_features if lin is not None else int(getattr(layer, "in_dim", 1))
+    out_dim = lin.out_features if lin is not None else int(getattr(layer, "out_dim", in_dim))
+    decl = LayerDecl(cls.__name__.lower(), in_dim, out_dim, message=kind if pushdown else "custom",
+                     message_params=kind == "custom", aggregate=cls.aggregate, transform=lin is not None,
+                     root="none", update="none",  # ψ is opaque to the planner: costed as the epilogue
+                     edge_dim=1 if "edge_attr" in names else 0)
+    layer.__dict__["_user_decl"] = decl
+    return decl
+
+
+def weights(layer: MessagePassing, graph: CSRGraph) -> tuple[Tensor | None, Tensor | None]:
+    """``(edge weights, self-loop weights)`` from the layer's ``edge_weights`` hook (either may be None)."""
+    got = layer.edge_weights(graph)
+    if got is None:
+        return None, None
+    if isinstance(got, tuple):
+        if len(got) != 2:
+            raise TrellisUserError(f"{type(layer).__name__}.edge_weights must return weights [E] or "
+                                   "(weights [E], self-loop weights [n])")
+        return got[0], got[1]
+    return got, None
+
+
+def aggregation(layer: MessagePassing, graph: CSRGraph) -> Aggregation:
+    """The pushed-down layer's aggregation on ``graph`` (:class:`trellis.nn.executor.PushdownLayer`)."""
+    ew, sw = weights(layer, graph)
+    if declare(layer).message == "copy":
+        ew = None
+    return Aggregation(ew, sw, type(layer).aggregate)
+
+
+def root_rows(layer: MessagePassing, h: Tensor, n: int) -> Tensor:
+    """The destinations' own input rows for ``update`` (dense: a user's update reads them as a tensor)."""
+    rows = head_rows(h, n)
+    return rows.to_dense() if is_sparse(rows) else rows
+
+
+def finish(layer: MessagePassing, aggr: Tensor, h: Tensor, n: int) -> Tensor:
+    """``update(aggr, x)`` with the shape checked (a wrong shape names the layer)."""
+    update: Any = layer.update
+    out = update(aggr, root_rows(layer, h, n)) if "x" in _params(update) else update(aggr)
+    if not isinstance(out, Tensor) or out.dim() < 1 or out.shape[0] != n:
+        shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise TrellisUserError(f"{type(layer).__name__}.update returned {shape}; expected one row per destination "
+                               f"({n} rows)")
+    return out
+
+
+def run_general(layer: MessagePassing, graph: CSRGraph, x: Tensor) -> Tensor:
+    """The general plan: per-edge messages, segment-reduced to the destinations, then ``update``."""
+    if graph.exchange is not None:
+        raise TrellisUserError(f"{type(layer).__name__}: a layer with a parameterized message needs every in-edge of "
+                               "a destination on its rank (a destination-owned layout: `trellis partition` with the "
+                               "default methods)")
+    names = message_args(layer)
+    lin = transform_of(layer)
+    n = graph.num_dst
+    h = linear(x, lin.weight) if lin is not None else (x.to_dense() if is_sparse(x) else x)
+    ew, sw = weights(layer, graph)
+    args: dict[str, Tensor | None] = {"x_j": h.index_select(0, graph.indices)}
+    if "x_i" in names:
+        args["x_i"] = h[:n].index_select(0, graph.dst_of_edges())
+    if "edge_weight" in names:
+        args["edge_weight"] = ew if ew is not None else h.new_ones(graph.num_edges)
+    if "edge_attr" in names:
+        if graph.edge_feat is None:
+            raise TrellisUserError(f"{type(layer).__name__}.message reads edge_attr but the graph has no edge features")
+        args["edge_attr"] = graph.edge_feat
+    message: Any = layer.message
+    msg = message(**args)
+    if not isinstance(msg, Tensor) or msg.shape[0] != graph.num_edges:
+        shape = tuple(msg.shape) if isinstance(msg, Tensor) else type(msg).__name__
+        raise TrellisUserError(f"{type(layer).__name__}.message returned {shape}; expected one row per edge "
+                               f"({graph.num_edges} rows)")
+    aggr = segment_reduce(graph, msg, type(layer).aggregate)
+    if sw is not None:  # the self loop joins after the reduction, as the SpMM's self weight does
+        own = h[:n]
+        self_args: dict[str, Tensor | None] = {"x_j": own}
+        if "x_i" in names:
+            self_args["x_i"] = own
+        if "edge_weight" in names:
+            self_args["edge_weight"] = sw
+        if "edge_attr" in names:
+            raise TrellisUserError(f"{type(layer).__name__}: self-loop weights and edge_attr together are not "
+                                   "supported (a self loop has no edge features)")
+        aggr = aggr + message(**self_args)
+    return finish(layer, aggr, x, n)
