@@ -1,6 +1,6 @@
 """Run every side-by-side benchmark in sequence (``make bench``).
 
-    python -m benchmarks.run [--only fullbatch,ops,partition,minibatch,pp,sweep,overlap,value]
+    python -m benchmarks.run [--only fullbatch,ops,partition,minibatch,pp,sweep,user,overlap,value]
 
 Each benchmark prints its own table with the competitor's figure and the ratio; see docs/benchmarks.md.
 """
@@ -18,6 +18,7 @@ BENCHES = {
     "minibatch": ["benchmarks.bench_minibatch"],
     "pp": ["benchmarks.bench_pp"],
     "sweep": ["benchmarks.bench_sweep"],
+    "user": ["benchmarks.bench_user_layers"],
     # distributed schedules and prices (issue #22): small defaults here; docs/benchmarks.md has the full commands
     "overlap": ["benchmarks.bench_overlap", "--nodes", "200k", "--epochs", "4"],
     "value": ["benchmarks.bench_value", "--nodes", "100k", "--epochs", "4"],
