@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ def run(capsys, *argv, real: bool = False):
     (["train", "{store}", "--model", "gcnn"], "did you mean 'gcn'"),
     (["train", "{store}", "--optimizer", "rmsprop"], "--optimizer 'rmsprop' is not one of"),
     (["train", "{store}", "--device", "tpu"], "--device must be"),
-    (["train", "{store}", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "{store}", "--bogus"], "unrecognized argument --bogus"),
     (["train", "{store}", "--set", "lr"], "expected KEY=VALUE"),
     (["train", "{store}", "--set", "lrr=0.1"], "did you mean 'lr'"),
     (["train", "{store}", "--config", "/nonexistent.json"], "no such file"),
@@ -120,6 +121,12 @@ def test_predict(capsys, tmp_path, store):
     rc, out, err = run(capsys, "predict", str(tmp_path / "run"), store, "--out", str(tmp_path / "p.npy"),
                        "--run", "5")
     assert rc == 2 and "does not exist" in err
+    before = (tmp_path / "p.npy").read_bytes()
+    rc, out, err = run(capsys, "predict", str(tmp_path / "run"), store, "--out", str(tmp_path / "p.npy"))
+    assert rc == 2 and "exists; choose another --out or pass --overwrite" in err
+    assert (tmp_path / "p.npy").read_bytes() == before
+    rc, out, err = run(capsys, "predict", str(tmp_path / "run"), store, "--out", str(tmp_path / "p.npy"), "--overwrite")
+    assert rc == 0 and np.load(tmp_path / "p.npy").shape == (300,)
 
 
 def test_help_lists_generated_flags(capsys):
@@ -150,3 +157,22 @@ def test_explain_with_real_gcn(capsys, store):
     assert "share_constant_aggregation" in out and "est. peak" in out
     rc, out, err = run(capsys, "train", store, "--model", "gat", "--explain", real=True)
     assert rc == 0 and ("sddmm" in out.lower() or "softmax" in out.lower())
+
+
+def test_config_records_the_store_absolute(capsys, tmp_path, store, monkeypatch):
+    """`--resume RUN_DIR` from another directory must find the store: config.json holds its absolute path."""
+    monkeypatch.chdir(Path(store).parent)
+    rc, _, err = run(capsys, "train", Path(store).name, "--out", str(tmp_path / "r"), "--epochs", "2", "--no-progress")
+    assert rc == 0, err
+    recorded = json.loads((tmp_path / "r" / "config.json").read_text())["store"]
+    assert Path(recorded).is_absolute() and Path(recorded) == Path(store).resolve()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "STORE", "--hiden", "8"], "trellis train: unrecognized argument --hiden; did you mean --hidden? "
+                                          "(see `trellis train --help`)"),
+    (["partition", "STORE", "--parts", "2", "--metod", "grem"], "did you mean --method? (see `trellis partition"),
+])
+def test_unknown_flags_get_a_did_you_mean(capsys, store, argv, message):
+    rc, _, err = run(capsys, *[store if a == "STORE" else a for a in argv])
+    assert rc == 2 and message in err

@@ -14,7 +14,8 @@ from trellis.errors import TrellisUserError
 
 
 def test_from_arrays_keeps_graph_as_given(tmp_path):
-    s = open_store(from_arrays([0, 1, 1, 2, 0], [1, 2, 2, 2, 1], out=tmp_path / "s", edge_weight=[1, 2, 3, 4, 5]))
+    s = open_store(from_arrays([0, 1, 1, 2, 0], [1, 2, 2, 2, 1], out=tmp_path / "s", edge_weight=[1, 2, 3, 4, 5],
+                                symmetrize=False))
     # directed, self loop kept, duplicates dropped keeping the first
     assert s.num_nodes == 3 and s.num_edges == 3
     np.testing.assert_array_equal(s.indptr, [0, 0, 1, 3])
@@ -91,3 +92,10 @@ def test_from_pyg_duck_typed(tmp_path):
     assert s.indices[row2].tolist() == [1] and s.edge_feat[row2].tolist() == [[0.0, 1.0]]
     with pytest.raises(TrellisUserError, match=r"edge_index must have shape \[2, E\]"):
         from_pyg(SimpleNamespace(edge_index=torch.zeros(3, 3)), tmp_path / "t")
+
+
+def test_from_arrays_symmetrizes_by_default_like_the_cli(tmp_path):
+    s = open_store(from_arrays([0, 1, 2], [1, 2, 0], 3, out=tmp_path / "s"))
+    assert s.num_edges == 6  # every edge in both directions
+    kept = open_store(from_arrays([0, 1, 2], [1, 2, 0], 3, out=tmp_path / "k", symmetrize=False))
+    assert kept.num_edges == 3

@@ -10,7 +10,7 @@ from trellis.data.info import format_info, human_bytes, store_info
 
 def test_info_counts_hygiene_and_sizes(tmp_path):
     # 0->1 twice (a duplicate), 2->2 (a self loop), 1->0; node 3 isolated
-    path = from_arrays([0, 0, 2, 1], [1, 1, 2, 0], 4, out=tmp_path / "s", dedup=False,
+    path = from_arrays([0, 0, 2, 1], [1, 1, 2, 0], 4, out=tmp_path / "s", dedup=False, symmetrize=False,
                        x=np.ones((4, 2)), y=np.array([0, 1, 1, -1]), splits={"train": [0], "test": [1, 2]})
     info = store_info(path, verify=True)
     assert (info["num_nodes"], info["num_edges"], info["num_features"], info["num_classes"]) == (4, 4, 2, 2)

@@ -84,3 +84,16 @@ def test_stale_temporaries_of_dead_processes_are_cleaned(tmp_path):
     clean_stale_temps(out, tag="pp-tmp")
     assert live.is_dir() and not dead.exists()
     assert live.name.startswith(f".cache.pp-tmp-{os.getpid()}-")
+
+
+def test_atomic_files_get_the_mode_open_gives(tmp_path):
+    import os
+    import stat
+
+    from trellis.utils.atomic import write_text_atomic
+
+    write_text_atomic(tmp_path / "a.json", "{}")
+    (tmp_path / "b.json").write_text("{}")
+    mode = stat.S_IMODE(os.stat(tmp_path / "a.json").st_mode)
+    assert mode == stat.S_IMODE(os.stat(tmp_path / "b.json").st_mode)
+    assert mode & 0o044  # readable by others under the usual umask, not mkstemp's 0600

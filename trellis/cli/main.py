@@ -49,7 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    parser.set_defaults(_subcommands=sub.choices)
     return parser
+
+
+def _unrecognized(args: argparse.Namespace, extra: list[str]) -> TrellisUserError:
+    """An unknown flag of a subcommand: named, with the closest flag that subcommand has and its help."""
+    import difflib
+
+    command = getattr(args, "command", None)
+    sub = getattr(args, "_subcommands", {}).get(command)
+    first = next((e for e in extra if e.startswith("-")), extra[0])
+    if sub is None:
+        return TrellisUserError(f"trellis: unrecognized arguments: {' '.join(extra)} (see `trellis --help`)")
+    flags = [o for a in sub._actions for o in a.option_strings]
+    hint = difflib.get_close_matches(first.split("=")[0], flags, n=1, cutoff=0.7)
+    return TrellisUserError(f"trellis {command}: unrecognized argument {first}"
+                            + (f"; did you mean {hint[0]}?" if hint else "")
+                            + f" (see `trellis {command} --help`)")
 
 
 def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any] | None = None) -> int:
@@ -62,7 +79,9 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
     """
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            raise _unrecognized(args, extra)
         args.model_factory = model_factory
         rc = args.func(args)
         return int(rc or 0)

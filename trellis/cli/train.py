@@ -106,6 +106,11 @@ def format_summary(s: dict[str, Any]) -> str:
         + (f", CUDA {s['peak_cuda_mb']:.0f} MiB" if "peak_cuda_mb" in s else "") + f" on {s['device']}",
         f"run directory: {s['run_dir']}",
     ]
+    if s.get("still_improving"):
+        runs = s["still_improving"]
+        best = [s["best_epoch"][i] + 1 for i in runs]
+        lines.append(f"note: {'run' if len(runs) == 1 else 'runs'} {', '.join(map(str, runs))} still improving at the "
+                     f"end (best epoch {', '.join(map(str, best))} of {s['config']['epochs']}); more --epochs may help")
     return "\n".join(lines)
 
 
@@ -171,7 +176,7 @@ def run_predict(args: argparse.Namespace) -> int:
 
     info = predict(args.run_dir, args.store, args.out, run=args.run, proba=args.proba, device=args.device,
                    model_factory=getattr(args, "model_factory", None), memory_budget=args.memory_budget,
-                   spill_dir=args.spill_dir)
+                   spill_dir=args.spill_dir, overwrite=args.overwrite)
     if args.json:
         print(json.dumps(info))
     else:
@@ -213,5 +218,6 @@ def register(subparsers: Any) -> None:
                         "--memory-budget when it trained full-batch under one, else in memory)")
     q.add_argument("--spill-dir", default=None, metavar="DIR",
                    help="with a memory budget: where spill files go (default: the run's, else RUN_DIR/spill)")
+    q.add_argument("--overwrite", action="store_true", help="replace existing FILE and FILE_emb.npy")
     q.add_argument("--json", action="store_true", help="print what was written as one JSON line")
     q.set_defaults(func=run_predict)

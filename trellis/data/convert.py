@@ -1,9 +1,11 @@
 """Python adapters: write a store from arrays, a scipy sparse matrix, a networkx graph or a PyG ``Data``.
 
-The adapters take the graph as given: by default they neither symmetrize nor drop self loops (pass
-``symmetrize=True`` / ``remove_self_loops=True``), and only exact duplicate edges are dropped, keeping the
-first (``dedup=False`` keeps them). :func:`from_networkx` symmetrizes undirected graphs. Every adapter
-validates like the importers and ends in an atomic store write.
+:func:`from_arrays` symmetrizes by default, as ``trellis data import`` does for edge lists (a GNN over a
+social or citation graph almost always wants both directions; ``symmetrize=False`` keeps the edges as given).
+:func:`from_scipy` and :func:`from_pyg` take the graph as given (a matrix or a PyG dataset already says which
+directions exist), and :func:`from_networkx` symmetrizes undirected graphs. Self loops stay unless
+``remove_self_loops=True``; only exact duplicate edges are dropped, keeping the first (``dedup=False`` keeps
+them). Every adapter validates like the importers and ends in an atomic store write.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def from_arrays(
     splits: dict[str, Any] | None = None,
     edge_weight: Any = None,
     edge_feat: Any = None,
-    symmetrize: bool = False,
+    symmetrize: bool = True,
     dedup: bool = True,
     remove_self_loops: bool = False,
     name: str = "graph",
@@ -58,7 +60,8 @@ def from_arrays(
         splits: ``{"train"|"val"|"test": node ids or boolean masks}``.
         edge_weight: ``[E]`` per input edge.
         edge_feat: ``[E, D]`` per input edge.
-        symmetrize: Add reverse edges (default: False).
+        symmetrize: Add reverse edges (default: True, like ``trellis data import``; False keeps the edges as
+            given).
         dedup: Drop repeated edges, keeping the first (default: True).
         remove_self_loops: Drop ``u -> u`` (default: False).
         name: Dataset name (default: ``"graph"``).

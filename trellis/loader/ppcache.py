@@ -527,7 +527,8 @@ def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="block", dynamic_ncols=True)
+    # disable=None: no bar when stderr is not a terminal (a log file would get one line per update)
+    return tqdm(total=total, desc=desc, unit="block", dynamic_ncols=True, disable=None)
 
 
 def _gib(n: float) -> str:

@@ -29,6 +29,7 @@ from trellis.train.runs import open_run_dir, read_json
 from trellis.train.strategies.pp import predict_pp
 from trellis.train.tasks import TASKS
 from trellis.train.trainer import MODEL_FORMAT
+from trellis.utils.atomic import file_mode
 
 
 def embedding_path(out: Path) -> Path:
@@ -47,6 +48,7 @@ def _accepts_return_embedding(model: nn.Module) -> bool:
 def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             np.save(f, array)
         os.replace(tmp, path)
@@ -75,7 +77,7 @@ def choose_run(run_dir: Path, run: int | None) -> int:
 def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out: str | os.PathLike[str], *,
             run: int | None = None, proba: bool = False, device: str = "auto",
             model_factory: ModelFactory | None = None, memory_budget: str | None = None,
-            spill_dir: str | None = None) -> dict[str, Any]:
+            spill_dir: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Write predictions and embeddings of every node of ``store``.
 
     Args:
@@ -91,6 +93,7 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
         memory_budget: Cap on peak ``RssAnon``: tiled inference with spill files (default: the run's own
             ``--memory-budget`` when it trained full-batch under one, else in memory).
         spill_dir: Where spill files go (default: the run's ``--spill-dir``, else ``RUN_DIR/spill``).
+        overwrite: Replace existing output files (default: refuse).
 
     Returns:
         A JSON-ready description of what was written.
@@ -102,6 +105,10 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
         raise TrellisUserError(f"--out {out_path}: directory {out_path.parent} does not exist")
     run_dir = Path(run_dir)
     r = choose_run(run_dir, run)
+    if not overwrite:
+        for existing in (out_path, embedding_path(out_path)):
+            if existing.exists():
+                raise TrellisUserError(f"--out {out_path}: {existing} exists; choose another --out or pass --overwrite")
     saved = torch.load(open_run_dir(run_dir).model(r), map_location="cpu", weights_only=True)
     if saved.get("strategy") == "pp" or saved.get("format") == "trellis-pp-model":
         record = {**saved, "out_dim": saved.get("out_dim", saved.get("num_classes"))}  # older pp model files

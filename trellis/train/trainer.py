@@ -227,7 +227,8 @@ class Trainer:
             paths = prepare_run_dir(cfg.out or default_run_dir(Path(str(cfg.store)).name, cfg.model),
                                     overwrite=cfg.overwrite)
             cfg.out = str(paths.root)
-            write_json_atomic(paths.config, cfg.to_dict())
+            # the store recorded absolute: `--resume RUN_DIR` from another directory finds it
+            write_json_atomic(paths.config, {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())})
         strategy.committed("run directory")
         self.paths = paths
         if strategy.banner() and strategy.writes_run_dir:
@@ -405,6 +406,9 @@ class Trainer:
             "run_dir": str(ctx.paths.root) if self.write_run_dir else None, "trellis_version": trellis.__version__,
             "torch_version": torch.__version__, "config": cfg.to_dict(),
         }
+        # A run whose best epoch is in the last 5% of its epoch budget was still improving when it stopped.
+        info["still_improving"] = [i for i, res in enumerate(results)
+                                   if res["epochs"] >= cfg.epochs and res["best_epoch"] + 1 > 0.95 * cfg.epochs]
         strategy_info = strategy.summary_info()
         if cfg.price_per_hour is not None:
             info.update(self._priced(statistics.median(times), strategy_info, peaks["peak_rss_anon_mb"]))

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,7 +28,7 @@ import torch
 
 from trellis.errors import TrellisUserError
 
-__all__ = ["MANIFEST", "atomic_dir", "atomic_write", "check_output", "clean_stale_temps", "json_default",
+__all__ = ["MANIFEST", "atomic_dir", "atomic_write", "check_output", "clean_stale_temps", "file_mode", "json_default",
            "replace_dir", "save_npy_atomic", "temp_sibling", "torch_save_atomic", "write_bytes_atomic",
            "write_json_atomic", "write_text_atomic"]
 
@@ -36,6 +37,14 @@ MANIFEST = "manifest.json"
 
 
 # ---- files ------------------------------------------------------------------------------------------
+@cache
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file under the process's umask (``0o666 & ~umask``; read once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
     """Call ``write(f)`` on a temporary sibling of ``path``, fsync it and rename it over ``path``.
 
@@ -47,6 +56,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())  # mkstemp's 0600 would differ from every file written with open()
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
