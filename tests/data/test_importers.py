@@ -428,3 +428,23 @@ def test_existing_output(tmp_path):
     with pytest.raises(TrellisUserError, match="not a Trellis store; refusing to overwrite"):
         import_graph(src, precious, overwrite=True)
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_edgelist_random_fractional_split(tmp_path):
+    src = make_edgelist(tmp_path / "g")
+    for f in ("train.npy", "val.npy", "test.npy"):
+        (src / f).unlink()
+    store = open_store(import_graph(src, tmp_path / "s", split="0.5,0.25,0.25", split_seed=3, progress=False))
+    got = {k: store.split(k).tolist() for k in ("train", "val", "test")}
+    assert sorted(got["train"] + got["val"] + got["test"]) == [0, 1, 2, 3]  # the labelled nodes, once each
+    assert (len(got["train"]), len(got["val"]), len(got["test"])) == (2, 1, 1)
+    again = open_store(import_graph(src, tmp_path / "t", split=(0.5, 0.25, 0.25), split_seed=3, progress=False))
+    assert {k: again.split(k).tolist() for k in got} == got
+    with pytest.raises(TrellisUserError, match="summing to 1"):
+        import_graph(src, tmp_path / "u", split="0.5,0.5,0.5", progress=False)
+    with pytest.raises(TrellisUserError, match="--split-seed seeds --split"):
+        import_graph(src, tmp_path / "v", split_seed=1, progress=False)
+    assert not (tmp_path / "u").exists() and not (tmp_path / "v").exists()
+    make_edgelist(tmp_path / "h")
+    with pytest.raises(TrellisUserError, match="has split files"):
+        import_graph(tmp_path / "h", tmp_path / "w", split="0.5,0.25,0.25", progress=False)

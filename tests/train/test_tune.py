@@ -147,3 +147,13 @@ def test_split_seed_is_refused_without_the_protocol(store, tmp_path, capsys):
     rc = main(["train", store, "--split-seed", "1", "--epochs", "1", "--out", str(tmp_path / "r"), "--no-progress"])
     assert rc == 2 and "does not record a per-class split protocol" in capsys.readouterr().err
     assert not Path(tmp_path / "r").exists()
+
+
+def test_a_budget_that_cuts_before_some_candidates_trained_reports_the_rest(store, tmp_path):
+    """Candidates the deadline left untrained have no validation value: the report ranks only the others."""
+    tc = TuneConfig(store=store, candidates=9, epochs=24, min_epochs=3, patience=30, seeds=1, batch_models=1,
+                    budget_s=0.05, out=str(tmp_path / "t"), progress=False)
+    board = run_tune(tc)
+    assert board["rows"] and all(r["val_acc"] is not None for r in board["rows"])
+    assert len(board["rows"]) < 9 and board["cut"] is not None
+    assert "test acc" in (tmp_path / "t" / "report.md").read_text()

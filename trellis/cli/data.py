@@ -48,7 +48,7 @@ def _print_summary(s: dict[str, Any], as_json: bool, verb: str) -> None:
 def _cmd_import(args: argparse.Namespace) -> int:
     path = import_graph(
         args.src, args.out, args.format,
-        name=args.name, split_seed=args.split_seed, split_name=args.split_name, lcc=args.lcc,
+        name=args.name, split=args.split, split_seed=args.split_seed, split_name=args.split_name, lcc=args.lcc,
         symmetrize=args.symmetrize, num_nodes=args.num_nodes, train_per_class=args.train_per_class,
         val_per_class=args.val_per_class, streaming=args.streaming, chunk_edges=args.chunk_edges,
         overwrite=args.overwrite or None,
@@ -87,6 +87,24 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The edge-list folder format, in ``trellis data import --help``.
+EDGELIST_HELP = """\
+formats: planetoid (ind.<name>.* files), npz (Shchur et al.), ogb (an OGB folder), edgelist (below).
+
+edgelist: a folder with only the edges required
+  edges.npy                     int [E, 2] (src, dst), or
+  edges.txt|.csv|.tsv[.gz]      "src dst" per line (comma, tab or space; # comments)
+  features.npy                  float [N, F], row i = node i
+  labels.npy                    int [N] (-1 = unlabelled), or 0/1 [N, C] (multilabel)
+  train.npy / val.npy / test.npy  node ids or boolean masks of length N (or --split 0.5,0.25,0.25)
+  edge_weights.npy              float [E], row i = edge row i
+  edge_features.npy             float [E, D], row i = edge row i
+The graph is symmetrized and self loops dropped by default (--no-symmetrize keeps the edges as given).
+
+example:
+  trellis data import my_graph/ --out stores/my_graph --split 0.6,0.2,0.2 --split-seed 0
+"""
+
 _positive_int = int_at_least(1, "{text!r} is not an integer", "{value} must be > 0")
 
 
@@ -98,12 +116,17 @@ def register(subparsers: Any) -> None:
     sub.required = True
 
     p = sub.add_parser("import", help="import a dataset into a store",
-                       description="Import a dataset into a store (atomic: nothing is written on error).")
+                       description="Import a dataset into a store (atomic: nothing is written on error).",
+                       epilog=EDGELIST_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="dataset file or folder")
     p.add_argument("--out", required=True, help="store directory to create")
     p.add_argument("--format", choices=FORMATS, default=None, help="input format (default: detected)")
     p.add_argument("--name", default=None, help="dataset name (planetoid: which ind.<name>.* files)")
-    p.add_argument("--split-seed", type=int, default=None, help="seed of the random per-class split (npz; default 0)")
+    p.add_argument("--split", default=None, metavar="TRAIN,VAL,TEST",
+                   help="edgelist: a random split of the labelled nodes by fractions, e.g. 0.5,0.25,0.25 (instead of "
+                        "train/val/test files)")
+    p.add_argument("--split-seed", type=int, default=None,
+                   help="seed of the random split (npz: per-class; edgelist: --split) (default 0)")
     p.add_argument("--split-name", default=None, help="ogb: which split/<name> folder (default: the first)")
     p.add_argument("--train-per-class", type=int, default=None, help="npz: training nodes per class (default 20)")
     p.add_argument("--val-per-class", type=int, default=None, help="npz: validation nodes per class (default 30)")

@@ -512,8 +512,8 @@ def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: 
         if e.id not in tune.states and (tune.root / "state" / f"{e.id}.pt").is_file():
             tune._state(e)  # halved before an interruption: a resumed tune reads its saved state back
         s = tune.states.get(e.id)
-        if s is None:
-            continue
+        if s is None or s.stopper.best_metrics.get(f"val_{m}") is None:
+            continue  # never evaluated (the budget ran out before its batch trained an epoch)
         reached = last_rung[e.id]
         why = s.stopped or ("selected" if e.id == best.id else
                             "finalist" if e.id in tune.progress["active"] else f"halved after rung {reached}")

@@ -33,12 +33,14 @@ NaN/Inf is refused with the file, the counts or the row (exit 2, nothing written
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from trellis.data.csr import DEFAULT_CHUNK_EDGES, EdgeSource
 from trellis.data.importers.common import GraphInput, check_features, check_labels, write_graph
+from trellis.data.splits import random_split
 from trellis.data.store import check_output
 from trellis.data.textio import NpyEdgeSource, TextEdgeSource, load_npy
 from trellis.errors import TrellisUserError
@@ -54,6 +56,19 @@ def find_edge_file(folder: Path) -> Path:
     if len(found) > 1:
         raise TrellisUserError(f"{folder}: several edge files ({', '.join(p.name for p in found)}); keep one")
     return found[0]
+
+
+def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
+    """``"0.5,0.25,0.25"`` (or three numbers): train, val and test fractions summing to 1."""
+    try:
+        values = [float(v) for v in (split.split(",") if isinstance(split, str) else split)]
+    except ValueError:
+        raise TrellisUserError(f"--split {split}: expected three fractions TRAIN,VAL,TEST, e.g. "
+                               "0.5,0.25,0.25") from None
+    if len(values) != 3 or any(not 0 <= v <= 1 for v in values) or abs(sum(values) - 1) > 1e-6:
+        raise TrellisUserError(f"--split {split}: expected three fractions in [0, 1] summing to 1 (TRAIN,VAL,TEST), "
+                               "e.g. 0.5,0.25,0.25")
+    return values[0], values[1], values[2]
 
 
 def edge_source(path: Path, chunk_edges: int = DEFAULT_CHUNK_EDGES) -> EdgeSource:
@@ -77,6 +92,8 @@ def import_edgelist(
     streaming: bool | None = None,
     chunk_edges: int = DEFAULT_CHUNK_EDGES,
     progress: bool = True,
+    split: str | Sequence[float] | None = None,
+    split_seed: int | None = None,
 ) -> Path:
     """Import a folder of edge-list files (or a single edge file).
 
@@ -93,10 +110,16 @@ def import_edgelist(
         streaming: Bounded-memory import (default: when the edge file exceeds 512 MiB).
         chunk_edges: Edges per chunk in streaming mode.
         progress: Show progress bars (default: True).
+        split: A random split ``"train,val,test"`` fractions summing to 1 (e.g. ``"0.5,0.25,0.25"``) of the
+            labelled nodes, instead of train/val/test files.
+        split_seed: Seed of that split (default: 0).
 
     Returns:
         The store path.
     """
+    fractions = parse_split(split) if split is not None else None
+    if split_seed is not None and fractions is None:
+        raise TrellisUserError("--split-seed seeds --split: give --split TRAIN,VAL,TEST (e.g. 0.5,0.25,0.25) too")
     check_output(out, overwrite=overwrite)
     src = Path(src)
     if src.is_file():
@@ -136,6 +159,17 @@ def import_edgelist(
         if p is not None:
             splits[key] = load_npy(p, mmap=False)
             where[key] = str(p)
+    if fractions is not None:
+        if splits:
+            raise TrellisUserError(f"--split: {folder} has split files ({', '.join(sorted(where))}); use one or the "
+                                   "other")
+        if n is None:
+            raise TrellisUserError("--split needs the node count: add features.npy or labels.npy, or pass --num-nodes")
+        labelled = np.arange(n, dtype=np.int64) if y is None else np.flatnonzero(
+            (y >= 0) if y.ndim == 1 else np.ones(n, dtype=bool)).astype(np.int64)
+        parts = random_split(labelled.shape[0], fractions[0], fractions[1], seed=split_seed or 0)
+        splits = {k: labelled[v] for k, v in parts.items()}
+        where = {k: f"--split {k}" for k in splits}
     ew = None if ew_path is None else load_npy(ew_path)
     ef = None if ef_path is None else load_npy(ef_path)
     if ef is not None and ef.ndim == 1:
