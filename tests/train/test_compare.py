@@ -139,3 +139,17 @@ def test_bad_run_dirs(tmp_path):
         load_run_dir(bad)
     with pytest.raises(TrellisUserError, match=r"--target must be in \(0, 1\]"):
         compare_runs([write_run(tmp_path / "ok", [FAST], dt=0.1)], target=1.5)
+
+
+def test_a_run_reaching_the_target_in_some_seeds_is_not_never(tmp_path):
+    """4 of 5 seeds reached the target: the table gives their mean and says 4/5, never 'never'."""
+    low = [0.2, 0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5]
+    a = write_run(tmp_path / "mostly", [FAST, FAST, FAST, FAST, low], dt=0.1, target=0.75)
+    b = write_run(tmp_path / "all", [SLOW], dt=1.0, target=0.75)
+    result, _ = compare_runs([a, b])
+    row = next(r for r in result["rows"] if r["name"] == "mostly")
+    assert row["runs_reaching_target"] == 4 and row["epochs_to_target_mean"] is None
+    text = format_table(result)
+    line = next(ln for ln in text.splitlines() if ln.startswith("mostly"))
+    assert "never" not in line and "9.0 (4/5)" in line
+    assert "mostly not in every run (4/5 reached it)" in text

@@ -219,6 +219,21 @@ def _fmt(v: Any, spec: str, missing: str = "-") -> str:
     return missing if v is None else format(v, spec)
 
 
+def _to_target(r: dict[str, Any], key: str, spec: str) -> str:
+    """A run's mean epochs or time to the target: over every run, else over those that reached it (``k/n``).
+
+    ``never`` only when no run reached it (4 of 5 seeds reaching the target is not "never").
+    """
+    if r["target"] is None:
+        return "-"
+    if r.get(f"{key}_mean") is not None:
+        return format(r[f"{key}_mean"], spec)
+    reached = [v for v in r.get(key) or [] if v is not None]
+    if not reached:
+        return "never"
+    return f"{format(sum(reached) / len(reached), spec)} ({len(reached)}/{r['runs']})"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The comparison as an aligned text table plus a line naming the run that reached the target first."""
     rows = result["rows"]
@@ -240,8 +255,7 @@ def format_table(result: dict[str, Any]) -> str:
                 _fmt(r["epoch_at_99pct_peak_val_mean"], ".0f"), _fmt(r["converged_epoch_mean"], ".0f"),
                 _fmt(r["target"], "g"),
                 f"{r['runs_reaching_target']}/{r['runs']}" if has_t else "-",
-                _fmt(r.get("epochs_to_target_mean"), ".1f", "never" if has_t else "-"),
-                _fmt(r.get("time_to_target_s_mean"), ".2f", "never" if has_t else "-"),
+                _to_target(r, "epochs_to_target", ".1f"), _to_target(r, "time_to_target_s", ".2f"),
                 _fmt(r["peak_rss_anon_mb"], ".0f")] + ([_fmt(r["peak_cuda_mb"], ".0f")] if cuda else [])
         line += [_fmt(r.get("cost_per_epoch_usd"), ".3g"), _fmt(r.get("value"), ".4g")] if priced else []
         table.append(line)
@@ -255,7 +269,8 @@ def format_table(result: dict[str, Any]) -> str:
         w = by[first]
         others = [r for r in rows if r["name"] != first]
         vs = "; ".join(f"{r['name']} " + (f"{r['time_to_target_s_mean']:.2f} s" if r.get("time_to_target_s_mean")
-                                           is not None else "never (in every run)") for r in others)
+                                           is not None else f"not in every run ({r['runs_reaching_target']}/"
+                                           f"{r['runs']} reached it)") for r in others)
         lines.append(f"first to val {w['metric']} {result['target']:g}: {first} in {w['time_to_target_s_mean']:.2f} s "
                      f"({w['epochs_to_target_mean']:.1f} epochs)" + (f" vs {vs}" if vs else ""))
         fewest = result["fewest_epochs_to_target"]
@@ -269,7 +284,8 @@ def format_table(result: dict[str, Any]) -> str:
     if result["note"]:
         lines.append(f"note: {result['note']}")
     lines.append("step ms: training step (median); epoch ms: training + evaluation per epoch (mean); epochs, "
-                 "99%pk ep, conv ep, epochs→tgt, time→tgt: means over runs (- or never: not every run has one)"
+                 "99%pk ep, conv ep, epochs→tgt, time→tgt: means over runs (k/n: over the k of n runs that reached the "
+                 "target; never: no run did)"
                  + ("; value: 1 / (step s x $ per step), higher is better" if priced else ""))
     return "\n".join(lines)
 
