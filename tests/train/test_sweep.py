@@ -156,3 +156,10 @@ def test_families_that_cannot_batch_run_one_at_a_time(store, tmp_path):
     batched = read_jsonl(tmp_path / "gat" / "configs" / "c01" / "metrics.jsonl")
     solo = solo_metrics(tmp_path / "gat" / "configs" / "c01" / "config.json", tmp_path / "solo-gat")
     assert [round(r["loss"], 5) for r in batched] == [round(r["loss"], 5) for r in solo]
+
+
+def test_leaderboard_labels_name_the_configuration():
+    from trellis.train.sweep import config_label
+
+    row = {"rank": 1, "config": "c03", "lr": 0.01, "hidden": 64, "val_acc": 0.8, "residual": True}
+    assert config_label(row) == "#1 c03 lr=0.01 hidden=64 residual=True"

@@ -158,4 +158,5 @@ def test_a_budget_that_cuts_before_some_candidates_trained_reports_the_rest(stor
     board = run_tune(tc)
     assert board["rows"] and all(r["val_acc"] is not None for r in board["rows"])
     assert len(board["rows"]) < 9 and board["cut"] is not None
-    assert "test acc" in (tmp_path / "t" / "report.md").read_text()
+    report = (tmp_path / "t" / "report.md").read_text()
+    assert "test acc" in report and "one split because the store records a fixed split" in report

@@ -674,6 +674,12 @@ def format_leaderboard(board: dict[str, Any], top: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def config_label(row: dict[str, Any]) -> str:
+    """``#1 c03 lr=0.01 hidden=64``: a leaderboard row's rank, id and the hyperparameters that vary."""
+    params = " ".join(f"{k}={row[k]}" for k in GRID_KEYS if k in row)
+    return f"#{row['rank']} {row['config']}" + (f" {params}" if params else "")
+
+
 def plot_leaderboard(root: Path, rows: list[dict[str, Any]], metric: str) -> None:
     """``leaderboard.png``: every configuration's validation curve, and val/test bars, best first."""
     import matplotlib
@@ -684,12 +690,12 @@ def plot_leaderboard(root: Path, rows: list[dict[str, Any]], metric: str) -> Non
     fig, (ax_c, ax_b) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, r in enumerate(rows):
         recs = read_jsonl(root / "configs" / r["config"] / "metrics.jsonl")
-        label = f"#{r['rank']} {r['config']}" if i < 5 else None
+        label = config_label(r) if i < 5 else None
         ax_c.plot([q["epoch"] for q in recs], [_num(q.get(f"val_{metric}")) for q in recs], lw=1.2 if i < 5 else 0.6,
                   alpha=1.0 if i < 5 else 0.5, label=label)
     ax_c.set(xlabel="epoch", ylabel=f"val {metric}", title="validation curves (top 5 labeled)")
     ax_c.legend(fontsize=7)
-    names = [r["config"] for r in rows]
+    names = [config_label(r) for r in rows]
     ypos = range(len(rows))
     ax_b.barh([p + 0.2 for p in ypos], [_num(r[f"val_{metric}"]) for r in rows], height=0.4, label="val")
     ax_b.barh([p - 0.2 for p in ypos], [_num(r[f"test_{metric}"]) for r in rows], height=0.4, label="test")

@@ -66,6 +66,7 @@ from trellis.train.sweep import (
     _finish,
     advance,
     build_config_model,
+    config_label,
     load_sweep_data,
     make_entries,
     open_state,
@@ -584,7 +585,9 @@ def report_text(board: dict[str, Any]) -> str:
         f"Tuned {board['model']} on {board['store_name']}: {board['candidates']} candidates ({board['search']} "
         f"draws from the search space), successive halving with eta = {board['eta']} ({sched}), selected on "
         f"validation {m} only, ties to the cheaper configuration.{cut} Chosen: {best['config']} ({params}). "
-        f"Retrained over {len(board['split_seeds'])} split(s) × {board['seeds']} seed(s) ({n_final} runs): "
+        f"Retrained over {len(board['split_seeds'])} split(s) × {board['seeds']} seed(s) ({n_final} runs"
+        + ("; one split because the store records a fixed split, not a per-class split protocol to redraw"
+           if len(board["split_seeds"]) == 1 else "") + "): "
         f"validation {m} {_pct(board['val_mean'])} ± {_pct(board['val_std'])}, test {m} "
         f"{_pct(board['test_mean'])} ± {_pct(board['test_std'])} (runs from {_pct(board['test_min'])} to "
         f"{_pct(board['test_max'])}; standard deviation over seeds within a split {_pct(board['test_seed_std'])}, "
@@ -633,7 +636,7 @@ def plot_tune(root: Path, board: dict[str, Any]) -> None:
             prev = q.get("rung")
         top = r["rank"] <= 5
         ax.plot(xs, ys, lw=1.3 if top else 0.6,
-                alpha=1.0 if top else 0.4, label=f"#{r['rank']} {r['config']}" if top else None)
+                alpha=1.0 if top else 0.4, label=config_label(r) if top else None)
     ax.set(xlabel="tune wall clock (s)", ylabel=f"val {m}", title="candidates (top 5 labelled)")
     ax.legend(fontsize=7)
     final = board["final"]
