@@ -448,3 +448,14 @@ def test_edgelist_random_fractional_split(tmp_path):
     make_edgelist(tmp_path / "h")
     with pytest.raises(TrellisUserError, match="has split files"):
         import_graph(tmp_path / "h", tmp_path / "w", split="0.5,0.25,0.25", progress=False)
+
+
+def test_edgelist_short_labels_are_named_as_the_cause(tmp_path):
+    src = tmp_path / "g"
+    src.mkdir()
+    (src / "edges.txt").write_text("0 1\n1 2\n2 3\n3 4\n")
+    np.save(src / "labels.npy", np.array([0, 1, 0]))
+    with pytest.raises(TrellisUserError, match=r"labels.npy has 3 rows, so the graph has 3 nodes, but the edges "
+                                               r"name more .*give labels.npy one row per node, or pass --num-nodes"):
+        import_graph(src, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()

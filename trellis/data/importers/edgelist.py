@@ -184,5 +184,14 @@ def import_edgelist(
     inp = GraphInput(edges=edges, num_nodes=n, x=x, y=y, splits=splits or None, edge_weight=ew, edge_feat=ef,
                      name=name or (folder.resolve().name if src.is_dir() else edge_path.name.split(".")[0]),
                      where=where, source={"importer": "edgelist", "path": str(src.resolve())})
-    return write_graph(inp, out, symmetrize=symmetrize, dedup=dedup, remove_self_loops=remove_self_loops, lcc=lcc,
-                       overwrite=overwrite, streaming=streaming, chunk_edges=chunk_edges, progress=progress)
+    counted_by = None if num_nodes is not None else feat_path or label_path
+    try:
+        return write_graph(inp, out, symmetrize=symmetrize, dedup=dedup, remove_self_loops=remove_self_loops,
+                           lcc=lcc, overwrite=overwrite, streaming=streaming, chunk_edges=chunk_edges,
+                           progress=progress)
+    except TrellisUserError as exc:
+        if counted_by is None or f"but the graph has {n} nodes" not in str(exc):
+            raise
+        # the edges are fine if the node count is wrong: name the file the count came from
+        raise TrellisUserError(f"{counted_by} has {n} rows, so the graph has {n} nodes, but the edges name more "
+                               f"({exc}); give {counted_by.name} one row per node, or pass --num-nodes") from None
