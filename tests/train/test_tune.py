@@ -102,12 +102,17 @@ def test_gat_tunes_one_candidate_at_a_time(store, tmp_path):
 
 
 def test_resume_after_sigterm_gives_the_same_leaderboard(store, tmp_path, one_thread):
-    # one thread here as in the killed process: layer norm's parameter gradients are sums over rows that
-    # torch's thread pool splits by thread count, so bit-exact resume assumes the same number of threads
+    # The plain stack's space: its kernels give the same bits on any thread count, so the in-process reference
+    # and the killed 1-thread subprocess agree bit for bit. (Layer norm's parameter gradients are sums over rows
+    # split by torch's thread pool: with it, exact resume holds on the same number of threads, docs/api.md.)
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"lr": {"log_uniform": [0.002, 0.05]}, "weight_decay": {"log_uniform": [1e-6, 1e-3]},
+                                 "hidden": [32, 64, 128, 256], "dropout": {"uniform": [0.1, 0.8]}}))
+    args = [*ARGS, "--space", str(space)]
     ref = tmp_path / "ref"
-    assert main(["tune", store, *ARGS, "--out", str(ref)]) == 0
+    assert main(["tune", store, *args, "--out", str(ref)]) == 0
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "trellis.cli", "tune", store, *ARGS, "--out", str(out)]
+    cmd = [sys.executable, "-m", "trellis.cli", "tune", store, *args, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -160,3 +165,17 @@ def test_a_budget_that_cuts_before_some_candidates_trained_reports_the_rest(stor
     assert len(board["rows"]) < 9 and board["cut"] is not None
     report = (tmp_path / "t" / "report.md").read_text()
     assert "test acc" in report and "one split because the store records a fixed split" in report
+
+
+def test_a_budget_left_after_the_schedule_buys_more_brackets(store, tmp_path):
+    """The schedule ends early on a small graph: the rest of --budget runs brackets of fresh candidates."""
+    tc = TuneConfig(store=store, candidates=4, epochs=6, min_epochs=2, patience=30, seeds=1, batch_models=4,
+                    budget_s=12.0, out=str(tmp_path / "t"), progress=False)
+    board = run_tune(tc)
+    brackets = {r["bracket"] for r in board["schedule"]}
+    assert len(brackets) >= 2 and board["candidates"] > 4
+    assert board["wall_time_s"] > 0.4 * 12.0  # the budget is spent, not only capped
+    assert board["wall_time_s"] < 12.0 * 1.5
+    ids = [r["config"] for r in board["rows"]]
+    assert any(i.startswith("b1c") for i in ids) and len(set(ids)) == len(ids)
+    assert "more bracket(s) of fresh candidates" in (tmp_path / "t" / "report.md").read_text()

@@ -40,7 +40,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -278,7 +278,37 @@ class Tune:
         self.states: dict[str, ConfigState] = {}
         self.progress: dict[str, Any] = {"rung": 0, "batches_done": 0, "elapsed_s": 0.0, "rungs": [],
                                          "active": [e.id for e in self.entries], "batches": None, "cut": None,
-                                         "done": False}
+                                         "done": False, "bracket": 0, "finalists": [], "bracket_s": []}
+        self._first = len(self.entries)
+
+    # -- brackets: a budget left over after the schedule buys another one (Hyperband's outer loop)
+    def bracket_entries(self, k: int) -> list[SweepEntry]:
+        """Bracket ``k``'s candidates: new random draws (seeded by ``--seed`` and ``k``), ids ``b<k>c<i>``."""
+        draws, _ = candidates(self.space, self.tc.candidates, self.tc.seed + 7919 * k, "random")
+        seen = {tuple(e.params.get(key) for key in self.space) for e in self.entries}
+        fresh = [d for d in draws if tuple(d.get(key) for key in self.space) not in seen]
+        return [replace(e, id=f"b{k}c{i:03d}") for i, e in enumerate(make_entries(self.sc, fresh))] if fresh else []
+
+    def restore_brackets(self) -> None:
+        """A resumed tune rebuilds the candidates of the brackets it had started (deterministic draws)."""
+        for k in range(1, int(self.progress.get("bracket", 0)) + 1):
+            self.entries += self.bracket_entries(k)
+
+    def _next_bracket(self, clock: Callable[[], float]) -> bool:
+        """Start another bracket when the budget has room for one and the final runs; False otherwise."""
+        p = self.progress
+        if self.how != "random" or self.tc.budget_s is None or not p["bracket_s"]:
+            return False
+        final_s = self._final_estimate() or 0.0
+        if clock() + max(p["bracket_s"]) + final_s > self.tc.budget_s:
+            return False
+        fresh = self.bracket_entries(p["bracket"] + 1)
+        if not fresh:  # the space is exhausted
+            return False
+        self.entries += fresh
+        p.update(bracket=p["bracket"] + 1, rung=0, batches_done=0, batches=None, active=[e.id for e in fresh])
+        self._save_progress()
+        return True
 
     def _split_seeds(self) -> list[int | None]:
         source = self.strategy.store.manifest.get("source", {})
@@ -353,11 +383,26 @@ class Tune:
     def search(self, t_start: float) -> None:
         """Run (or continue) the halving schedule until its last rung or the budget's deadline."""
         p = self.progress
-        by_id = {e.id: e for e in self.entries}
-        search_splits = {k: v for k, v in self.strategy.data.splits.items() if k != "test"}
         self._base = base = p["elapsed_s"]
         clock = lambda: base + time.perf_counter() - t_start  # noqa: E731
         (self.root / "state").mkdir(exist_ok=True)
+        while True:
+            if p["rung"] < len(self.rungs):  # (a resumed tune may stop between brackets)
+                started = clock()
+                self._bracket(t_start, clock)
+                if p["cut"] is not None:
+                    return
+                p["finalists"] += p["active"]
+                p["bracket_s"].append(clock() - started)
+                self._save_progress()
+            if not self._next_bracket(clock):
+                return
+
+    def _bracket(self, t_start: float, clock: Callable[[], float]) -> None:
+        """Run (or continue) the current bracket's halving schedule until its last rung or the deadline."""
+        p = self.progress
+        by_id = {e.id: e for e in self.entries}
+        search_splits = {k: v for k, v in self.strategy.data.splits.items() if k != "test"}
         while p["rung"] < len(self.rungs):
             r = p["rung"]
             if p["batches"] is None:
@@ -371,7 +416,7 @@ class Tune:
                                    desc=f"rung {r} ({self.rungs[r]} ep) batch {b + 1}/{len(p['batches'])}",
                                    tag={"rung": r, "batch": b}, deadline=self._deadline(t_start), clock=clock)
                 if not finished:
-                    p["cut"] = {"rung": r, "batches_done": b, "epochs": self.rungs[r]}
+                    p["cut"] = {"bracket": p["bracket"], "rung": r, "batches_done": b, "epochs": self.rungs[r]}
                     break
                 for s in states:
                     save_state(s, self.root / "state" / f"{s.entry.id}.pt")
@@ -382,7 +427,8 @@ class Tune:
             ranked = rank_states(active)
             last = r == len(self.rungs) - 1 or p["cut"] is not None
             keep = len(ranked) if last else max(1, math.ceil(len(ranked) / self.tc.eta))
-            p["rungs"].append({"rung": r, "epochs": self.rungs[r], "candidates": len(ranked), "kept": keep,
+            p["rungs"].append({"bracket": p["bracket"], "rung": r, "epochs": self.rungs[r],
+                               "candidates": len(ranked), "kept": keep,
                                "batches": p["batches"], "cut": p["cut"] is not None,
                                "best": {s.entry.id: s.stopper.best_value for s in ranked}})
             p["active"] = [s.entry.id for s in ranked[:keep]]
@@ -400,12 +446,19 @@ class Tune:
         """
         if self.tc.budget_s is None:
             return None
-        measured = [s for s in self.states.values() if s.epochs and s.entry.id in self.progress["active"]]
+        final_s = self._final_estimate()
+        if final_s is None:
+            return None
+        return t_start + self.tc.budget_s - self._base - final_s
+
+    def _final_estimate(self) -> float | None:
+        """Seconds the final runs will take, at the likely choice's measured time per epoch (0 before any)."""
+        pool = set(self.progress["active"]) | set(self.progress["finalists"])
+        measured = [s for s in self.states.values() if s.epochs and s.entry.id in pool]
         if not measured:
             return None
         leader = rank_states(measured)[0]
-        final_s = leader.time_s / leader.epochs * self.max_epochs * len(self.split_seeds) * self.tc.seeds
-        return t_start + self.tc.budget_s - self._base - final_s
+        return leader.time_s / leader.epochs * self.max_epochs * len(self.split_seeds) * self.tc.seeds
 
     # -- the final runs
     def final_runs(self, best: SweepEntry) -> list[dict[str, Any]]:
@@ -463,8 +516,9 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
     else:
         saved = tune.root / "progress.json"
         if saved.exists():
-            tune.progress = json.loads(saved.read_text())
+            tune.progress = {**tune.progress, **json.loads(saved.read_text())}
             before = tune.progress["elapsed_s"]
+            tune.restore_brackets()
     with _sigterm_interrupts():
         try:
             t0 = time.perf_counter()
@@ -474,7 +528,9 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
                 tune._save_progress()
             search_s = tune.progress["elapsed_s"]
             by_id = {e.id: e for e in tune.entries}
-            finalists = rank_states([tune._state(by_id[i]) for i in tune.progress["active"]])
+            # the finalists of every completed bracket (a bracket the budget cut only when none completed)
+            pool = tune.progress.get("finalists") or tune.progress["active"]
+            finalists = rank_states([tune._state(by_id[i]) for i in pool])
             best = finalists[0].entry
             t_final = time.perf_counter()
             final = tune.final_runs(best)
@@ -576,8 +632,17 @@ def report_text(board: dict[str, Any]) -> str:
     m, best = board["metric"], board["best"]
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
     sched = " → ".join(f"{r['candidates']} × {r['epochs']} ep" for r in board["schedule"])
-    cut = (f" The budget cut the search in rung {board['cut']['rung']}; the choice is among the candidates that "
-           "reached it." if board["cut"] else "")
+    cut = ""
+    if board["cut"] and board["cut"].get("bracket", 0) > 0:
+        cut = (f" The budget then cut bracket {board['cut']['bracket'] + 1} in rung {board['cut']['rung']}; the "
+               "choice is among the completed brackets' finalists.")
+    elif board["cut"]:
+        cut = (f" The budget cut the search in rung {board['cut']['rung']}; the choice is among the candidates "
+               "that reached it.")
+    brackets = len({r.get("bracket", 0) for r in board["schedule"]})
+    if brackets > 1:
+        cut = (f" The schedule finished with budget left, so {brackets - 1} more bracket(s) of fresh candidates "
+               f"ran ({board['candidates']} candidates in all).") + cut
     top5 = board["top5_val"]
     budget = f" of a {board['budget_s'] / 60:.0f}-minute budget" if board["budget_s"] else ""
     n_final = len(board["final"])
