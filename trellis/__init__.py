@@ -8,6 +8,7 @@ The library's front door (``docs/api.md``)::
     trellis.load_run("runs/cora-gcn")                            # a run directory as a Run
     trellis.predict(run_dir, store, out)                         # what `trellis predict` writes
     trellis.partition(store, parts=8, out="parts")               # what `trellis partition` writes
+    trellis.sweep(store, {"lr": [0.01, 0.005]}), trellis.tune(store, budget="5m"), trellis.preprocess(store, out)
 
 ``trellis.train`` is both this function and the package of strategies and the trainer (the module is
 callable). Everything is imported on first use, so ``import trellis`` stays cheap.
@@ -21,6 +22,9 @@ _EXPORTS = {
     "Run": ("trellis.train.api", "Run"),
     "load_run": ("trellis.train.api", "load_run"),
     "predict": ("trellis.train.predict", "predict"),
+    "sweep": ("trellis.train.api", "sweep"),
+    "tune": ("trellis.train.api", "tune"),
+    "preprocess": ("trellis.loader.ppcache", "preprocess"),
     "TrellisUserError": ("trellis.errors", "TrellisUserError"),
     "TrainConfig": ("trellis.train.config", "TrainConfig"),
 }
@@ -37,4 +41,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'trellis' has no attribute {name!r}")
 
 
-__all__ = ["Run", "TrainConfig", "TrellisUserError", "load_run", "predict", "train", "partition", "__version__"]
+__all__ = ["Run", "TrainConfig", "TrellisUserError", "load_run", "partition", "predict", "preprocess", "sweep", "train",
+           "tune", "__version__"]

@@ -152,3 +152,17 @@ def test_partition_is_callable_like_the_cli(sbm_store, tmp_path, capsys):
     with pytest.raises(TrellisUserError, match="--parts must be at least 1"):
         trellis.partition(sbm_store, 0, out=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_sweep_tune_and_preprocess_are_functions(sbm_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    board = trellis.sweep(sbm_store, {"lr": [0.01, 0.005], "hidden": [8, 16]}, epochs=3)
+    assert len(board["rows"]) == 4 and {r["hidden"] for r in board["rows"]} == {8, 16}
+    tuned = trellis.tune(sbm_store, space={"lr": [0.01, 0.02], "hidden": [8]}, epochs=4, seeds=1)
+    assert tuned["best"]["params"]["hidden"] == 8 and len(tuned["final"]) == 1
+    assert list(tmp_path.iterdir()) == []  # no sweeps/ or tunes/ directory unless out= is given
+    result = trellis.preprocess(sbm_store, tmp_path / "pp", hops=2)
+    assert result["action"] == "built" and (tmp_path / "pp").is_dir()
+    assert trellis.preprocess(sbm_store, tmp_path / "pp", hops=2)["action"] == "reused"
+    with pytest.raises(TrellisUserError, match="--hops 0 must be >= 1"):
+        trellis.preprocess(sbm_store, tmp_path / "pp2", hops=0)

@@ -16,10 +16,8 @@ import json
 import sys
 from typing import Any
 
-from trellis.data.store import open_store
-from trellis.errors import TrellisUserError
-from trellis.loader.ppcache import PPSettings, ensure_pp
-from trellis.ops.propagate import FEATURE_NORMS, OPERATORS, OperatorSpec
+from trellis.loader.ppcache import preprocess
+from trellis.ops.propagate import FEATURE_NORMS, OPERATORS
 from trellis.utils.sizes import format_size
 
 #: ``--model`` choices (``trellis.nn.pp_models.PP_MODELS``; imported lazily so ``preprocess`` needs no model code).
@@ -63,34 +61,19 @@ def register(sub: Any) -> None:
 
 def run_preprocess(args: argparse.Namespace) -> int:
     """``trellis preprocess``: build or reuse the cache."""
-    if args.hops < 1:
-        raise TrellisUserError(f"--hops {args.hops} must be >= 1 (R = number of propagation steps)")
-    store = open_store(args.store)
-    spec = OperatorSpec(name=args.operator, alpha=args.alpha, t=args.t, iters=args.iters)
-    settings = PPSettings(operator=spec, hops=args.hops, split_rows_only=args.split_rows_only,
-                          shuffle_seed=args.shuffle_seed, feature_norm=args.feature_norm)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr if args.json else sys.stdout)
 
-    cache, action = ensure_pp(store, args.out, settings, overwrite=args.overwrite, block_rows=args.block_rows,
-                              progress=not args.no_progress, log=log)
-    result = {
-        "action": action,
-        "pp_dir": str(cache.path),
-        "store": str(store.path),
-        "settings": cache.manifest["settings"],
-        "rows": cache.num_rows,
-        "split_rows_only": cache.split_rows_only,
-        "features": cache.num_features,
-        "bytes": cache.nbytes(),
-        "seconds": cache.manifest["build"]["seconds"],
-        "kernel": cache.manifest["build"]["kernel"],
-    }
+    result = preprocess(args.store, args.out, operator=args.operator, hops=args.hops, alpha=args.alpha, t=args.t,
+                        iters=args.iters, split_rows_only=args.split_rows_only, block_rows=args.block_rows,
+                        feature_norm=args.feature_norm, shuffle_seed=args.shuffle_seed, overwrite=args.overwrite,
+                        progress=not args.no_progress, log=log)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{action} {cache.path}: hops 0..{cache.hops} × {cache.num_rows:,} rows × {cache.num_features} "
+        print(f"{result['action']} {result['pp_dir']}: hops 0..{args.hops} × {result['rows']:,} rows × "
+              f"{result['features']} "
               f"features = {format_size(result['bytes'])}; preprocessing took {result['seconds']:.2f} s "
               f"({result['kernel']} kernel)")
     return 0

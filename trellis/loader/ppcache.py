@@ -592,3 +592,45 @@ def mismatch(cache: PPCache, store: GraphStore, settings: PPSettings) -> str | N
     if settings.split_rows_only is False and cache.split_rows_only:
         return "with only split rows (--split-rows-only) but all rows were asked for"
     return None
+
+
+def preprocess(store: GraphStore | str | os.PathLike[str], out: str | os.PathLike[str], *, operator: str = "sym",
+               hops: int = 3, alpha: float = 0.1, t: float = 3.0, iters: int | None = None,
+               split_rows_only: bool | None = None, block_rows: int | None = None, feature_norm: str = "auto",
+               shuffle_seed: int = 0, overwrite: bool = False, progress: bool = False,
+               log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """``trellis preprocess`` as a function: build (or reuse) the pre-propagation cache of ``store`` at ``out``.
+
+    Args:
+        store: A store path or :class:`GraphStore`.
+        out: The cache directory (PP_DIR) to create or reuse.
+        operator: ``sym``, ``rw``, ``ppr`` or ``heat``.
+        hops: R, propagation steps (hops 0..R are kept).
+        alpha: PPR teleport probability.
+        t: Heat-kernel diffusion time.
+        iters: PPR power iterations / heat Taylor terms (None: 10 / 20).
+        split_rows_only: Keep only train/val/test rows (None: all rows unless only those fit the free disk).
+        block_rows: Destination rows per block (None: about 32 MiB of output per block).
+        feature_norm: ``auto``, ``none``, ``row`` or ``l2``.
+        shuffle_seed: Seed of the one-time shuffle of training rows.
+        overwrite: Replace a cache built from another store or settings.
+        progress: Progress bars.
+        log: Where progress lines go (None: nowhere).
+
+    Returns:
+        What ``trellis preprocess --json`` prints: the action (``built``, ``reused``, ``rebuilt``), paths, sizes.
+    """
+    from trellis.ops.propagate import OperatorSpec
+
+    if hops < 1:
+        raise TrellisUserError(f"--hops {hops} must be >= 1 (R = number of propagation steps)")
+    graph = store if isinstance(store, GraphStore) else open_store(store)
+    spec = OperatorSpec(name=operator, alpha=alpha, t=t, iters=iters)
+    settings = PPSettings(operator=spec, hops=hops, split_rows_only=split_rows_only, shuffle_seed=shuffle_seed,
+                          feature_norm=feature_norm)
+    cache, action = ensure_pp(graph, out, settings, overwrite=overwrite, block_rows=block_rows, progress=progress,
+                              log=log if log is not None else (lambda _msg: None))
+    return {"action": action, "pp_dir": str(cache.path), "store": str(graph.path),
+            "settings": cache.manifest["settings"], "rows": cache.num_rows, "split_rows_only": cache.split_rows_only,
+            "features": cache.num_features, "bytes": cache.nbytes(), "seconds": cache.manifest["build"]["seconds"],
+            "kernel": cache.manifest["build"]["kernel"]}

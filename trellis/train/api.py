@@ -225,3 +225,83 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
         m.load_state_dict(saved["state_dict"])
         models.append(m)
     return Run(summary, list(iter_jsonl(paths.metrics)), models, cfg, paths.root)
+
+
+def _duration(budget: str | float | None) -> float | None:
+    from trellis.train.tune import parse_duration
+
+    if budget is None or isinstance(budget, (int, float)):
+        return None if budget is None else float(budget)
+    return parse_duration(str(budget))
+
+
+def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn", out: str | os.PathLike[str] | None
+          = None, epochs: int | None = None, patience: int | None = None, seed: int = 0, device: str = "auto",
+          batch_models: int | None = None, progress: bool = False, **base: Any) -> dict[str, Any]:
+    """``trellis sweep`` as a function: every combination of ``grid``, model-batched; returns the leaderboard.
+
+    Args:
+        store: The graph (as :func:`train` takes it).
+        grid: ``{hyperparameter: [values]}``, e.g. ``{"lr": [0.01, 0.005], "hidden": [64, 128]}``.
+        model: Model family.
+        out: SWEEP_DIR to write (default: none; a scratch directory is removed afterwards).
+        epochs: Maximum epochs per configuration.
+        patience: Early-stopping patience.
+        seed: Seed of every configuration.
+        device: ``auto|cpu|cuda[:N]``.
+        batch_models: Configurations per batch (default: the planner's choice).
+        progress: Progress bars.
+        **base: Options every configuration shares (``trellis train`` fields, e.g. ``layers=3``).
+    """
+    from trellis.train.sweep import SweepConfig, parse_grid, run_sweep
+
+    path, keep = as_store(store)
+    items = [f"{k}={','.join(str(v) for v in values)}" for k, values in grid.items()]
+    with tempfile.TemporaryDirectory(prefix="trellis-sweep-") as scratch:
+        sc = SweepConfig(store=path, model=model, grid=parse_grid(items), base=base, epochs=epochs, patience=patience,
+                         seed=seed, device=device, batch_models=batch_models,
+                         out=os.fspath(out) if out is not None else os.path.join(scratch, "sweep"),
+                         progress=progress)
+        board = run_sweep(sc)
+    del keep
+    return board
+
+
+def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str | None = None,
+         budget: str | float | None = None, out: str | os.PathLike[str] | None = None, candidates: int = 27,
+         seeds: int = 3, epochs: int | None = None, seed: int = 0, device: str = "auto", progress: bool = False,
+         **base: Any) -> dict[str, Any]:
+    """``trellis tune`` as a function: search on validation, retrain the choice over seeds; returns the board.
+
+    Args:
+        store: The graph (as :func:`train` takes it).
+        model: Model family.
+        space: ``None`` (the model's default space), a space as a dict (``{"lr": {"log_uniform": [1e-3, 0.05]},
+            "hidden": [64, 128]}``) or a JSON space file.
+        budget: Wall time, ``"20m"`` or seconds (default: the whole halving schedule).
+        out: TUNE_DIR to write (default: none; a scratch directory is removed afterwards).
+        candidates: Random candidates per bracket.
+        seeds: Seeds of the final retraining.
+        epochs: Epochs of the last rung.
+        seed: Seed of the draws.
+        device: ``auto|cpu|cuda[:N]``.
+        progress: Progress bars.
+        **base: Options every candidate shares (``trellis train`` fields).
+    """
+    import json
+
+    from trellis.train.tune import TuneConfig, run_tune
+
+    path, keep = as_store(store)
+    with tempfile.TemporaryDirectory(prefix="trellis-tune-") as scratch:
+        if isinstance(space, dict):  # the tune records its space file: write the dict as one
+            space_arg: str | None = os.path.join(scratch, "space.json")
+            Path(os.path.join(scratch, "space.json")).write_text(json.dumps(space))
+        else:
+            space_arg = space
+        tc = TuneConfig(store=path, model=model, space=space_arg, candidates=candidates, budget_s=_duration(budget),
+                        epochs=epochs, seed=seed, seeds=seeds, base=base, device=device, progress=progress,
+                        out=os.fspath(out) if out is not None else os.path.join(scratch, "tune"))
+        board = run_tune(tc)
+    del keep
+    return board
