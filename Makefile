@@ -20,7 +20,7 @@ test: lint
 	$(BIN)/python -m pytest tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check trellis tests benchmarks
+	$(BIN)/ruff check trellis tests benchmarks examples
 	$(BIN)/mypy trellis
 
 bench: $(STAMP)

@@ -6,7 +6,7 @@ Three two-layer GCNs with the same weights train full-batch on one generated gra
 (median training-step time: forward, backward, Adam step):
 
 * ``built-in``: ``trellis.nn.GCNConv``;
-* ``user (pushdown)``: the GCN a user writes as message / aggregate / update (``tests/nn/test_user.py``'s
+* ``user (pushdown)``: the GCN a user writes as message / aggregate / update (``examples/user_layers.py``'s
   ``UserGCN``), which the planner recognizes and runs as one SpMM reordered with its transform;
 * ``user (general plan)``: the same layer with a message that also reads ``x_i`` (unused), which the planner
   cannot push down: per-edge messages are materialized and segment-reduced, as a framework without pushdown
@@ -24,33 +24,11 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from benchmarks.common import print_table
-from trellis.nn import GNN, GCNConv, MessagePassing
-from trellis.ops import gcn_norm
+from examples.user_layers import UserGCN
+from trellis.nn import GNN, GCNConv
 from trellis.ops.graph import CSRGraph
-
-
-class UserGCN(MessagePassing):
-    """Kipf & Welling as a user writes it."""
-
-    aggregate = "sum"
-    transform = "lin"
-
-    def __init__(self, in_dim: int, out_dim: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(in_dim, out_dim, bias=False)
-        self.bias = nn.Parameter(torch.zeros(out_dim))
-
-    def edge_weights(self, graph):  # type: ignore[no-untyped-def]
-        return gcn_norm(graph)
-
-    def message(self, x_j, edge_weight):  # type: ignore[no-untyped-def]
-        return edge_weight.unsqueeze(-1) * x_j
-
-    def update(self, aggr):  # type: ignore[no-untyped-def]
-        return aggr + self.bias
 
 
 class GeneralGCN(UserGCN):

@@ -16,60 +16,12 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import trellis
+from examples.user_layers import EdgeMLP, UserGCN, edge_mlp, user_gcn
 from tests.nn.test_layers import random_graph
 from trellis.errors import TrellisUserError
 from trellis.nn import GNN, GCNConv, MessagePassing, build_model
 from trellis.nn.batched import BatchedGNN, capture_generator, check_tileable, family_of
 from trellis.nn.models import register_model
-from trellis.ops import gcn_norm
-
-
-class UserGCN(MessagePassing):
-    """Kipf & Welling written by a user."""
-
-    aggregate = "sum"
-    transform = "lin"
-
-    def __init__(self, in_dim: int, out_dim: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(in_dim, out_dim, bias=False)
-        self.bias = nn.Parameter(torch.zeros(out_dim))
-        nn.init.xavier_uniform_(self.lin.weight)  # the built-in's initialization, same random draws
-
-    def edge_weights(self, graph):
-        return gcn_norm(graph)
-
-    def message(self, x_j, edge_weight):
-        return edge_weight.unsqueeze(-1) * x_j
-
-    def update(self, aggr):
-        return aggr + self.bias
-
-
-class EdgeMLP(MessagePassing):
-    """A parameterized message: an MLP of the destination's and the source's rows."""
-
-    aggregate = "mean"
-
-    def __init__(self, in_dim: int, out_dim: int) -> None:
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(2 * in_dim, out_dim), nn.ReLU(), nn.Linear(out_dim, out_dim))
-        self.root = nn.Linear(in_dim, out_dim)
-
-    def message(self, x_j, x_i):
-        return self.mlp(torch.cat([x_i, x_j], -1))
-
-    def update(self, aggr, x):
-        return aggr + self.root(x)
-
-
-def user_gcn(in_dim, out_dim, hidden=16, layers=2, dropout=0.5):
-    dims = [in_dim] + [hidden] * (layers - 1) + [out_dim]
-    return GNN([UserGCN(a, b) for a, b in zip(dims[:-1], dims[1:])], dropout)
-
-
-def edge_mlp(in_dim, out_dim, hidden=16, dropout=0.5):
-    return GNN([EdgeMLP(in_dim, hidden), EdgeMLP(hidden, out_dim)], dropout)
 
 
 def test_user_gcn_is_the_builtin_pushed_down():

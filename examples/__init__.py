@@ -1,0 +1,1 @@
+"""Examples: the quickstart notebook and user-defined layers (executed and imported by the tests)."""
