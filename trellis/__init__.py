@@ -21,6 +21,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Run": ("trellis.train.api", "Run"),
     "load_run": ("trellis.train.api", "load_run"),
+    "resume": ("trellis.train.api", "resume"),
+    "explain": ("trellis.train.api", "explain"),
     "predict": ("trellis.train.predict", "predict"),
     "sweep": ("trellis.train.api", "sweep"),
     "tune": ("trellis.train.api", "tune"),
@@ -41,5 +43,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'trellis' has no attribute {name!r}")
 
 
-__all__ = ["Run", "TrainConfig", "TrellisUserError", "load_run", "partition", "predict", "preprocess", "sweep", "train",
-           "tune", "__version__"]
+__all__ = ["Run", "TrainConfig", "TrellisUserError", "explain", "load_run", "partition", "predict", "preprocess",
+           "resume", "sweep", "train", "tune", "__version__"]

@@ -166,3 +166,22 @@ def test_sweep_tune_and_preprocess_are_functions(sbm_store, tmp_path, monkeypatc
     assert trellis.preprocess(sbm_store, tmp_path / "pp", hops=2)["action"] == "reused"
     with pytest.raises(TrellisUserError, match="--hops 0 must be >= 1"):
         trellis.preprocess(sbm_store, tmp_path / "pp2", hops=0)
+
+
+def test_resume_and_explain(sbm_store, tmp_path):
+    from trellis.train.config import TrainConfig
+    from trellis.train.trainer import Trainer, TrainingInterrupted
+
+    def stop(trainer, record):
+        if record["epoch"] == 1:
+            trainer.request_stop()
+
+    cfg = TrainConfig(store=str(sbm_store), epochs=4, hidden=8, out=str(tmp_path / "cut"), progress=False)
+    with pytest.raises(TrainingInterrupted):
+        Trainer(cfg, callbacks=[stop], handle_signals=False).fit()
+    resumed = trellis.resume(tmp_path / "cut")
+    whole = trellis.train(sbm_store, epochs=4, hidden=8)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history]
+    assert trellis.resume(tmp_path / "cut").summary == resumed.summary  # a finished run is returned as it is
+    text = trellis.explain(sbm_store, model="gcn", hidden=8)
+    assert "spmm" in text.lower()

@@ -24,7 +24,7 @@ from trellis.data.convert import from_arrays, from_pyg
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.models import MODELS, register_model
-from trellis.train.build import ModelFactory, default_model_factory, make_model
+from trellis.train.build import default_model_factory, make_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import resolve_device
 from trellis.train.features import NodeEmbedding
@@ -53,7 +53,6 @@ class Run:
     models: list[nn.Module]
     config: TrainConfig
     run_dir: Path | None = None
-    model_factory: ModelFactory = field(default=default_model_factory, repr=False)
     _keep: Any = field(default=None, repr=False)  # a temporary store the run trained on, kept alive with it
 
     @property
@@ -133,7 +132,7 @@ def as_store(data: GraphLike, tmp: str | None = None) -> tuple[str, Any]:
                            "or a dict of arrays (trellis.data.from_arrays)")
 
 
-def model_option(model: str | Callable[..., nn.Module] | None) -> tuple[str | None, ModelFactory | None]:
+def model_option(model: str | Callable[..., nn.Module] | None) -> str | None:
     """``model=`` as a name, or a builder ``(in_dim, out_dim, **hparams) -> Module`` registered under its name.
 
     A builder is registered in :data:`trellis.nn.models.MODELS` (so the config accepts its name and a saved
@@ -141,7 +140,7 @@ def model_option(model: str | Callable[..., nn.Module] | None) -> tuple[str | No
     ``layers``, ``dropout``, ...).
     """
     if model is None or isinstance(model, str):
-        return model, None
+        return model
     if not callable(model):
         raise TrellisUserError(f"model={model!r}: pass a model name ({', '.join(MODELS)}) or a builder "
                                "(in_dim, out_dim, **hparams) -> torch.nn.Module")
@@ -153,7 +152,7 @@ def model_option(model: str | Callable[..., nn.Module] | None) -> tuple[str | No
         register_model(name, model)
     except ValueError as exc:
         raise TrellisUserError(f"model={name}: {exc}; rename the builder") from None
-    return name, None
+    return name
 
 
 def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, progress: bool = False,
@@ -181,7 +180,7 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
                                       "resume": "(use trellis.resume(run_dir))",
                                       "json": "(the Run is the result)",
                                       "explain": "(use trellis.explain(...))"}[bad])
-    name, _ = model_option(model)
+    name = model_option(model)
     path, keep = as_store(data)
     values = {**options, "store": path, "progress": progress}
     if name is not None:
@@ -305,3 +304,33 @@ def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str
         board = run_tune(tc)
     del keep
     return board
+
+
+def explain(data: GraphLike, /, *, model: str | Callable[..., nn.Module] | None = None, **options: Any) -> str:
+    """The operator plan ``trellis train --explain`` prints for these options; trains nothing."""
+    from trellis.train.trainer import Trainer
+
+    name = model_option(model)
+    path, keep = as_store(data)
+    values = {**options, "store": path, "progress": False}
+    if name is not None:
+        values["model"] = name
+    text = Trainer(TrainConfig.from_dict(values, source="trellis.explain"), handle_signals=False).explain()
+    del keep
+    return text
+
+
+def resume(run_dir: str | os.PathLike[str]) -> Run:
+    """Continue an interrupted run directory (``trellis train --resume``) and return the finished :class:`Run`.
+
+    A run that already finished is returned as it is.
+    """
+    from trellis.train.trainer import Trainer
+
+    paths = open_run_dir(run_dir)
+    if not paths.summary.is_file():
+        saved = read_json(paths.config)
+        cfg = TrainConfig.from_dict({**saved, "resume": str(paths.root), "progress": False},
+                                    source=f"{paths.config}")
+        Trainer(cfg, handle_signals=False).fit()
+    return load_run(paths.root)
