@@ -47,7 +47,10 @@ def _params(fn: Any) -> list[str]:
 
 
 def message_args(layer: MessagePassing) -> list[str]:
-    """The arguments ``layer.message`` reads (refusing names the engine cannot supply)."""
+    """The arguments ``layer.message`` reads (refusing names the engine cannot supply); read once per layer."""
+    cached = layer.__dict__.get("_user_message_args")
+    if cached is not None:
+        return cached
     names = _params(layer.message)
     unknown = [n for n in names if n not in MESSAGE_ARGS]
     if unknown:
@@ -55,6 +58,7 @@ def message_args(layer: MessagePassing) -> list[str]:
                                f"{', '.join(MESSAGE_ARGS)}")
     if "x_j" not in names:
         raise TrellisUserError(f"{type(layer).__name__}.message must read the source rows x_j")
+    layer.__dict__["_user_message_args"] = names
     return names
 
 
@@ -151,7 +155,7 @@ def aggregation(layer: MessagePassing, graph: CSRGraph) -> Aggregation:
     return Aggregation(ew, sw, type(layer).aggregate)
 
 
-def root_rows(layer: MessagePassing, h: Tensor, n: int) -> Tensor:
+def root_rows(h: Tensor, n: int) -> Tensor:
     """The destinations' own input rows for ``update`` (dense: a user's update reads them as a tensor)."""
     rows = head_rows(h, n)
     return rows.to_dense() if is_sparse(rows) else rows
@@ -160,7 +164,10 @@ def root_rows(layer: MessagePassing, h: Tensor, n: int) -> Tensor:
 def finish(layer: MessagePassing, aggr: Tensor, h: Tensor, n: int) -> Tensor:
     """``update(aggr, x)`` with the shape checked (a wrong shape names the layer)."""
     update: Any = layer.update
-    out = update(aggr, root_rows(layer, h, n)) if "x" in _params(update) else update(aggr)
+    reads_x = layer.__dict__.get("_user_update_reads_x")
+    if reads_x is None:  # read once per layer, not per call
+        reads_x = layer.__dict__["_user_update_reads_x"] = "x" in _params(update)
+    out = update(aggr, root_rows(h, n)) if reads_x else update(aggr)
     if not isinstance(out, Tensor) or out.dim() < 1 or out.shape[0] != n:
         shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise TrellisUserError(f"{type(layer).__name__}.update returned {shape}; expected one row per destination "
