@@ -15,8 +15,8 @@ import pytest
 
 from tests.train.stubmodel import make_sbm_store
 from trellis.cli.main import main
-from trellis.train import sweep as sweep_mod
 from trellis.train import tune as tune_mod
+from trellis.train.strategies import full as full_mod
 from trellis.train.tune import TuneConfig, run_tune
 
 ARGS = ["--candidates", "9", "--epochs", "24", "--min-epochs", "3", "--patience", "30", "--seeds", "2",
@@ -34,7 +34,7 @@ def _rows(board):
 
 def test_search_never_reads_the_test_split(store, tmp_path, monkeypatch):
     seen: list[tuple[str, bool]] = []
-    real_eval, real_final = sweep_mod.evaluate_logits, tune_mod.Tune.final_runs
+    real_eval, real_final = full_mod.evaluate_logits, tune_mod.Tune.final_runs
     state = {"final": False}
 
     def spy_eval(task, logits, y, splits):
@@ -45,7 +45,7 @@ def test_search_never_reads_the_test_split(store, tmp_path, monkeypatch):
         state["final"] = True
         return real_final(self, best)
 
-    monkeypatch.setattr(sweep_mod, "evaluate_logits", spy_eval)
+    monkeypatch.setattr(full_mod, "evaluate_logits", spy_eval)
     monkeypatch.setattr(tune_mod.Tune, "final_runs", spy_final)
     tc = TuneConfig(store=store, candidates=9, epochs=24, min_epochs=3, patience=30, seeds=2, batch_models=3,
                     out=str(tmp_path / "t"), progress=False)

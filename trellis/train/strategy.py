@@ -15,6 +15,7 @@ it needs; nothing is loaded before the strategy exists.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig, flag
+from trellis.train.loop import Lane, ModelBatch, SoloBatch
 from trellis.train.tasks import Task
 
 
@@ -102,9 +104,12 @@ class Strategy(ABC):
         return ""
 
     # ---- the model ------------------------------------------------------------------------------
-    def build_model(self, factory: ModelFactory) -> nn.Module:
-        """This run's model (the trainer has just seeded every RNG with the run's seed)."""
-        return build_run_model(self.cfg, self.spec, factory)
+    def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> nn.Module:
+        """The model of a run of ``cfg`` (default: this strategy's); the caller has just seeded every RNG.
+
+        ``cfg`` differs from the strategy's own in a sweep: many configurations over one strategy's data.
+        """
+        return build_run_model(cfg or self.cfg, self.spec, factory)
 
     def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
         """What ``models/run-N.pt`` of a run of ``cfg`` records beside the weights (for ``trellis predict``).
@@ -114,6 +119,44 @@ class Strategy(ABC):
         return {}
 
     # ---- training -------------------------------------------------------------------------------
+    #: Whether :meth:`open_batch` shares one step between several configurations (a sweep's K may exceed 1).
+    batches_models: ClassVar[bool] = False
+
+    def open_batch(self, lanes: list[Lane], *, keep_splits: Sequence[str] | None = None,
+                   splits: dict[str, Tensor] | None = None) -> ModelBatch:
+        """The step the epoch loop drives for ``lanes`` (:func:`trellis.train.loop.run_epochs`).
+
+        By default one configuration through :meth:`train_step` and :meth:`evaluate`; strategies that
+        can share their reads between configurations override it (and set :attr:`batches_models`).
+
+        Args:
+            lanes: The configurations (their models, optimizers and dropout generators).
+            keep_splits: Splits to score (None: :attr:`eval_splits`); a tune's search leaves out the test split.
+            splits: Node ids of each split to train and score on instead of the store's (a tune's final runs
+                over redrawn splits).
+
+        Raises:
+            TrellisUserError: Several configurations, or ``splits``, for a strategy that cannot take them.
+        """
+        if len(lanes) != 1:
+            raise TrellisUserError(f"--strategy {self.name} trains one configuration at a time (got {len(lanes)})")
+        if splits is not None:
+            raise TrellisUserError(f"--strategy {self.name} trains on the store's split only; redrawn splits "
+                                   "need --strategy full")
+        return SoloBatch(self, lanes[0].model, lanes[0].generator, keep_splits)
+
+    def batch_size_for(self, models: list[nn.Module], budget_bytes: float, override: int | None,
+                       ) -> tuple[int, str, list[dict[str, Any]]]:
+        """How many of ``models`` (one sweep group) share a step: ``(K, why, estimate rows)``.
+
+        Raises:
+            TrellisUserError: ``--batch-models`` above what this strategy can share.
+        """
+        if override not in (None, 1):
+            raise TrellisUserError(f"--batch-models {override}: --strategy {self.name} trains one configuration at "
+                                   "a time; drop --batch-models")
+        return 1, f"K = 1: --strategy {self.name} trains one configuration at a time", []
+
     def begin_run(self, seed: int) -> None:  # noqa: B027 - optional hook
         """A run with ``seed`` starts (or resumes): reset per-run data state."""
 

@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,22 +47,24 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from trellis.errors import TrellisUserError
-from trellis.nn.batched import BatchedGNN, capture_generator, family_of, model_decl
+from trellis.nn.batched import BatchedGNN, capture_generator
 from trellis.nn.init import INITS
 from trellis.nn.models import JKS, NORMS
-from trellis.nn.runtime import generator_scope
-from trellis.plan import GraphStats
-from trellis.plan.batching import balanced_batches, choose_k, default_budget_bytes
+from trellis.plan.batching import balanced_batches, default_budget_bytes
 from trellis.plan.rewrites import DEFAULT_REWRITES
-from trellis.train.build import ModelFactory, build_run_model, build_run_optimizer, default_model_factory
+from trellis.train.build import ModelFactory, build_run_optimizer, default_model_factory
 from trellis.train.config import TrainConfig, check_keys
 from trellis.train.convergence import summarize_time_to_accuracy
 from trellis.train.data import resolve_device
 from trellis.train.early_stopping import EarlyStopping
+from trellis.train.loop import Lane, run_epochs
 from trellis.train.optim import OPTIMIZERS
 from trellis.train.rng import seed_everything
 from trellis.train.runs import MetricsLog, iter_jsonl, read_jsonl, write_json_atomic
-from trellis.train.strategies.full import FullBatch, evaluate_logits
+from trellis.train.strategies import Strategy, strategy_class
+from trellis.train.strategies.full import FullBatch
+from trellis.train.strategies.outofcore import OutOfCoreFull
+from trellis.train.strategies.pp import PrePropagation
 from trellis.train.summary import RunSummary, split_metrics_of
 from trellis.train.trainer import save_model
 from trellis.utils.atomic import check_output, replace_dir, temp_sibling
@@ -70,6 +72,9 @@ from trellis.utils.manifest import format_of
 from trellis.utils.memory import PeakMemory
 
 SWEEP_FORMAT = "trellis-sweep"
+
+#: Strategies a sweep (and a tune) trains.
+SWEEP_STRATEGIES = ("full", "pp")
 
 
 @dataclass(frozen=True)
@@ -234,9 +239,11 @@ class SweepConfig:
             name = key.replace("-", "_")
             if name in fixed:
                 raise TrellisUserError(f"--set {key}: set by the sweep itself; use the sweep's own flag instead")
-            if name == "strategy" and self.base[key] != "full":
-                raise TrellisUserError(f"--set {key}={self.base[key]}: a sweep trains full-batch configurations "
-                                       "(model batching shares one whole-graph pass); train other strategies with "
+            if name == "strategy" and self.base[key] not in SWEEP_STRATEGIES:
+                raise TrellisUserError(f"--set {key}={self.base[key]}: a sweep trains --strategy "
+                                       f"{' or '.join(SWEEP_STRATEGIES)} (full in memory shares one whole-graph pass "
+                                       "between configurations, pp one read of each batch's rows; full with "
+                                       "--memory-budget trains them one at a time); train other strategies with "
                                        "`trellis train`")
             if name in self.grid:
                 raise TrellisUserError(f"--set {key} and --grid {name}: give the values in one place")
@@ -285,7 +292,7 @@ def make_entries(sc: SweepConfig, combos: list[dict[str, Any]] | None = None) ->
 
 
 # ---- building a configuration's model as its solo run would --------------------------------------------
-def build_config_model(entry: SweepEntry, strategy: FullBatch, device: torch.device,
+def build_config_model(entry: SweepEntry, strategy: Strategy, device: torch.device,
                        factory: ModelFactory = default_model_factory) -> tuple[nn.Module, torch.Generator]:
     """Build a configuration's model exactly as the trainer's run does, and its dropout generator.
 
@@ -294,7 +301,7 @@ def build_config_model(entry: SweepEntry, strategy: FullBatch, device: torch.dev
     generator right after building is where the solo run's dropout starts drawing.
     """
     seed_everything(entry.cfg.seed)
-    model = build_run_model(entry.cfg, strategy.spec, factory).to(device)
+    model = strategy.build_model(factory, entry.cfg).to(device)
     return model, capture_generator(device)
 
 
@@ -313,11 +320,9 @@ class SweepGroup:
     batchable: bool = True
 
 
-def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: FullBatch, device: torch.device,
+def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: Strategy, device: torch.device,
                explain: bool = False, factory: ModelFactory = default_model_factory) -> list[SweepGroup]:
-    """Group configurations by depth and choose K for each group from the cost model and memory budget."""
-    graph = strategy.explain_graph()
-    stats = GraphStats.of(graph)
+    """Group configurations by depth and let the strategy choose K for each group (its cost model and budget)."""
     budget = sc.memory_budget_mb * 2**20 if sc.memory_budget_mb is not None else default_budget_bytes()
     groups: list[SweepGroup] = []
     by_depth: dict[int, list[SweepEntry]] = {}
@@ -325,31 +330,32 @@ def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: FullBatch, 
         by_depth.setdefault(e.cfg.layers, []).append(e)
     for layers, group in by_depth.items():
         models = [build_config_model(e, strategy, torch.device("cpu"), factory)[0] for e in group]
-        try:
-            family = family_of(models[0])
-            decls = [model_decl(m, family) for m in models]
-        except TrellisUserError as exc:
-            if sc.batch_models not in (None, 1):
-                raise TrellisUserError(f"--batch-models {sc.batch_models}: {exc}") from None
-            note = f"K = 1: {exc}"
-            groups.append(SweepGroup(layers, group, 1, [[e] for e in group], note, [], batchable=False))
-            continue
-        choice = choose_k(decls, stats, budget_bytes=budget, override=sc.batch_models, rewrites=sc.rewrites)
-        batches = [[group[i] for i in r] for r in balanced_batches(len(group), choice.k)]
-        rows = [{"k": r.k, "batches": r.batches, "est_epoch_s": r.epoch_seconds, "est_peak_mb": r.peak_bytes / 2**20,
-                 "fits": r.fits} for r in choice.estimates]
+        k, text, rows = strategy.batch_size_for(models, budget, sc.batch_models)
+        batches = [[group[i] for i in r] for r in balanced_batches(len(group), k)]
         plan_text = ""
-        if explain:
+        if explain and isinstance(strategy, FullBatch) and rows:
             first = batches[0]
             bm = BatchedGNN([models[group.index(e)] for e in first], rewrites=sc.rewrites)
-            plan_text = bm.explain(graph)
-        groups.append(SweepGroup(layers, group, choice.k, batches, choice.format(), rows, plan_text))
+            plan_text = bm.explain(strategy.explain_graph())
+        groups.append(SweepGroup(layers, group, k, batches, text, rows, plan_text))
     return groups
 
 
-def load_sweep_data(entries: list[SweepEntry], device: torch.device) -> FullBatch:
-    """The graph every configuration trains on, loaded once: a full-batch strategy over the first config."""
-    strategy = FullBatch(entries[0].cfg, device)
+def load_sweep_data(entries: list[SweepEntry], device: torch.device, rewrites: Sequence[str] = DEFAULT_REWRITES,
+                    spill_dir: Path | None = None) -> Strategy:
+    """The data every configuration trains on, loaded once by the first configuration's strategy.
+
+    ``spill_dir`` is where an out-of-core strategy spills when the configurations name no ``--spill-dir``.
+    """
+    cfg = entries[0].cfg
+    if spill_dir is not None and cfg.memory_budget is not None and cfg.spill_dir is None:
+        cfg = replace(cfg, spill_dir=str(spill_dir))
+    strategy = strategy_class(cfg.strategy).for_config(cfg)(cfg, device)
+    if not isinstance(strategy, FullBatch | OutOfCoreFull | PrePropagation):
+        raise TrellisUserError(f"--set strategy={cfg.strategy}: a sweep trains --strategy full (in memory or with "
+                               "--memory-budget) or pp; train other strategies with `trellis train`")
+    if isinstance(strategy, FullBatch):
+        strategy.rewrites = tuple(rewrites)
     strategy.load()
     return strategy
 
@@ -360,9 +366,8 @@ def explain_sweep(sc: SweepConfig, model_factory: ModelFactory | None = None) ->
     device = resolve_device(sc.device)
     strategy = load_sweep_data(entries, torch.device("cpu"))
     groups = plan_sweep(sc, entries, strategy, device, explain=True, factory=model_factory or default_model_factory)
-    graph = strategy.explain_graph()
     lines = [f"sweep: {len(entries)} configurations of {sc.model} on {strategy.store.name} "
-             f"({graph.num_dst} nodes, {graph.num_edges} edges)"]
+             f"({strategy.store.num_nodes} nodes, {strategy.num_edges} edges), --strategy {strategy.name}"]
     for g in groups:
         lines.append(f"\n== {len(g.entries)} configuration(s) with {g.layers} layers: {len(g.batches)} batch(es) "
                      f"of up to {g.k}")
@@ -380,48 +385,13 @@ def _params_text(params: dict[str, Any]) -> str:
 
 # ---- training ----------------------------------------------------------------------------------------
 @dataclass
-class ConfigState:
-    """Where one configuration stands: its model, optimizer, dropout generator, early stopping and log.
+class ConfigState(Lane):
+    """A configuration of the sweep as the epoch loop trains it: its lane and its sweep entry."""
 
-    A state outlives a batch: ``trellis tune`` trains a configuration for a few epochs in one batch, ranks it,
-    and continues the survivors in new batches, so everything a configuration's next epoch depends on is here.
-    """
-
-    entry: SweepEntry
-    model: nn.Module
-    generator: torch.Generator
-    optimizer: Any
-    log: MetricsLog
-    stopper: EarlyStopping
-    epochs: int = 0
-    time_s: float = 0.0
-    step_times: list[float] = field(default_factory=list)
-    stopped: str = ""
+    entry: SweepEntry = field(kw_only=True)
 
 
-class _One(nn.Module):
-    """One configuration of a family that cannot batch, behind the batched model's interface.
-
-    Its dropout draws from its own generator, in the trainer's ops, so it equals its solo run.
-    """
-
-    def __init__(self, model: nn.Module, generator: torch.Generator) -> None:
-        super().__init__()
-        self.m = model
-        self.generator = generator
-        self.active = [0]
-
-    def forward(self, graph: Any, x: Tensor) -> list[Tensor]:
-        """The configuration's logits (a one-element list), or none once it stopped."""
-        with generator_scope(self.generator if self.training else None):
-            return [self.m(graph, x)] if self.active else []
-
-    def drop(self, k: int) -> None:
-        """The configuration stopped."""
-        self.active.clear()
-
-
-def open_state(entry: SweepEntry, strategy: FullBatch, metric: str, device: torch.device, root: Path,
+def open_state(entry: SweepEntry, strategy: Strategy, metric: str, device: torch.device, root: Path,
                factory: ModelFactory = default_model_factory) -> ConfigState:
     """A configuration's fresh state (built as its solo run builds it) and its run directory under ``root``."""
     model, gen = build_config_model(entry, strategy, device, factory)
@@ -430,110 +400,54 @@ def open_state(entry: SweepEntry, strategy: FullBatch, metric: str, device: torc
     (d / "models").mkdir(parents=True, exist_ok=True)
     write_json_atomic(d / "config.json", cfg.to_dict())
     stopper = EarlyStopping(metric, cfg.patience, strategy.task.higher_is_better.get(metric, True))
-    return ConfigState(entry, model, gen, build_run_optimizer(cfg, model), MetricsLog(d / "metrics.jsonl"), stopper)
+    return ConfigState(cfg, model, build_run_optimizer(cfg, model), stopper, MetricsLog(d / "metrics.jsonl"), gen,
+                       fields={"run": 0, "seed": cfg.seed}, entry=entry)
 
 
-def advance(states: list[ConfigState], strategy: FullBatch, *, until: int | None = None, batchable: bool = True,
-            rewrites: Sequence[str] = DEFAULT_REWRITES, splits: dict[str, Tensor] | None = None,
+def advance(states: list[ConfigState], strategy: Strategy, *, until: int | None = None,
+            splits: dict[str, Tensor] | None = None, keep_splits: Sequence[str] | None = None,
             err: IO[str] | None = None, desc: str = "", progress: bool = True, tag: dict[str, Any] | None = None,
             deadline: float | None = None, clock: Callable[[], float] | None = None) -> bool:
-    """Train ``states`` together, one model-batched step per epoch, until each stops or reaches ``until``.
+    """Train ``states`` together through the strategy's batch, in the trainer's epoch loop (see there).
 
-    A configuration stops at its early-stopping patience or its ``epochs``; ``until`` (an epoch count) pauses
-    the others, which a later call continues exactly. ``splits`` are the ones evaluated (default: the data's;
-    ``trellis tune`` leaves the test split out while it searches). ``tag`` fields go into every log record.
-    Returns False when ``deadline`` (a ``time.perf_counter`` value) passed before every state was done.
+    ``splits`` replace the store's (a tune's final runs); ``keep_splits`` are the ones scored (a tune's search
+    leaves the test split out). Returns False when ``deadline`` passed before every state was done.
     """
-    task = strategy.task
-    data = strategy.data
-    graph, x, y = data.graph, data.x, data.y
-    splits = data.splits if splits is None else splits
-    assert y is not None
-    train_idx = splits["train"]
-    limit = [min(s.entry.cfg.epochs, until if until is not None else s.entry.cfg.epochs) for s in states]
-    run_ids = [k for k, s in enumerate(states) if not s.stopped and s.epochs < limit[k]]
-    if not run_ids:
-        return True
-    bm: nn.Module
-    if batchable:
-        bm = BatchedGNN([states[k].model for k in run_ids], [states[k].generator for k in run_ids], rewrites=rewrites)
-    else:
-        assert len(run_ids) == 1
-        bm = _One(states[run_ids[0]].model, states[run_ids[0]].generator)
-    active: list[int] = bm.active  # indices into run_ids
-    cuda = x.device.type == "cuda"
-    first = min(states[k].epochs for k in run_ids)
-    bar = tqdm(total=max(limit[k] for k in run_ids) - first, desc=desc, unit="ep", file=err or sys.stderr,
+    limit = max(min(s.cfg.epochs, until if until is not None else s.cfg.epochs) for s in states)
+    first = min(s.epochs for s in states)
+    bar = tqdm(total=max(0, limit - first), desc=desc, unit="ep", file=err or sys.stderr,
                disable=None if progress else True, dynamic_ncols=True, leave=False)
-    try:
-        while active:
-            if deadline is not None and time.perf_counter() > deadline:
-                return False
-            run = [states[run_ids[j]] for j in active]
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            t0 = time.perf_counter()
-            bm.train()
-            for s in run:
-                s.optimizer.zero_grad(set_to_none=True)
-            logits = bm(graph, x)
-            losses = [task.loss(lg[train_idx], y[train_idx]) for lg in logits]
-            torch.stack(losses).sum().backward()  # d(sum)/d(loss_k) = 1: each config gets its own gradient
-            for s in run:
-                s.optimizer.step()
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            step = time.perf_counter() - t0
-            loss_values = [float(v) for v in torch.stack(losses).detach().cpu()]
-            with torch.no_grad():
-                bm.eval()
-                logits = bm(graph, x)
-                evs = [evaluate_logits(task, lg, y, splits) for lg in logits]
-            del logits
-            if cuda:
-                torch.cuda.synchronize(x.device)
-            share = (time.perf_counter() - t0) / len(run)
-            stop: list[int] = []
-            for j, s, loss, ev in zip(list(active), run, loss_values, evs):
-                epoch = s.epochs
-                s.stopper.update(epoch, ev, s.model)
-                s.time_s += share
-                s.step_times.append(step / len(run))
-                s.epochs = epoch + 1
-                s.log.write({"run": 0, "seed": s.entry.cfg.seed, "epoch": epoch, "loss": loss, **ev,
-                             "best_epoch": s.stopper.best_epoch, "step_time_s": step / len(run), "time_s": s.time_s,
-                             **(tag or {}), "batch_size": len(run), "batch_step_time_s": step,
-                             **({"clock_s": clock()} if clock is not None else {})})
-                if s.stopper.should_stop:
-                    s.stopped = "patience"
-                elif s.epochs >= s.entry.cfg.epochs:
-                    s.stopped = "epochs"
-                if s.stopped or s.epochs >= limit[run_ids[j]]:
-                    stop.append(j)
-            for j in stop:
-                bm.drop(j)
-            bar.set_postfix_str(f"{len(active)} active", refresh=False)
+    epochs_seen: set[int] = set()
+
+    def on_record(lane: Lane, record: dict[str, Any]) -> None:
+        if record["epoch"] not in epochs_seen:  # one tick per epoch of the batch
+            epochs_seen.add(record["epoch"])
+            bar.set_postfix_str(f"{record['batch_size']} active", refresh=False)
             bar.update(1)
+
+    try:
+        return run_epochs(states, lambda lanes: strategy.open_batch(lanes, keep_splits=keep_splits, splits=splits),
+                          strategy.task, until=until, deadline=deadline, device=strategy.device,
+                          epoch_info=strategy.epoch_info, on_record=on_record, tag=tag or {}, clock=clock)
     finally:
         bar.close()
-    return True
 
 
-def _train_batch(batch: list[SweepEntry], b: int, strategy: FullBatch, metric: str, device: torch.device,
-                 root: Path, sc: SweepConfig, batchable: bool, err: IO[str],
-                 factory: ModelFactory, meter: PeakMemory) -> list[dict[str, Any]]:
+def _train_batch(batch: list[SweepEntry], b: int, strategy: Strategy, metric: str, device: torch.device,
+                 root: Path, sc: SweepConfig, err: IO[str], factory: ModelFactory,
+                 meter: PeakMemory) -> list[dict[str, Any]]:
     """Train one batch of configurations to their early stops; returns one result per configuration."""
     states = [open_state(e, strategy, metric, device, root, factory) for e in batch]
     try:
-        advance(states, strategy, batchable=batchable, rewrites=sc.rewrites, err=err,
-                desc=f"batch {b} ({len(batch)} configs)", progress=sc.progress, tag={"batch": b})
+        advance(states, strategy, err=err, desc=f"batch {b} ({len(batch)} configs)", progress=sc.progress,
+                tag={"batch": b})
     finally:
         for s in states:
             s.log.close()
     return [_finish(s, b, strategy, metric, root, meter.report()) for s in states]
 
 
-def _finish(s: ConfigState, b: int, strategy: FullBatch, metric: str, root: Path,
+def _finish(s: ConfigState, b: int, strategy: Strategy, metric: str, root: Path,
             peaks: dict[str, float]) -> dict[str, Any]:
     """Write the configuration's run directory (model, summary) as its solo run would; return its row.
 
@@ -548,7 +462,7 @@ def _finish(s: ConfigState, b: int, strategy: FullBatch, metric: str, root: Path
     save_model(d / "models" / "run-0.pt", s.model, cfg, metric, result, strategy.model_record(cfg))
     times = s.step_times or [float("nan")]
     summary = RunSummary(
-        metric=metric, strategy="full", model=cfg.model, task=task.name, runs=1, seeds=[cfg.seed],
+        metric=metric, strategy=cfg.strategy, model=cfg.model, task=task.name, runs=1, seeds=[cfg.seed],
         best_epoch=[s.stopper.best_epoch], epochs_run=[s.epochs], best_run=0,
         split_metrics=split_metrics_of([result], task.metric_names, strategy.eval_splits),
         epoch_time_s_median=statistics.median(times), epoch_time_s_mean=statistics.fmean(times),
@@ -582,11 +496,15 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
     if not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):  # an empty dir is simply used
         check_output(out, overwrite=sc.overwrite, owned=is_sweep_dir, what="sweep directory (no sweep.json)")
     device = resolve_device(sc.device)
-    strategy = load_sweep_data(entries, device)
-    task = strategy.task
-    metric = task.select_metric(entries[0].cfg.metric)
-    groups = plan_sweep(sc, entries, strategy, device, factory=model_factory)
     tmp = temp_sibling(out)
+    strategy = load_sweep_data(entries, device, sc.rewrites, spill_dir=tmp / "spill")
+    try:
+        task = strategy.task
+        metric = task.select_metric(entries[0].cfg.metric)
+        groups = plan_sweep(sc, entries, strategy, device, factory=model_factory)
+    except BaseException:
+        strategy.close()
+        raise
     meter = PeakMemory(device=device).start()
     try:
         rows: list[dict[str, Any]] = []
@@ -596,12 +514,12 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
         for g in groups:
             for batch in g.batches:
                 t_b = time.perf_counter()
-                rows += _train_batch(batch, b, strategy, metric, device, tmp, sc, g.batchable, err, model_factory,
-                                     meter)
+                rows += _train_batch(batch, b, strategy, metric, device, tmp, sc, err, model_factory, meter)
                 batches_info.append({"batch": b, "layers": g.layers, "configs": [e.id for e in batch],
                                      "time_s": time.perf_counter() - t_b})
                 b += 1
         sweep_time = time.perf_counter() - t_train
+        strategy.close()  # spills of an out-of-core sweep go before the directory is renamed into place
         sign = 1.0 if task.higher_is_better.get(metric, True) else -1.0
         rows.sort(key=lambda r: (-sign * _num(r[f"val_{metric}"]), _num(r["val_loss"]), r["config"]))
         for rank, r in enumerate(rows, 1):
@@ -626,6 +544,7 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
         plot_leaderboard(tmp, rows, metric)
         replace_dir(tmp, out)
     except BaseException:
+        strategy.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:

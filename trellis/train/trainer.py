@@ -42,6 +42,7 @@ from trellis.train.config import TrainConfig
 from trellis.train.convergence import summarize_time_to_accuracy
 from trellis.train.data import resolve_device
 from trellis.train.early_stopping import EarlyStopping
+from trellis.train.loop import Lane, run_epochs
 from trellis.train.rng import get_rng_state, seed_everything, set_rng_state
 from trellis.train.runs import (
     MetricsLog,
@@ -332,55 +333,40 @@ class Trainer:
             start = prog.epoch
             assert rng is not None
             set_rng_state(rng)
-        cuda = ctx.device.type == "cuda"
+        lane = Lane(cfg, model, optimizer, stopper, ctx.log, epochs=start, time_s=run_time,
+                    step_times=prog.step_times, fields={"run": r, "seed": seed})
         bar = tqdm(total=cfg.epochs, initial=start, desc=f"run {r + 1}/{cfg.runs} (seed {seed})", unit="ep",
                    file=self.err, disable=None if cfg.progress and strategy.writes_run_dir else True,
                    dynamic_ncols=True, leave=True)
+
+        def on_record(ln: Lane, record: dict[str, Any]) -> None:
+            for cb in self.callbacks:
+                cb(self, record)
+            bar.set_postfix_str(f"loss {record['loss']:.4f} val {ctx.metric} {record[f'val_{ctx.metric}']:.4f}",
+                                refresh=False)
+            bar.update(1)
+
+        def after_epoch() -> None:
+            periodic = cfg.checkpoint_every > 0 and lane.epochs % cfg.checkpoint_every == 0
+            if self._stopping(strategy) or periodic:
+                prog.run, prog.epoch = r, lane.epochs
+                self._checkpoint(ctx, {
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "best": stopper.state_dict(), "run_time_s": lane.time_s, "strategy": strategy.state_dict(),
+                })
+                if self._stop_signal is not None:
+                    self._interrupt(ctx, r, lane.epochs)
+
         try:
-            epoch = start
-            for epoch in range(start, cfg.epochs):
-                t_epoch = time.perf_counter()
-                if cuda:
-                    torch.cuda.synchronize(ctx.device)
-                t0 = time.perf_counter()
-                loss_t = strategy.train_step(model, optimizer, task, epoch)
-                if cuda:
-                    torch.cuda.synchronize(ctx.device)
-                step = time.perf_counter() - t0
-                loss = float(loss_t)
-                prog.step_times.append(step)
-                ctx.meter.sample()
-                ev = strategy.evaluate(model, task)
-                ctx.meter.sample()
-                stopper.update(epoch, ev, model)
-                run_time += time.perf_counter() - t_epoch
-                # time_s: cumulative wall time of this run's epochs so far (training step and evaluation);
-                # setup and checkpoint writes are left out, and it continues from the checkpoint on
-                # --resume, so time to a target does not depend on checkpoint frequency or on downtime.
-                record = {"run": r, "seed": seed, "epoch": epoch, "loss": loss, **ev, "best_epoch": stopper.best_epoch,
-                          "step_time_s": step, "time_s": run_time, **strategy.epoch_info()}
-                ctx.log.write(record)
-                for cb in self.callbacks:
-                    cb(self, record)
-                bar.set_postfix_str(f"loss {loss:.4f} val {ctx.metric} {ev[f'val_{ctx.metric}']:.4f}", refresh=False)
-                bar.update(1)
-                if stopper.should_stop or epoch + 1 == cfg.epochs:
-                    break
-                periodic = cfg.checkpoint_every > 0 and (epoch + 1) % cfg.checkpoint_every == 0
-                if self._stopping(strategy) or periodic:
-                    prog.run, prog.epoch = r, epoch + 1
-                    self._checkpoint(ctx, {
-                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "best": stopper.state_dict(), "run_time_s": run_time, "strategy": strategy.state_dict(),
-                    })
-                    if self._stop_signal is not None:
-                        self._interrupt(ctx, r, epoch + 1)
+            run_epochs([lane], strategy.open_batch, task, device=ctx.device, epoch_info=strategy.epoch_info,
+                       sample=ctx.meter.sample, on_record=on_record, after_epoch=after_epoch)
         finally:
             bar.close()
+        run_time = lane.time_s
         stopper.restore(model)  # the run ended (patience or epoch budget): keep the best-validation weights
         if self.keep_models:
             self.models.append(model)
-        result = {"run": r, "seed": seed, "best_epoch": stopper.best_epoch, "epochs": epoch + 1, "time_s": run_time,
+        result = {"run": r, "seed": seed, "best_epoch": stopper.best_epoch, "epochs": lane.epochs, "time_s": run_time,
                   **stopper.best_metrics}
         save_model(ctx.paths.model(r), model, cfg, ctx.metric, result, strategy.model_record(cfg))
         prog.results.append(result)

@@ -51,9 +51,8 @@ import numpy as np
 import torch
 
 from trellis.errors import TrellisUserError
-from trellis.nn.batched import family_of, model_decl
-from trellis.plan import GraphStats
-from trellis.plan.batching import balanced_batches, choose_k, default_budget_bytes
+from trellis.nn.batched import family_of
+from trellis.plan.batching import balanced_batches, default_budget_bytes
 from trellis.train.build import ModelFactory, default_model_factory
 from trellis.train.data import redraw_split, resolve_device
 from trellis.train.runs import MetricsLog, read_jsonl, write_json_atomic
@@ -208,6 +207,7 @@ def rank_states(states: list[ConfigState]) -> list[ConfigState]:
 def save_state(s: ConfigState, path: Path) -> None:
     """Everything a candidate's next epoch depends on, atomically."""
     tmp = path.with_suffix(".tmp")
+    assert s.generator is not None
     torch.save({"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
                 "generator": s.generator.get_state(), "stopper": s.stopper.state_dict(), "epochs": s.epochs,
                 "time_s": s.time_s, "step_times": s.step_times, "stopped": s.stopped,
@@ -220,6 +220,7 @@ def load_state(s: ConfigState, path: Path, device: torch.device) -> None:
     st = torch.load(path, map_location=device, weights_only=True)
     s.model.load_state_dict(st["model"])
     s.optimizer.load_state_dict(st["optimizer"])
+    assert s.generator is not None
     s.generator.set_state(st["generator"])
     s.stopper.load_state_dict(st["stopper"], device)
     s.epochs, s.time_s, s.step_times, s.stopped = st["epochs"], st["time_s"], list(st["step_times"]), st["stopped"]
@@ -271,7 +272,12 @@ class Tune:
             if not (self.root.is_dir() and not self.root.is_symlink() and not any(self.root.iterdir())):
                 check_output(self.root, overwrite=tc.overwrite, owned=is_tune_dir, what="tune directory (no tune.json)")
         self.device = resolve_device(tc.device)
-        self.strategy: FullBatch = load_sweep_data(self.entries, self.device)
+        strategy = load_sweep_data(self.entries, self.device)
+        if not isinstance(strategy, FullBatch):
+            strategy.close()
+            raise TrellisUserError(f"--set strategy={strategy.name}: trellis tune trains --strategy full in memory "
+                                   "(its final runs redraw the split); sweep other strategies with `trellis sweep`")
+        self.strategy: FullBatch = strategy
         self.task = self.strategy.task
         self.metric = self.task.select_metric(self.entries[0].cfg.metric)
         self.split_seeds = self._split_seeds()
@@ -349,8 +355,6 @@ class Tune:
     # -- the search
     def _batches(self, ids: list[str]) -> list[list[str]]:
         """Batches of the candidates ``ids``: by depth, K from the cost model (fixed per rung once chosen)."""
-        graph = self.strategy.explain_graph()
-        stats = GraphStats.of(graph)
         budget = (self.tc.memory_budget_mb * 2**20 if self.tc.memory_budget_mb is not None
                   else default_budget_bytes())
         by_id = {e.id: e for e in self.entries}
@@ -360,13 +364,7 @@ class Tune:
         out: list[list[str]] = []
         for group in by_depth.values():
             models = [build_config_model(by_id[i], self.strategy, torch.device("cpu"), self.factory)[0] for i in group]
-            try:
-                family = family_of(models[0])
-            except TrellisUserError:
-                out += [[i] for i in group]
-                continue
-            decls = [model_decl(m, family) for m in models]
-            k = choose_k(decls, stats, budget_bytes=budget, override=self.tc.batch_models).k
+            k = self.strategy.batch_size_for(models, budget, self.tc.batch_models)[0]
             out += [[group[j] for j in r] for r in balanced_batches(len(group), k)]
         return out
 
@@ -402,7 +400,6 @@ class Tune:
         """Run (or continue) the current bracket's halving schedule until its last rung or the deadline."""
         p = self.progress
         by_id = {e.id: e for e in self.entries}
-        search_splits = {k: v for k, v in self.strategy.data.splits.items() if k != "test"}
         while p["rung"] < len(self.rungs):
             r = p["rung"]
             if p["batches"] is None:
@@ -411,8 +408,8 @@ class Tune:
             for b in range(p["batches_done"], len(p["batches"])):
                 ids = p["batches"][b]
                 states = [self._state(by_id[i]) for i in ids]
-                finished = advance(states, self.strategy, until=self.rungs[r], batchable=self._batchable(ids),
-                                   splits=search_splits, err=self.err, progress=self.tc.progress,
+                finished = advance(states, self.strategy, until=self.rungs[r], keep_splits=("train", "val"),
+                                   err=self.err, progress=self.tc.progress,
                                    desc=f"rung {r} ({self.rungs[r]} ep) batch {b + 1}/{len(p['batches'])}",
                                    tag={"rung": r, "batch": b}, deadline=self._deadline(t_start), clock=clock)
                 if not finished:
@@ -480,11 +477,10 @@ class Tune:
                 for s in states:  # a resumed tune runs its final runs again from the start
                     s.log.close()
                     s.log = MetricsLog(s.log.path, offset=0)
-                batchable = self._batchable([best.id])
-                groups = [states] if batchable else [[s] for s in states]
+                groups = [states] if self._batchable([best.id]) else [[s] for s in states]
                 try:
                     for g in groups:
-                        advance(g, data, batchable=batchable, splits=splits, err=self.err, progress=self.tc.progress,
+                        advance(g, data, splits=splits, err=self.err, progress=self.tc.progress,
                                 desc=f"final split {j + 1}/{len(self.split_seeds)}", tag={"split": j})
                 finally:
                     for s in states:

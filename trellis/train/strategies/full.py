@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -12,13 +12,17 @@ from torch import Tensor, nn
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of, model_decl
+from trellis.nn.runtime import generator_scope
 from trellis.ops.graph import CSRGraph
+from trellis.plan.batching import choose_k
 from trellis.plan.cost import GraphStats
 from trellis.plan.outofcore import in_memory_estimate
 from trellis.plan.planner import plan_model
+from trellis.plan.rewrites import DEFAULT_REWRITES
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_graph_data
+from trellis.train.loop import Lane, ModelBatch
 from trellis.train.strategies.outofcore import OutOfCoreFull
 from trellis.train.strategies.partitioned import PartitionedFull
 from trellis.train.strategies.partitioned_outofcore import PartitionedOutOfCore
@@ -100,6 +104,9 @@ class FullBatch(GraphStrategy):
 
     options = frozenset({"memory_budget", "spill_dir", "parts_dir", "nproc", "timeout", "overlap", "staleness",
                          "emulate_link"})
+    batches_models = True
+    #: Planner rewrites of model-batched steps (benchmarks turn them off to measure batching alone).
+    rewrites: tuple[str, ...] = DEFAULT_REWRITES
     _runner: tuple[nn.Module, Callable[..., Tensor]] | None = None
 
     @classmethod
@@ -168,6 +175,32 @@ class FullBatch(GraphStrategy):
         model.eval()
         return self.forward(model)
 
+    def open_batch(self, lanes: list[Lane], *, keep_splits: Sequence[str] | None = None,
+                   splits: dict[str, Tensor] | None = None) -> ModelBatch:
+        """A solo run's own step, or K configurations in one model-batched pass (:class:`BatchedStep`)."""
+        if len(lanes) == 1 and keep_splits is None and splits is None:
+            return super().open_batch(lanes)
+        scored = self.data.splits if splits is None else splits
+        if keep_splits is not None:
+            scored = {k: v for k, v in scored.items() if k in keep_splits}
+        return BatchedStep(self, lanes, scored, train_idx=(splits or self.data.splits)["train"])
+
+    def batch_size_for(self, models: list[nn.Module], budget_bytes: float, override: int | None,
+                       ) -> tuple[int, str, list[dict[str, Any]]]:
+        """K from the cost model and the memory budget (:func:`trellis.plan.batching.choose_k`)."""
+        try:
+            family = family_of(models[0])
+            decls = [model_decl(m, family) for m in models]
+        except TrellisUserError as exc:
+            if override not in (None, 1):
+                raise TrellisUserError(f"--batch-models {override}: {exc}") from None
+            return 1, f"K = 1: {exc}", []
+        choice = choose_k(decls, GraphStats.of(self.explain_graph()), budget_bytes=budget_bytes, override=override,
+                          rewrites=self.rewrites)
+        rows = [{"k": r.k, "batches": r.batches, "est_epoch_s": r.epoch_seconds, "est_peak_mb": r.peak_bytes / 2**20,
+                 "fits": r.fits} for r in choice.estimates]
+        return choice.k, choice.format(), rows
+
     def explain(self, model: nn.Module) -> str:
         """Planner v2's plan (training step and evaluation pass) for GCN/SAGE/GIN; the model's own otherwise."""
         try:
@@ -177,3 +210,77 @@ class FullBatch(GraphStrategy):
         stats = GraphStats.of(self.data.graph)
         return (plan_model([decl], stats, training=True).format() + "\n\n"
                 + plan_model([decl], stats, training=False).format())
+
+
+class _One(nn.Module):
+    """One configuration of a family that cannot batch, behind the batched model's interface.
+
+    Its dropout draws from its own generator, in the trainer's ops, so it equals its solo run.
+    """
+
+    def __init__(self, model: nn.Module, generator: torch.Generator | None) -> None:
+        super().__init__()
+        self.m = model
+        self.generator = generator
+        self.active = [0]
+
+    def forward(self, graph: Any, x: Tensor) -> list[Tensor]:
+        """The configuration's logits (a one-element list), or none once it stopped."""
+        with generator_scope(self.generator if self.training else None):
+            return [self.m(graph, x)] if self.active else []
+
+    def drop(self, k: int) -> None:
+        """The configuration stopped."""
+        self.active.clear()
+
+
+class BatchedStep(ModelBatch):
+    """K configurations trained by one :class:`~trellis.nn.batched.BatchedGNN` pass per step.
+
+    The batched loss is the sum of the configurations' losses, so each one's gradient is its own loss's; each
+    steps its own optimizer. One configuration of a family that cannot batch runs alone.
+    """
+
+    def __init__(self, strategy: FullBatch, lanes: list[Lane], splits: dict[str, Tensor], train_idx: Tensor) -> None:
+        models, gens = [ln.model for ln in lanes], [ln.generator for ln in lanes]
+        self.bm: nn.Module
+        try:
+            family_of(models[0])
+        except TrellisUserError:
+            if len(models) > 1:
+                raise
+            self.bm = _One(models[0], gens[0])
+        else:
+            self.bm = BatchedGNN(models, gens, rewrites=strategy.rewrites)
+        self.data, self.splits, self.train_idx = strategy.data, splits, train_idx
+
+    @property
+    def active(self) -> list[int]:  # type: ignore[override]
+        """The batched model's active configurations."""
+        return cast(list[int], self.bm.active)
+
+    def drop(self, k: int) -> None:
+        """Configuration ``k`` stopped."""
+        self.bm.drop(k)  # type: ignore[operator]
+
+    def step(self, optimizers: Sequence[Any], task: Task, epoch: int) -> list[Tensor]:
+        """One batched forward, the sum of the losses backward, every optimizer steps."""
+        d, idx = self.data, self.train_idx
+        assert d.y is not None
+        self.bm.train()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        logits = self.bm(d.graph, d.x)
+        losses = [task.loss(lg[idx], d.y[idx]) for lg in logits]
+        torch.stack(losses).sum().backward()  # d(sum)/d(loss_k) = 1: each configuration gets its own gradient
+        for opt in optimizers:
+            opt.step()
+        return [v.detach() for v in losses]
+
+    @torch.no_grad()
+    def evaluate(self, task: Task) -> list[dict[str, float]]:
+        """One batched pass without dropout scores every configuration on the kept splits."""
+        d = self.data
+        assert d.y is not None
+        self.bm.eval()
+        return [evaluate_logits(task, lg, d.y, self.splits) for lg in self.bm(d.graph, d.x)]

@@ -15,6 +15,7 @@ spill root (``--resume`` does).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -34,6 +35,7 @@ from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import SPLITS, load_labels, normalize_features
 from trellis.train.features import node_inputs, parse_features
+from trellis.train.loop import Lane, ModelBatch
 from trellis.train.runs import default_run_dir
 from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task, split_metrics
@@ -85,6 +87,7 @@ class OutOfCoreFull(Strategy):
     #: Cap on the rows of a tile (None: the plan's); tests force one-row and seven-row tiles with it.
     max_tile_rows: ClassVar[int | None] = None
     plan: OutOfCorePlan | None = None
+    _plan_cfg: TrainConfig | None = None
     #: Set before :meth:`load` to predict without labels (``trellis predict``): the trained model's task.
     predict_task: Task | None = None
     bounds: np.ndarray
@@ -140,22 +143,34 @@ class OutOfCoreFull(Strategy):
         self._disk0 = proc_io().get("read_bytes", 0)
 
     # ---- the model and the plan ------------------------------------------------------------------------
-    def build_model(self, factory: ModelFactory) -> nn.Module:
-        """This run's model; the first call plans the tiles under the budget (and refuses what cannot run)."""
-        model = build_run_model(self.cfg, self.spec, factory)
+    def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> nn.Module:
+        """The model of a run of ``cfg``; the first call plans the tiles under the budget (refusing what cannot)."""
+        cfg = cfg or self.cfg
+        model = build_run_model(cfg, self.spec, factory)
         try:
             check_tileable(model)
         except TrellisUserError as exc:
-            need = self._in_memory_estimate(model)
-            why = (str(exc) if getattr(model, "plain", True) is False or self.cfg.edge_weight else
+            need = self._in_memory_estimate(model, cfg)
+            why = (str(exc) if getattr(model, "plain", True) is False or cfg.edge_weight else
                    "the out-of-core engine tiles GCN, SAGE (mean) and GIN")
             raise TrellisUserError(
-                f"--model {self.cfg.model} cannot train under --memory-budget: {why}; in memory it needs about "
+                f"--model {cfg.model} cannot train under --memory-budget: {why}; in memory it needs about "
                 f"{format_size(need)} — drop --memory-budget (a budget of at least {format_size(need)} of free "
                 "RAM runs it in memory)") from None
         if self.plan is None:
-            self.plan_for(model)
+            self.plan_for(model, cfg)
         return model
+
+    def open_batch(self, lanes: list[Lane], *, keep_splits: Sequence[str] | None = None,
+                   splits: dict[str, Tensor] | None = None) -> ModelBatch:
+        """One configuration at a time; a sweep's next configuration gets tiles planned for its own widths."""
+        batch = super().open_batch(lanes, keep_splits=keep_splits, splits=splits)
+        if lanes[0].cfg != self._plan_cfg:
+            self.close()  # the previous configuration's engine and spills
+            if self._x_raw is not None and self.x is not self._x_raw:
+                self.x = None  # the normalized features were a spill: written again
+            self.plan_for(lanes[0].model, lanes[0].cfg)
+        return batch
 
     def _resident_vectors(self) -> int:
         """Bytes of what stays in RAM beside the tiles: degrees, labels, split ids, gathers, scored logits.
@@ -175,9 +190,10 @@ class OutOfCoreFull(Strategy):
         in_ram_x = self.x.nbytes if (self.x is not None and not isinstance(self.x, np.memmap)) else 0
         return int(vectors + max(gathers + metrics, transient) + in_ram_x)
 
-    def plan_for(self, model: nn.Module) -> None:
-        """Plan the tiles of ``model`` under the budget; refuse a budget below the plan's minimum."""
-        cfg, g = self.cfg, self.graph
+    def plan_for(self, model: nn.Module, cfg: TrainConfig | None = None) -> None:
+        """Plan the tiles of ``model`` (of a run of ``cfg``) under the budget; refuse a budget below the minimum."""
+        cfg, g = cfg or self.cfg, self.graph
+        self._plan_cfg = cfg
         stats = GraphStats(g.num_nodes, g.num_nodes, g.num_edges)
         params = sum(p.numel() for p in model.parameters())
         self.plan = plan = plan_out_of_core(
@@ -298,9 +314,8 @@ class OutOfCoreFull(Strategy):
             self.spill.close()
             self.spill = None
 
-    def _in_memory_estimate(self, model: nn.Module) -> int:
+    def _in_memory_estimate(self, model: nn.Module, cfg: TrainConfig) -> int:
         """About the peak of the in-memory run of ``model`` (what a refusal names)."""
-        cfg = self.cfg
         heads = int(getattr(cfg, "heads", 1) or 1)
         widths = [self.spec.in_dim] + [int(cfg.hidden) * heads] * (int(cfg.layers) - 1) + [self.spec.out_dim]
         return in_memory_estimate(self.store.num_nodes, self.graph.num_edges, widths,

@@ -236,9 +236,9 @@ class PartitionedFull(Strategy):
                 f"{self.comm.backend}); rank 0 holds {d['num_local']:,} nodes and {d['num_halo']:,} halo nodes")
 
     # ---- the model ------------------------------------------------------------------------------
-    def build_model(self, factory: ModelFactory) -> nn.Module:
+    def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> nn.Module:
         """The run's model; every rank checks that its peers planned the same layers."""
-        model = super().build_model(factory)
+        model = super().build_model(factory, cfg)
         self._check_plan(model)
         return model
 

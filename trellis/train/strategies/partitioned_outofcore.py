@@ -35,6 +35,7 @@ from trellis.ops.tiled import MappedCSR
 from trellis.partition.layout import LocalGraph, PartitionedGraph
 from trellis.plan.outofcore import OutOfCorePlan, plan_out_of_core
 from trellis.train.build import ModelFactory
+from trellis.train.config import TrainConfig
 from trellis.train.data import normalize_features
 from trellis.train.features import parse_features
 from trellis.train.runs import default_run_dir
@@ -117,9 +118,9 @@ class PartitionedOutOfCore(PartitionedFull):
                 f"{self.num_local:,} nodes and {self.node_ids.shape[0] - self.num_local:,} halo nodes")
 
     # ---- the model and its tiles ----------------------------------------------------------------------
-    def build_model(self, factory: ModelFactory) -> nn.Module:
+    def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> nn.Module:
         """The run's model; the first call plans the tiles under the budget (and refuses what cannot run)."""
-        model = Strategy.build_model(self, factory)
+        model = Strategy.build_model(self, factory, cfg)
         try:
             check_tileable(model)
         except TrellisUserError as exc:

@@ -11,6 +11,7 @@ batches it would have drawn.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,10 @@ from trellis.loader.pp import PPData, plan_placement
 from trellis.loader.ppcache import PPCache, open_pp
 from trellis.nn.init import init_parameters
 from trellis.nn.pp_models import build_pp_model, hops_used
+from trellis.nn.runtime import generator_scope
 from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
+from trellis.train.loop import Lane, ModelBatch
 from trellis.train.strategy import Strategy, register_strategy
 from trellis.train.tasks import Task, resolve_task
 from trellis.utils.memory import proc_io
@@ -107,11 +110,37 @@ class PrePropagation(Strategy):
         return {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "dropout": cfg.dropout,
                 **cfg.model_args}
 
-    def build_model(self, factory: ModelFactory) -> nn.Module:
+    def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> nn.Module:
         """SGC/SIGN/HOGA for the cache's widths (the factory builds message-passing models only)."""
-        model = build_pp_model(self.cfg.model, self.cache.num_features, self.cache.hops, self.task.num_outputs,
-                               **self._model_kwargs(self.cfg))
-        return init_parameters(model, self.cfg.init)
+        cfg = cfg or self.cfg
+        model = build_pp_model(cfg.model, self.cache.num_features, self.cache.hops, self.task.num_outputs,
+                               **self._model_kwargs(cfg))
+        return init_parameters(model, cfg.init)
+
+    # ---- several configurations: each batch's rows read once for all of them ------------------------
+    batches_models = True
+
+    def open_batch(self, lanes: list[Lane], *, keep_splits: Sequence[str] | None = None,
+                   splits: dict[str, Tensor] | None = None) -> ModelBatch:
+        """K configurations over one read of each batch's rows (:class:`SharedRows`); one runs as ``train``."""
+        if len(lanes) == 1 and keep_splits is None:
+            return super().open_batch(lanes, splits=splits)
+        if splits is not None:
+            return super().open_batch(lanes, splits=splits)  # refuses, naming the strategy
+        if len({ln.cfg.seed for ln in lanes}) > 1:
+            raise TrellisUserError("--strategy pp shares batches between configurations of one seed (the shuffle "
+                                   "follows it); batch configurations of different seeds separately")
+        return SharedRows(self, lanes, keep_splits)
+
+    def batch_size_for(self, models: list[nn.Module], budget_bytes: float, override: int | None,
+                       ) -> tuple[int, str, list[dict[str, Any]]]:
+        """Every configuration of a group in one batch, up to ``--batch-models``.
+
+        The models are small beside the rows, and the rows are the cost each batch shares.
+        """
+        k = min(len(models), override or len(models))
+        why = "--batch-models" if override else "every configuration: each batch's rows are read once for all"
+        return k, f"K = {k}: {why}", []
 
     def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
         """What rebuilds the model for ``trellis predict``: widths, hops and the cache."""
@@ -143,29 +172,40 @@ class PrePropagation(Strategy):
             n_batches += 1
         return torch.tensor(float(loss_sum) / max(1, n_batches), dtype=torch.float64)
 
-    def _split_logits(self, model: nn.Module, split: str) -> tuple[Tensor, Tensor]:
-        logits, labels = [], []
+    def _split_logits(self, models: Sequence[nn.Module], split: str) -> tuple[list[Tensor], Tensor]:
+        """Every model's logits of the split's labelled rows (each batch of rows read once), and their labels."""
+        logits: list[list[Tensor]] = [[] for _ in models]
+        labels = []
         for x, y in self.data.iter_split(split):
             assert y is not None
-            keep = y >= 0
-            logits.append(model(x.to(self.device, non_blocking=True))[keep.to(self.device)].float())
-            labels.append(y[keep].to(self.device))
-        if not logits:
+            keep = (y >= 0).to(self.device)
+            x = x.to(self.device, non_blocking=True)
+            for out, model in zip(logits, models):
+                out.append(model(x)[keep].float())
+            labels.append(y.to(self.device)[keep])
+        if not labels:
             raise TrellisUserError(f"{self.cache.path}: the {split} split has no rows; --strategy pp needs them")
-        return torch.cat(logits), torch.cat(labels)
+        return [torch.cat(out) for out in logits], torch.cat(labels)
 
     @torch.inference_mode()
+    def evaluate_many(self, models: Sequence[nn.Module], task: Task,
+                      splits: Sequence[str] | None = None) -> list[dict[str, float]]:
+        """Each model's metrics (and ``val_loss``) over the cache's rows of ``splits`` (default: val and test)."""
+        outs: list[dict[str, float]] = [{} for _ in models]
+        for model in models:
+            model.eval()
+        for split in splits or self.eval_splits:
+            logits, y = self._split_logits(models, split)
+            for out, lg in zip(outs, logits):
+                for name, value in task.metrics(lg, y).items():
+                    out[f"{split}_{name}"] = value
+                if split == "val":
+                    out["val_loss"] = float(task.loss(lg, y))
+        return outs
+
     def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
         """Validation and test metrics (and ``val_loss``) over the cache's split rows."""
-        model.eval()
-        out: dict[str, float] = {}
-        for split in self.eval_splits:
-            logits, y = self._split_logits(model, split)
-            for name, value in task.metrics(logits, y).items():
-                out[f"{split}_{name}"] = value
-            if split == "val":
-                out["val_loss"] = float(task.loss(logits, y))
-        return out
+        return self.evaluate_many([model], task)[0]
 
     def predict(self, model: nn.Module) -> Tensor:
         """Logits of every node from the cache (refused for a ``--split-rows-only`` cache)."""
@@ -194,3 +234,48 @@ class PrePropagation(Strategy):
     def close(self) -> None:
         """Close the storage source's files."""
         self.data.close()
+
+
+class SharedRows(ModelBatch):
+    """K configurations trained over one read of each training batch's rows.
+
+    Each configuration's forward, backward and optimizer step run on the batch in turn, its dropout drawn from
+    its own generator, so each does what its solo run does; the batches (their order follows the seed every
+    configuration shares) are loaded once, which is where a pre-propagation epoch spends its time (PP-GNN §3.3).
+    """
+
+    def __init__(self, strategy: PrePropagation, lanes: list[Lane], keep_splits: Sequence[str] | None) -> None:
+        self.strategy = strategy
+        self.models = [ln.model for ln in lanes]
+        self.generators = [ln.generator for ln in lanes]
+        self.splits = [s for s in strategy.eval_splits if keep_splits is None or s in keep_splits]
+        self.active = list(range(len(lanes)))
+        strategy.begin_run(lanes[0].cfg.seed)
+
+    def step(self, optimizers: Sequence[Any], task: Task, epoch: int) -> list[Tensor]:
+        """One epoch over the training rows; each configuration's mean batch loss."""
+        st = self.strategy
+        loader = st.data.train
+        loader.set_epoch(epoch)
+        run = [(self.models[k], self.generators[k], opt) for k, opt in zip(self.active, optimizers)]
+        for model, _, _ in run:
+            model.train()
+        sums = [torch.zeros(()) for _ in run]
+        n_batches = 0
+        for x, y in loader:
+            assert y is not None
+            x = x.to(st.device, non_blocking=True)
+            y = y.to(st.device, non_blocking=True)
+            for k, (model, gen, opt) in enumerate(run):
+                with generator_scope(gen):
+                    opt.zero_grad(set_to_none=True)
+                    loss = task.loss(model(x), y)
+                    loss.backward()
+                    opt.step()
+                sums[k] += loss.detach().cpu()
+            n_batches += 1
+        return [torch.tensor(float(s) / max(1, n_batches), dtype=torch.float64) for s in sums]
+
+    def evaluate(self, task: Task) -> list[dict[str, float]]:
+        """Every active configuration's metrics over one read of the scored rows."""
+        return self.strategy.evaluate_many([self.models[k] for k in self.active], task, self.splits)
