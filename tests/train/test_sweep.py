@@ -163,3 +163,56 @@ def test_leaderboard_labels_name_the_configuration():
 
     row = {"rank": 1, "config": "c03", "lr": 0.01, "hidden": 64, "val_acc": 0.8, "residual": True}
     assert config_label(row) == "#1 c03 lr=0.01 hidden=64 residual=True"
+
+
+def _losses(path):
+    return [r["loss"] for r in read_jsonl(path)]
+
+
+def test_pp_sweep_reads_each_batch_once_for_every_configuration_and_equals_solo_runs(store, tmp_path):
+    """SIGN sweeps: K configurations share each batch's rows (one batch here), each equals its solo run."""
+    from trellis.loader.ppcache import preprocess
+
+    pp = tmp_path / "pp"
+    preprocess(store, pp, hops=2)
+    grid = parse_grid(["lr=0.01,0.003", "dropout=0,0.5"])
+    out = tmp_path / "sweep"
+    board = run_sweep(SweepConfig(store=store, model="sign", grid=grid, epochs=6, patience=6, out=str(out),
+                                  base={"strategy": "pp", "pp_dir": str(pp), "batch_size": "64", "hidden": "16"},
+                                  progress=False))
+    assert [len(b["configs"]) for b in board["batches"]] == [4]  # every configuration over one read of the rows
+    for cid in ("c00", "c03"):
+        recs = read_jsonl(out / "configs" / cid / "metrics.jsonl")
+        assert {r["batch_size"] for r in recs} == {4} and "test_acc" in recs[0]
+        solo = solo_metrics(out / "configs" / cid / "config.json", tmp_path / f"solo-{cid}")
+        assert [r["loss"] for r in recs] == [r["loss"] for r in solo]
+        assert [r["val_acc"] for r in recs] == [r["val_acc"] for r in solo]
+
+
+def test_out_of_core_sweep_trains_each_configuration_on_its_own_tiles_as_its_solo_run(store, tmp_path, monkeypatch):
+    """``--set memory-budget=SIZE``: configurations of different widths, one at a time, each equal to its solo
+    out-of-core run; the spills are gone afterwards."""
+    from trellis.train.strategies.outofcore import OutOfCoreFull
+
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 50)
+    grid = parse_grid(["hidden=8,16", "dropout=0,0.5"])
+    out = tmp_path / "sweep"
+    board = run_sweep(SweepConfig(store=store, model="sage", grid=grid, epochs=4, patience=4, out=str(out),
+                                  base={"memory_budget": "3G"}, progress=False))
+    assert [len(b["configs"]) for b in board["batches"]] == [1, 1, 1, 1]
+    assert "one configuration at a time" in board["batch_choice"]["2"]["text"]
+    assert not list(out.rglob("spill"))
+    for cid in ("c01", "c02"):
+        summary = json.loads((out / "configs" / cid / "summary.json").read_text())
+        assert summary["tiles"] >= 5
+        solo = solo_metrics(out / "configs" / cid / "config.json", tmp_path / f"solo-{cid}")
+        assert _losses(out / "configs" / cid / "metrics.jsonl") == pytest.approx([r["loss"] for r in solo], abs=1e-6)
+
+
+def test_strategies_a_sweep_cannot_train_are_refused_before_anything_is_written(store, tmp_path):
+    with pytest.raises(TrellisUserError, match="a sweep trains --strategy full or pp"):
+        SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), base={"strategy": "mini"})
+    with pytest.raises(TrellisUserError, match="--strategy full trains one configuration at a time|--batch-models 2"):
+        run_sweep(SweepConfig(store=store, grid=parse_grid(["lr=0.1,0.2"]), base={"memory_budget": "3G"},
+                              batch_models=2, out=str(tmp_path / "x"), progress=False))
+    assert not (tmp_path / "x").exists()

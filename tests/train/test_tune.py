@@ -179,3 +179,27 @@ def test_a_budget_left_after_the_schedule_buys_more_brackets(store, tmp_path):
     ids = [r["config"] for r in board["rows"]]
     assert any(i.startswith("b1c") for i in ids) and len(set(ids)) == len(ids)
     assert "more bracket(s) of fresh candidates" in (tmp_path / "t" / "report.md").read_text()
+
+
+def test_sign_tunes_over_a_preprocessed_cache_and_its_choice_replays(store, tmp_path, capsys):
+    """``--set strategy=pp``: candidates share each batch's rows in the search; the final runs (the cache keeps
+    its one split) replay exactly through ``trellis train --config``."""
+    from trellis.loader.ppcache import preprocess
+
+    pp = tmp_path / "pp"
+    preprocess(store, pp, hops=2)
+    out = tmp_path / "t"
+    assert main(["tune", store, "--model", "sign", "--grid", "lr=0.01,0.003", "dropout=0,0.5", "--epochs", "8",
+                 "--min-epochs", "4", "--seeds", "2", "--no-progress", "--json", "--out", str(out),
+                 "--set", "strategy=pp", f"pp_dir={pp}", "batch_size=64", "hidden=16"]) == 0
+    board = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert board["candidates"] == 4 and len(board["final"]) == 2
+    first_rung = board["schedule"][0]
+    assert first_rung["candidates"] == 4 and [len(b) for b in first_rung["batches"]] == [4]
+    recs = [json.loads(line) for line in open(out / "configs" / "c000" / "metrics.jsonl")]
+    assert recs[0]["batch_size"] == 4 and not any(k.startswith("test") for k in recs[0])
+    first = board["final"][0]
+    assert main(["train", "--config", str(out / "best" / "config.json"), "--out", str(tmp_path / "replay"),
+                 "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["test_acc"] == [first["test_acc"]] and summary["val_acc"] == [first["val_acc"]]

@@ -418,6 +418,9 @@ def advance(states: list[ConfigState], strategy: Strategy, *, until: int | None 
     bar = tqdm(total=max(0, limit - first), desc=desc, unit="ep", file=err or sys.stderr,
                disable=None if progress else True, dynamic_ncols=True, leave=False)
     epochs_seen: set[int] = set()
+    seeds = {s.cfg.seed for s in states}
+    if len(seeds) == 1:
+        strategy.begin_run(seeds.pop())  # e.g. the pre-propagation loader's shuffle follows the run's seed
 
     def on_record(lane: Lane, record: dict[str, Any]) -> None:
         if record["epoch"] not in epochs_seen:  # one tick per epoch of the batch

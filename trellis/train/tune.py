@@ -272,12 +272,7 @@ class Tune:
             if not (self.root.is_dir() and not self.root.is_symlink() and not any(self.root.iterdir())):
                 check_output(self.root, overwrite=tc.overwrite, owned=is_tune_dir, what="tune directory (no tune.json)")
         self.device = resolve_device(tc.device)
-        strategy = load_sweep_data(self.entries, self.device)
-        if not isinstance(strategy, FullBatch):
-            strategy.close()
-            raise TrellisUserError(f"--set strategy={strategy.name}: trellis tune trains --strategy full in memory "
-                                   "(its final runs redraw the split); sweep other strategies with `trellis sweep`")
-        self.strategy: FullBatch = strategy
+        self.strategy = load_sweep_data(self.entries, self.device)
         self.task = self.strategy.task
         self.metric = self.task.select_metric(self.entries[0].cfg.metric)
         self.split_seeds = self._split_seeds()
@@ -318,8 +313,9 @@ class Tune:
 
     def _split_seeds(self) -> list[int | None]:
         source = self.strategy.store.manifest.get("source", {})
-        protocol = source.get("split") == "per-class" and self.strategy.data.y is not None \
-            and self.strategy.data.y.ndim == 1
+        # redrawn splits retrain in memory over the whole graph (a pre-propagation cache keeps its split)
+        protocol = source.get("split") == "per-class" and isinstance(self.strategy, FullBatch) \
+            and self.strategy.data.y is not None and self.strategy.data.y.ndim == 1
         if not protocol:
             if self.tc.splits not in (None, 1):
                 raise TrellisUserError(f"--splits {self.tc.splits}: {self.strategy.store.path} does not record a "
@@ -470,7 +466,7 @@ class Tune:
                                       replace(best.cfg, seed=best.cfg.seed + r, split_seed=split_seed))
                            for r in range(self.tc.seeds)]
                 data = self.strategy
-                splits = data.data.splits if split_seed is None else {
+                splits = None if split_seed is None else {
                     k: torch.from_numpy(np.asarray(v, dtype=np.int64)).to(self.device)
                     for k, v in redraw_split(data.store, np.asarray(data.store.y), split_seed).items()}
                 states = [open_state(e, data, self.metric, self.device, root, self.factory) for e in entries]
