@@ -189,22 +189,40 @@ def test_pp_sweep_reads_each_batch_once_for_every_configuration_and_equals_solo_
         assert [r["val_acc"] for r in recs] == [r["val_acc"] for r in solo]
 
 
-def test_out_of_core_sweep_trains_each_configuration_on_its_own_tiles_as_its_solo_run(store, tmp_path, monkeypatch):
-    """``--set memory-budget=SIZE``: configurations of different widths, one at a time, each equal to its solo
-    out-of-core run; the spills are gone afterwards."""
+def test_out_of_core_sweep_shares_every_tile_and_equals_solo_runs_bit_for_bit(store, tmp_path, monkeypatch):
+    """``--set memory-budget=SIZE``: K configurations of different widths and dropout share one pass per layer
+    over the tiles; each one's losses equal its solo out-of-core run's exactly; the spills are gone afterwards."""
     from trellis.train.strategies.outofcore import OutOfCoreFull
 
-    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 50)
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 50)  # the same tiles for one and for four configurations
     grid = parse_grid(["hidden=8,16", "dropout=0,0.5"])
+    for model, layers in (("sage", "2"), ("gin", "3")):
+        out = tmp_path / f"sweep-{model}"
+        board = run_sweep(SweepConfig(store=store, model=model, grid=grid, epochs=4, patience=4, out=str(out),
+                                      base={"memory_budget": "3G", "layers": layers}, progress=False))
+        assert [len(b["configs"]) for b in board["batches"]] == [4]
+        assert "every tile's graph reads and aggregations are shared" in board["batch_choice"][layers]["text"]
+        assert not list(out.rglob("spill"))
+        for cid in ("c01", "c02"):
+            summary = json.loads((out / "configs" / cid / "summary.json").read_text())
+            assert summary["tiles"] >= 5
+            recs = read_jsonl(out / "configs" / cid / "metrics.jsonl")
+            assert {r["batch_size"] for r in recs} == {4} and recs[0]["spill_gathered_bytes"] > 0
+            solo = solo_metrics(out / "configs" / cid / "config.json", tmp_path / f"solo-{model}-{cid}")
+            assert [r["loss"] for r in recs] == [r["loss"] for r in solo]
+            assert [r["val_acc"] for r in recs] == [r["val_acc"] for r in solo]
+
+
+def test_out_of_core_batches_drop_configurations_that_stop_early(store, tmp_path):
+    """Early stopping inside a shared out-of-core batch: a stopped configuration leaves the passes, the others go on
+    exactly as alone."""
+    grid = parse_grid(["lr=0.5,0.005"])
     out = tmp_path / "sweep"
-    board = run_sweep(SweepConfig(store=store, model="sage", grid=grid, epochs=4, patience=4, out=str(out),
-                                  base={"memory_budget": "3G"}, progress=False))
-    assert [len(b["configs"]) for b in board["batches"]] == [1, 1, 1, 1]
-    assert "one configuration at a time" in board["batch_choice"]["2"]["text"]
-    assert not list(out.rglob("spill"))
-    for cid in ("c01", "c02"):
-        summary = json.loads((out / "configs" / cid / "summary.json").read_text())
-        assert summary["tiles"] >= 5
+    board = run_sweep(SweepConfig(store=store, model="gcn", grid=grid, epochs=12, patience=2, out=str(out),
+                                  base={"memory_budget": "3G", "hidden": "8"}, progress=False))
+    epochs = {r["config"]: r["epochs"] for r in board["rows"]}
+    assert len(set(epochs.values())) == 2, epochs  # one stopped before the other
+    for cid in epochs:
         solo = solo_metrics(out / "configs" / cid / "config.json", tmp_path / f"solo-{cid}")
         assert _losses(out / "configs" / cid / "metrics.jsonl") == pytest.approx([r["loss"] for r in solo], abs=1e-6)
 
@@ -212,7 +230,3 @@ def test_out_of_core_sweep_trains_each_configuration_on_its_own_tiles_as_its_sol
 def test_strategies_a_sweep_cannot_train_are_refused_before_anything_is_written(store, tmp_path):
     with pytest.raises(TrellisUserError, match="a sweep trains --strategy full or pp"):
         SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), base={"strategy": "mini"})
-    with pytest.raises(TrellisUserError, match="--strategy full trains one configuration at a time|--batch-models 2"):
-        run_sweep(SweepConfig(store=store, grid=parse_grid(["lr=0.1,0.2"]), base={"memory_budget": "3G"},
-                              batch_models=2, out=str(tmp_path / "x"), progress=False))
-    assert not (tmp_path / "x").exists()

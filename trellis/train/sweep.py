@@ -500,13 +500,18 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
         check_output(out, overwrite=sc.overwrite, owned=is_sweep_dir, what="sweep directory (no sweep.json)")
     device = resolve_device(sc.device)
     tmp = temp_sibling(out)
-    strategy = load_sweep_data(entries, device, sc.rewrites, spill_dir=tmp / "spill")
+    try:
+        strategy = load_sweep_data(entries, device, sc.rewrites, spill_dir=tmp / "spill")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         task = strategy.task
         metric = task.select_metric(entries[0].cfg.metric)
         groups = plan_sweep(sc, entries, strategy, device, factory=model_factory)
     except BaseException:
         strategy.close()
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     meter = PeakMemory(device=device).start()
     try:

@@ -27,10 +27,11 @@ from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import check_tileable
 from trellis.nn.models import GNN
-from trellis.nn.tiled import Gather, TiledGNN, layer_shapes
+from trellis.nn.tiled import EpochIO, Gather, TiledGNN, layer_shapes
+from trellis.nn.tiled_batch import BatchedTiledGNN
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
-from trellis.plan.outofcore import OutOfCorePlan, in_memory_estimate, plan_out_of_core
+from trellis.plan.outofcore import LayerShape, OutOfCorePlan, in_memory_estimate, plan_out_of_core
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import SPLITS, load_labels, normalize_features
@@ -87,7 +88,10 @@ class OutOfCoreFull(Strategy):
     #: Cap on the rows of a tile (None: the plan's); tests force one-row and seven-row tiles with it.
     max_tile_rows: ClassVar[int | None] = None
     plan: OutOfCorePlan | None = None
-    _plan_cfg: TrainConfig | None = None
+    #: The configurations the tiles were planned for (a sweep replans for each batch).
+    _plan_cfgs: tuple[TrainConfig, ...] = ()
+    #: Spill traffic of the engine that trains now (one configuration's or K configurations').
+    _io: EpochIO | None = None
     #: Set before :meth:`load` to predict without labels (``trellis predict``): the trained model's task.
     predict_task: Task | None = None
     bounds: np.ndarray
@@ -163,20 +167,52 @@ class OutOfCoreFull(Strategy):
 
     def open_batch(self, lanes: list[Lane], *, keep_splits: Sequence[str] | None = None,
                    splits: dict[str, Tensor] | None = None) -> ModelBatch:
-        """One configuration at a time; a sweep's next configuration gets tiles planned for its own widths."""
-        batch = super().open_batch(lanes, keep_splits=keep_splits, splits=splits)
-        if lanes[0].cfg != self._plan_cfg:
-            self.close()  # the previous configuration's engine and spills
+        """One configuration through :meth:`train_step`, or K sharing every tile's reads (:class:`SharedTiles`).
+
+        A sweep's configurations get tiles planned for their own widths (all K of them together).
+        """
+        cfgs = tuple(ln.cfg for ln in lanes)
+        if cfgs != self._plan_cfgs:
+            self.close()  # the previous configurations' engine and spills
             if self._x_raw is not None and self.x is not self._x_raw:
                 self.x = None  # the normalized features were a spill: written again
-            self.plan_for(lanes[0].model, lanes[0].cfg)
-        return batch
+            self.plan_for([ln.model for ln in lanes], list(cfgs))
+        if len(lanes) == 1 and keep_splits is None:
+            return super().open_batch(lanes, splits=splits)
+        if splits is not None:
+            return super().open_batch(lanes, splits=splits)  # refuses, naming the strategy
+        return SharedTiles(self, lanes, keep_splits)
 
-    def _resident_vectors(self) -> int:
+    def batch_size_for(self, models: list[nn.Module], budget_bytes: float, override: int | None,
+                       ) -> tuple[int, str, list[dict[str, Any]]]:
+        """The most configurations (up to ``--batch-models``, at most 8) whose joint tiles fit ``--memory-budget``.
+
+        Out of core the epoch is the tiled aggregations, which K configurations share, so K is as large as the
+        budget allows; ``budget_bytes`` (the sweep's in-memory budget) does not apply.
+        """
+        cap = min(len(models), override or 8)
+        rows = []
+        k = 1
+        for kk in range(1, cap + 1):
+            plan = self._plan([models[i] for i in range(kk)], dropout=False)
+            fits = self.budget >= plan.min_budget
+            rows.append({"k": kk, "min_budget_mb": plan.min_budget / 2**20, "fits": fits})
+            if fits:
+                k = kk
+        if override and k < override and override <= len(models):
+            raise TrellisUserError(f"--batch-models {override}: {override} configurations' tiles need at least "
+                                   f"{format_size(rows[override - 1]['min_budget_mb'] * 2**20)} of "
+                                   f"--memory-budget {self.cfg.memory_budget}; lower --batch-models or raise the "
+                                   "budget")
+        why = "--batch-models" if override else "the most configurations whose tiles fit --memory-budget (at most 8)"
+        return k, f"K = {k}: {why}; every tile's graph reads and aggregations are shared", rows
+
+    def _resident_vectors(self, k: int = 1) -> int:
         """Bytes of what stays in RAM beside the tiles: degrees, labels, split ids, gathers, scored logits.
 
-        Evaluation holds the scored rows' logits and the metrics' temporaries (labels gathered per split,
-        predictions, probabilities: about two int64 and one logits-wide copy of the largest split).
+        Evaluation holds the scored rows' logits (of each of ``k`` configurations) and the metrics'
+        temporaries (labels gathered per split, predictions, probabilities: about two int64 and one
+        logits-wide copy of the largest split).
         """
         n = self.store.num_nodes
         ids = sum(int(t.numel()) for t in self.splits.values())
@@ -184,30 +220,43 @@ class OutOfCoreFull(Strategy):
         scored = len(self.eval_rows)
         largest = max((int(t.numel()) for t in self.splits.values()), default=0)
         vectors = self.graph.nbytes_resident + self.y.numel() * self.y.element_size() + 8 * ids
-        gathers = self.train_rows.nbytes + self.eval_rows.nbytes + 4 * out_w * (len(self.train_rows) + scored)
+        gathers = self.train_rows.nbytes + self.eval_rows.nbytes + 4 * out_w * (len(self.train_rows) + scored) * k
         metrics = largest * (16 + 4 * out_w)
         transient = 24 * (n + 1)  # cost arrays of the tile planner: freed before the first pass
         in_ram_x = self.x.nbytes if (self.x is not None and not isinstance(self.x, np.memmap)) else 0
         return int(vectors + max(gathers + metrics, transient) + in_ram_x)
 
-    def plan_for(self, model: nn.Module, cfg: TrainConfig | None = None) -> None:
-        """Plan the tiles of ``model`` (of a run of ``cfg``) under the budget; refuse a budget below the minimum."""
-        cfg, g = cfg or self.cfg, self.graph
-        self._plan_cfg = cfg
+    def _plan(self, models: Sequence[nn.Module], dropout: bool) -> OutOfCorePlan:
+        """The tiles of ``models`` trained together (one model: its solo plan) under the budget."""
+        g = self.graph
         stats = GraphStats(g.num_nodes, g.num_nodes, g.num_edges)
-        params = sum(p.numel() for p in model.parameters())
-        self.plan = plan = plan_out_of_core(
-            num_nodes=g.num_nodes, max_degree=max(g.max_degree, g.max_out_degree), layers=layer_shapes(model, stats),
-            params=params, budget=self.budget, baseline=self.baseline, resident_vectors=self._resident_vectors(),
-            input_spilled=self.x is None, dropout=float(cfg.dropout) > 0.0)
+        shapes = [layer_shapes(m, stats) for m in models]
+        layers = shapes[0] if len(shapes) == 1 else [joint_shape(group) for group in zip(*shapes)]
+        params = sum(p.numel() for m in models for p in m.parameters())
+        return plan_out_of_core(
+            num_nodes=g.num_nodes, max_degree=max(g.max_degree, g.max_out_degree), layers=layers, params=params,
+            budget=self.budget, baseline=self.baseline, resident_vectors=self._resident_vectors(len(models)),
+            input_spilled=self.x is None, dropout=dropout)
+
+    def plan_for(self, models: nn.Module | Sequence[nn.Module], cfgs: TrainConfig | Sequence[TrainConfig] | None = None,
+                 ) -> None:
+        """Plan the tiles of ``models`` (runs of ``cfgs``) under the budget; refuse a budget below the minimum."""
+        models = [models] if isinstance(models, nn.Module) else list(models)
+        cfgs = [cfgs or self.cfg] if not isinstance(cfgs, Sequence) else list(cfgs)
+        cfg = cfgs[0]
+        self._plan_cfgs = tuple(cfgs)
+        self.plan = plan = self._plan(models, dropout=any(float(c.dropout) > 0.0 for c in cfgs))
         if self.budget < plan.min_budget:
+            what = "this model" if len(models) == 1 else f"these {len(models)} configurations together"
             raise TrellisUserError(f"--memory-budget {cfg.memory_budget} is below the smallest budget that trains "
-                                   f"this model on this graph, {format_size(plan.min_budget)} (the process itself "
+                                   f"{what} on this graph, {format_size(plan.min_budget)} (the process itself "
                                    f"takes {format_size(self.baseline)}); raise it to at least "
                                    f"{format_size(plan.min_budget)}")
-        self.bounds = g.tile_bounds(plan.row_bytes, plan.edge_bytes, plan.tile_bytes, max_rows=self.max_tile_rows)
+        self.bounds = self.graph.tile_bounds(plan.row_bytes, plan.edge_bytes, plan.tile_bytes,
+                                             max_rows=self.max_tile_rows)
         root = self._spill_root()
-        check_spill_root(root, plan.spill_bytes, flag="--spill-dir" if cfg.spill_dir else "spill directory")
+        check_spill_root(root, plan.spill_bytes * len(models),
+                         flag="--spill-dir" if cfg.spill_dir else "spill directory")
 
     def _spill_root(self) -> Path:
         cfg = self.cfg
@@ -237,6 +286,7 @@ class OutOfCoreFull(Strategy):
                 self.spill = SpillDir(self._spill_root())
             self._engine = (model, TiledGNN(model, self.graph, self._input(), self.spill, self.bounds,
                                             cold=os.environ.get(COLD_ENV) == "1"))
+            self._io = self._engine[1].io
         return self._engine[1]
 
     # ---- training -----------------------------------------------------------------------------------
@@ -275,9 +325,9 @@ class OutOfCoreFull(Strategy):
         Bytes written and read as tiles, bytes the kernels gathered as source rows from spill maps, and
         ``/proc/self/io`` ``read_bytes`` (what did not come from the page cache).
         """
-        if self._engine is None:
+        io = self._io
+        if io is None:
             return {}
-        io = self._engine[1].io
         disk = proc_io().get("read_bytes", 0)
         out = {"spill_written_bytes": io.written, "spill_read_bytes": io.read, "spill_gathered_bytes": io.gathered,
                "storage_read_bytes": disk - self._disk0}
@@ -310,6 +360,7 @@ class OutOfCoreFull(Strategy):
     def close(self) -> None:
         """Remove the spill files."""
         self._engine = None
+        self._io = None
         if self.spill is not None:
             self.spill.close()
             self.spill = None
@@ -320,6 +371,69 @@ class OutOfCoreFull(Strategy):
         widths = [self.spec.in_dim] + [int(cfg.hidden) * heads] * (int(cfg.layers) - 1) + [self.spec.out_dim]
         return in_memory_estimate(self.store.num_nodes, self.graph.num_edges, widths,
                                   edge_floats=6 * heads * int(cfg.layers))
+
+
+def joint_shape(group: Sequence[LayerShape]) -> LayerShape:
+    """One layer of K configurations trained in shared passes, as the memory plan sees it.
+
+    Their tiles sit side by side, so widths add; the order that makes the busiest pass widest is assumed.
+    """
+    w_in, w_out, root = sum(s.w_in for s in group), sum(s.w_out for s in group), any(s.root for s in group)
+    return max((LayerShape(w_in, w_out, af, root) for af in (True, False)), key=lambda s: s.row_floats)
+
+
+class SharedTiles(ModelBatch):
+    """K configurations trained out of core by one :class:`~trellis.nn.tiled_batch.BatchedTiledGNN`."""
+
+    def __init__(self, strategy: OutOfCoreFull, lanes: list[Lane], keep_splits: Sequence[str] | None) -> None:
+        st = strategy
+        if st.spill is None:
+            st.spill = SpillDir(st._spill_root())
+        self.st = st
+        self.eng = BatchedTiledGNN([ln.model for ln in lanes], [ln.generator for ln in lanes], st.graph, st._input(),
+                                   st.spill, st.bounds, cold=os.environ.get(COLD_ENV) == "1")
+        st._io = self.eng.io
+        self.models = [ln.model for ln in lanes]
+        self.splits = [s for s in st.eval_splits if keep_splits is None or s in keep_splits]
+
+    @property
+    def active(self) -> list[int]:  # type: ignore[override]
+        """The engine's active configurations."""
+        return self.eng.active
+
+    def drop(self, k: int) -> None:
+        """Configuration ``k`` stopped."""
+        self.eng.drop(k)
+
+    def step(self, optimizers: Sequence[Any], task: Task, epoch: int) -> list[Tensor]:
+        """One shared forward over the tiles, each configuration's loss and gradient, one shared backward."""
+        st = self.st
+        for k in self.active:
+            self.models[k].train()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        leaves = [lg.requires_grad_() for lg in self.eng.forward(True, st.train_rows)]
+        y = st.y[st.splits["train"]]
+        losses = [task.loss(leaf, y) for leaf in leaves]
+        for loss in losses:
+            loss.backward()
+        self.eng.backward(st.train_rows, [cast(Tensor, leaf.grad) for leaf in leaves])
+        for opt in optimizers:
+            opt.step()
+        return [loss.detach() for loss in losses]
+
+    @torch.no_grad()
+    def evaluate(self, task: Task) -> list[dict[str, float]]:
+        """One shared tiled inference of the scored rows; every configuration's metrics."""
+        st = self.st
+        for k in self.active:
+            self.models[k].eval()
+        scored = {s: st.splits[s] for s in self.splits}
+
+        def metrics(logits: Tensor) -> dict[str, float]:
+            return split_metrics(task, lambda s: logits[st.eval_slices[s]], st.y, scored)
+
+        return [metrics(logits) for logits in self.eng.forward(False, st.eval_rows)]
 
 
 def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task, emb_path: Path) -> tuple[Tensor, int]:

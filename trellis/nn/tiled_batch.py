@@ -1,0 +1,306 @@
+"""K configurations out of core together: every tile's graph reads and aggregations shared (Lotan's batching).
+
+Why: out of core, an epoch is mostly the tiled aggregations — reading each tile's CSR rows and gathering its
+source rows from the spills — and the dense work beside them is small. K configurations of one family and
+depth trained one after another repeat every one of those reads K times. Here the K configurations'
+aggregation inputs sit side by side in one wide spill (each configuration's column block holds its layer
+input when it aggregates first, its transformed rows when it transforms first), so one kernel call per tile
+aggregates all of them — the CSR tile is read once and each gathered source row is one contiguous read of
+K blocks — and the backward's transposed aggregation is shared the same way. The features are read once
+per pass for every configuration's dropout, and configurations that aggregate the undropped features
+first share one cached ``ÂX``.
+
+Exactness: each configuration's dense work is its own :class:`~trellis.nn.tiled.TiledGNN`'s (same layers,
+same plan order, same epilogue), its dropout seeds are drawn from its own generator in its solo run's
+order, and the aggregation kernel sums each column over the same edges in the same order whatever the
+width. So each configuration computes what its solo out-of-core run computes; only the tile boundaries
+(planned for K) move the last bits of the weight gradients, as any change of budget does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from trellis.errors import TrellisUserError
+from trellis.nn.runtime import generator_scope
+from trellis.nn.tiled import EpochIO, Gather, TiledGNN, _grad
+from trellis.ops import dropout as hash_dropout
+from trellis.ops.tiled import MappedCSR
+from trellis.plan.cost import GraphStats
+from trellis.utils.spill import SpillDir
+
+
+@dataclass(frozen=True)
+class Block:
+    """Columns ``[c0, c1)`` of a spill array: one configuration's part of a wide tensor (or the whole array)."""
+
+    arr: np.ndarray
+    c0: int
+    c1: int
+
+    @classmethod
+    def whole(cls, arr: np.ndarray) -> Block:
+        """Every column of ``arr``."""
+        return cls(arr, 0, int(arr.shape[1]))
+
+    @property
+    def width(self) -> int:
+        """Columns."""
+        return self.c1 - self.c0
+
+
+class BatchedTiledGNN:
+    """Runs K batchable GNNs (GCN, SAGE mean, GIN) of one family and depth out of core in shared passes.
+
+    Args:
+        models: The configurations' models (parameters used in place).
+        generators: Each configuration's dropout generator (None: the default generator).
+        graph: The memory-mapped CSR and its reverse.
+        x: The first layer's input ``[N, F]``.
+        spill: Where the ``[N, d]`` tensors go.
+        bounds: Row boundaries of the tiles (planned for all K).
+        cold: Drop the page cache before every pass (see :class:`~trellis.nn.tiled.TiledGNN`).
+
+    Raises:
+        TrellisUserError: Models of different depths or aggregations.
+    """
+
+    def __init__(self, models: Sequence[nn.Module], generators: Sequence[torch.Generator | None],
+                 graph: MappedCSR, x: np.ndarray, spill: SpillDir, bounds: np.ndarray, *, cold: bool = False,
+                 stats: GraphStats | None = None) -> None:
+        self.engines = [TiledGNN(m, graph, x, spill, bounds, cold=cold, stats=stats) for m in models]
+        if len({tuple(e.kinds) for e in self.engines}) > 1:
+            raise TrellisUserError("configurations whose layers aggregate differently cannot share out-of-core tiles")
+        self.generators = list(generators)
+        self.graph, self.x, self.spill, self.bounds = graph, x, spill, bounds
+        self.kinds = self.engines[0].kinds
+        self.depth = len(self.kinds)
+        self.active = list(range(len(models)))
+        self.io = EpochIO()
+
+    # ---- spill access ---------------------------------------------------------------------------------
+    def _read(self, b: Block, r0: int, r1: int) -> Tensor:
+        rows = b.arr[r0:r1, b.c0:b.c1] if (b.c0, b.c1) != (0, b.arr.shape[1]) else b.arr[r0:r1]
+        if b.arr.flags.writeable and rows.flags.c_contiguous:
+            t = torch.from_numpy(rows)
+        else:
+            t = torch.from_numpy(np.array(rows, dtype=np.float32))
+        self.io.read += t.numel() * 4
+        return t
+
+    def _write(self, b: Block, r0: int, r1: int, t: Tensor) -> None:
+        b.arr[r0:r1, b.c0:b.c1] = t.detach().numpy()
+        self.io.written += t.numel() * 4
+
+    def _aggregate(self, k: int, r0: int, r1: int, src: np.ndarray, reverse: bool = False) -> Tensor:
+        tile = self.graph.tile(r0, r1, reverse=reverse)
+        self.io.gathered += tile.num_edges * src.shape[1] * 4
+        return self.graph.aggregate(self.kinds[k], tile, src, reverse=reverse)
+
+    def _wide(self, name: str, widths: dict[int, int]) -> tuple[np.ndarray | None, dict[int, tuple[int, int]]]:
+        """A spill of the configurations' blocks side by side, and each one's columns."""
+        cols, c = {}, 0
+        for j, w in widths.items():
+            cols[j] = (c, c + w)
+            c += w
+        return (self.spill.array(name, (self.graph.num_nodes, c)) if c else None), cols
+
+    # ---- forward --------------------------------------------------------------------------------------
+    def forward(self, training: bool, rows: Gather) -> list[Tensor]:
+        """Each active configuration's logits of ``rows`` (in their order), after one shared pass per layer.
+
+        In training every layer's wide aggregation and each configuration's inputs are left in spills for
+        :meth:`backward`, and each configuration's dropout seeds are drawn from its generator.
+        """
+        act = self.active
+        E = [self.engines[k] for k in act]
+        plans = [e.plan(training).layers for e in E]
+        ps = [float(e.model.dropout) if training else 0.0 for e in E]
+        L, n = self.depth, self.graph.num_nodes
+        # Each configuration's seeds in its solo run's order: the input's, then one per hidden layer.
+        seeds: list[list[int | None]] = []
+        for p, k in zip(ps, act):
+            with generator_scope(self.generators[k]):
+                first = hash_dropout.draw_seed() if p > 0.0 else None
+                seeds.append([first] + [hash_dropout.draw_seed() if (p > 0.0 and i < L - 1) else None
+                                        for i in range(L)])
+        # Layouts: at layer i, configuration j's aggregation source is a block of the wide s{i} (its input when
+        # it aggregates first, its transformed rows otherwise); a cached first aggregation is shared instead.
+        af = [[plans[j][i].order(0) for j in range(len(E))] for i in range(L)]
+        cached = [plans[j][0].is_cached(0) for j in range(len(E))]
+        srcs: list[np.ndarray | None] = []
+        cols: list[dict[int, tuple[int, int]]] = []
+        for i in range(L):
+            widths = {j: (e.decls[i].in_dim if af[i][j] else int(e.convs[i].transform_weight().shape[0]))
+                      for j, e in enumerate(E) if not (i == 0 and cached[j])}
+            s, c = self._wide(f"s{i}", widths)
+            srcs.append(s)
+            cols.append(c)
+
+        def input_block(i: int, j: int) -> Block:
+            """Where configuration j's input of layer i > 0 is written: its source block, or its own spill."""
+            if af[i][j]:
+                s = srcs[i]
+                assert s is not None
+                return Block(s, *cols[i][j])
+            return Block.whole(self.spill.array(f"m{act[j]}.h{i}", (n, E[j].decls[i].in_dim)))
+
+        # Layer 0's inputs: the features read once per tile, each dropped-out copy written where it is read.
+        inputs: list[list[Block]] = [[Block.whole(self.x)] for _ in E]
+        dropped = [j for j, p in enumerate(ps) if p > 0.0]
+        if dropped:
+            for j in dropped:
+                inputs[j][0] = input_block(0, j) if af[0][j] else \
+                    Block.whole(self.spill.array(f"m{act[j]}.h0", self.x.shape))
+            for r0, r1 in E[0]._pass([self.x]):
+                t = torch.from_numpy(np.array(self.x[r0:r1], dtype=np.float32))
+                for j in dropped:
+                    tj = t.clone()
+                    hash_dropout.apply_(tj, ps[j], seed=E[j]._seed_at(seeds[j][0], r0, tj))
+                    self._write(inputs[j][0], r0, r1, tj)
+        outs = [torch.empty((len(rows), e.decls[-1].out_dim)) for e in E]
+        self._saved = (act, af, cached, srcs, cols, inputs, seeds, ps)
+        with torch.no_grad():
+            for i in range(L):
+                last = i == L - 1
+                src = srcs[i]
+                tf = [j for j in range(len(E)) if not af[i][j]]
+                if tf:  # transformed rows of every transform-first configuration, before any tile aggregates
+                    assert src is not None
+                    for r0, r1 in E[0]._pass([]):
+                        for j in tf:
+                            z = F.linear(self._read(inputs[j][i], r0, r1), E[j].convs[i].transform_weight())
+                            self._write(Block(src, *cols[i][j]), r0, r1, z)
+                a = self.spill.array(f"a{i}", src.shape) if src is not None else None
+                shared = [j for j in range(len(E)) if i == 0 and cached[j]]
+                a0c, fresh0 = None, False
+                if shared:  # computed once, reused every epoch (as a solo run's cached first aggregation)
+                    fresh0 = not self.spill.has("a0c")
+                    a0c = self.spill.array("a0c", (n, self.x.shape[1]))
+                nxt = {j: input_block(i + 1, j) for j in range(len(E))} if not last else {}
+                for r0, r1 in E[0]._pass([a, self.x] if a is not None else [self.x]):
+                    a_t = None
+                    if src is not None and a is not None:
+                        a_t = self._aggregate(0, r0, r1, src)
+                        self._write(Block.whole(a), r0, r1, a_t)
+                    c_t = None
+                    if shared and a0c is not None:
+                        if fresh0:
+                            c_t = self._aggregate(0, r0, r1, self.x)
+                            self._write(Block.whole(a0c), r0, r1, c_t)
+                        else:
+                            c_t = self._read(Block.whole(a0c), r0, r1)
+                    for j, e in enumerate(E):
+                        if i == 0 and cached[j]:
+                            assert c_t is not None
+                            a_j = c_t
+                        else:
+                            assert a_t is not None
+                            a_j = a_t[:, cols[i][j][0]:cols[i][j][1]]
+                        uses_h, uses_z = e._reads(i, af[i][j])
+                        h_t = self._read(inputs[j][i], r0, r1) if uses_h else None
+                        z_t = self._read(Block(src, *cols[i][j]), r0, r1) if (uses_z and src is not None) else None
+                        y = e._dense(i, a_j, h_t, z_t, aggregate_first=af[i][j], p=ps[j], seed=seeds[j][i + 1],
+                                     r0=r0)
+                        if not last:
+                            self._write(nxt[j], r0, r1, y)
+                        else:
+                            lo, hi = np.searchsorted(rows.ids, [r0, r1])
+                            if hi > lo:
+                                local = torch.from_numpy(rows.ids[lo:hi] - r0)
+                                outs[j].index_copy_(0, rows.dest[lo:hi], y.index_select(0, local))
+                for j in nxt:
+                    inputs[j].append(nxt[j])
+        return outs
+
+    # ---- backward -------------------------------------------------------------------------------------
+    def backward(self, rows: Gather, grads: Sequence[Tensor]) -> None:
+        """Accumulate each active configuration's parameter gradients given its logits' loss gradient.
+
+        Must follow a training :meth:`forward` with the same active configurations.
+        """
+        act, af, cached, srcs, cols, inputs, seeds, ps = self._saved
+        assert act == self.active, "backward after a forward of other configurations"
+        E = [self.engines[k] for k in act]
+        L, n = self.depth, self.graph.num_nodes
+        g_out: list[Block] = []
+        for j, e in enumerate(E):
+            g = self.spill.array(f"m{act[j]}.g{L}", (n, e.decls[-1].out_dim))
+            g[:] = 0.0
+            g[rows.ids] = grads[j].index_select(0, rows.dest).numpy()
+            self.io.written += grads[j].numel() * 4
+            g_out.append(Block.whole(g))
+        for i in reversed(range(L)):
+            need_in = i > 0
+            src = srcs[i]
+            a = self.spill.get(f"a{i}") if src is not None else None
+            # configurations whose aggregation needs a gradient: all but those aggregating the features first
+            ga_js = [j for j in range(len(E)) if need_in or not af[i][j]]
+            ga, ga_cols = self._wide(f"ga{i}", {j: cols[i][j][1] - cols[i][j][0] for j in ga_js})
+            roots: dict[int, tuple[Block | None, Block | None]] = {}
+            for j, e in enumerate(E):
+                uses_h, uses_z = e._reads(i, af[i][j])
+                gh_root = Block.whole(self.spill.array(f"m{act[j]}.gh_root{i}", (n, inputs[j][i].width))) \
+                    if (uses_h and need_in) else None
+                gz_root = Block.whole(self.spill.array(f"m{act[j]}.gz_root{i}", (n, e.decls[i].out_dim))) \
+                    if uses_z else None
+                roots[j] = (gh_root, gz_root)
+            for r0, r1 in E[0]._pass([arr for arr in (a, ga) if arr is not None]):
+                a_t = self._read(Block.whole(a), r0, r1) if a is not None else None
+                c_t = self._read(Block.whole(self.spill.get("a0c")), r0, r1) if (i == 0 and any(cached)) else None
+                for j, e in enumerate(E):
+                    need_a = j in ga_cols
+                    uses_h, uses_z = e._reads(i, af[i][j])
+                    if i == 0 and cached[j]:
+                        assert c_t is not None
+                        a_j = c_t.clone().requires_grad_(need_a)
+                    else:
+                        assert a_t is not None
+                        a_j = a_t[:, cols[i][j][0]:cols[i][j][1]].clone().requires_grad_(need_a)
+                    h_t = self._read(inputs[j][i], r0, r1).clone().requires_grad_(need_in) if uses_h else None
+                    z_t = self._read(Block(src, *cols[i][j]), r0, r1).clone().requires_grad_(True) \
+                        if (uses_z and src is not None) else None
+                    with torch.enable_grad():
+                        y = e._dense(i, a_j, h_t, z_t, aggregate_first=af[i][j], p=ps[j], seed=seeds[j][i + 1],
+                                     r0=r0)
+                        y.backward(self._read(g_out[j], r0, r1))
+                    if need_a and ga is not None:
+                        self._write(Block(ga, *ga_cols[j]), r0, r1, _grad(a_j))
+                    gh_root, gz_root = roots[j]
+                    if gh_root is not None:
+                        self._write(gh_root, r0, r1, _grad(h_t))
+                    if gz_root is not None:
+                        self._write(gz_root, r0, r1, _grad(z_t))
+            if ga is None:
+                continue
+            g_in = {j: Block.whole(self.spill.array(f"m{act[j]}.g{i}", (n, inputs[j][i].width)))
+                    for j in ga_js} if need_in else {}
+            for r0, r1 in E[0]._pass([ga]):
+                gs_wide = self._aggregate(0, r0, r1, ga, reverse=True)
+                for j in ga_js:
+                    gs = gs_wide[:, ga_cols[j][0]:ga_cols[j][1]]
+                    gh_root, gz_root = roots[j]
+                    gh: Tensor | None = gs
+                    if not af[i][j]:
+                        gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)
+                        h_t = self._read(inputs[j][i], r0, r1).clone().requires_grad_(need_in)
+                        with torch.enable_grad():
+                            F.linear(h_t, E[j].convs[i].transform_weight()).backward(gz)
+                        gh = h_t.grad
+                    if need_in:
+                        assert gh is not None
+                        if gh_root is not None:
+                            gh = gh + self._read(gh_root, r0, r1)
+                        self._write(g_in[j], r0, r1, gh)
+            g_out = [g_in.get(j, g_out[j]) for j in range(len(E))]
+
+    def drop(self, k: int) -> None:
+        """Configuration ``k`` stopped."""
+        if k in self.active:
+            self.active.remove(k)
