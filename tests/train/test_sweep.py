@@ -196,9 +196,11 @@ def test_out_of_core_sweep_shares_every_tile_and_equals_solo_runs_bit_for_bit(st
 
     monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 50)  # the same tiles for one and for four configurations
     grid = parse_grid(["hidden=8,16", "dropout=0,0.5"])
-    for model, layers in (("sage", "2"), ("gin", "3")):
+    # 300 features: the first layer transforms first (dropped-out features recomputed per tile, not spilled)
+    wide = str(make_sbm_store(tmp_path / "wide", n=240, features=300))
+    for model, layers, data in (("sage", "2", store), ("gin", "3", store), ("gcn", "2", wide)):
         out = tmp_path / f"sweep-{model}"
-        board = run_sweep(SweepConfig(store=store, model=model, grid=grid, epochs=4, patience=4, out=str(out),
+        board = run_sweep(SweepConfig(store=data, model=model, grid=grid, epochs=4, patience=4, out=str(out),
                                       base={"memory_budget": "3G", "layers": layers}, progress=False))
         assert [len(b["configs"]) for b in board["batches"]] == [4]
         assert "every tile's graph reads and aggregations are shared" in board["batch_choice"][layers]["text"]

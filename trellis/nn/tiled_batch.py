@@ -55,6 +55,33 @@ class Block:
         return self.c1 - self.c0
 
 
+class _TileWrites:
+    """Blocks computed for one tile's rows, written per array: one contiguous write when they cover its columns.
+
+    Strided writes of K narrow blocks into a wide spill cost several times one contiguous write of the rows.
+    """
+
+    def __init__(self, engine: BatchedTiledGNN) -> None:
+        self.engine = engine
+        self.parts: dict[int, tuple[np.ndarray, list[tuple[int, int, Tensor]]]] = {}
+
+    def add(self, b: Block, t: Tensor) -> None:
+        """Queue ``t`` for block ``b``."""
+        self.parts.setdefault(id(b.arr), (b.arr, []))[1].append((b.c0, b.c1, t))
+
+    def flush(self, r0: int, r1: int) -> None:
+        """Write every queued block of rows ``[r0, r1)``."""
+        for arr, parts in self.parts.values():
+            parts.sort(key=lambda p: p[0])
+            ends = [0] + [p[1] for p in parts]
+            if [p[0] for p in parts] == ends[:-1] and ends[-1] == arr.shape[1] and len(parts) > 1:
+                self.engine._write(Block.whole(arr), r0, r1, torch.cat([p[2] for p in parts], dim=1))
+            else:
+                for c0, c1, t in parts:
+                    self.engine._write(Block(arr, c0, c1), r0, r1, t)
+        self.parts.clear()
+
+
 class BatchedTiledGNN:
     """Runs K batchable GNNs (GCN, SAGE mean, GIN) of one family and depth out of core in shared passes.
 
@@ -83,6 +110,8 @@ class BatchedTiledGNN:
         self.depth = len(self.kinds)
         self.active = list(range(len(models)))
         self.io = EpochIO()
+        self._masks0: dict[int, tuple[float, int | None]] = {}
+        self._xtile: tuple[int, Tensor] | None = None
 
     # ---- spill access ---------------------------------------------------------------------------------
     def _read(self, b: Block, r0: int, r1: int) -> Tensor:
@@ -97,6 +126,21 @@ class BatchedTiledGNN:
     def _write(self, b: Block, r0: int, r1: int, t: Tensor) -> None:
         b.arr[r0:r1, b.c0:b.c1] = t.detach().numpy()
         self.io.written += t.numel() * 4
+
+    def _input(self, j: int, i: int, b: Block, r0: int, r1: int) -> Tensor:
+        """Configuration ``j``'s input rows of layer ``i``: read, or (its dropped-out features) recomputed.
+
+        The feature tile is read once for every configuration that recomputes its mask on it.
+        """
+        if i > 0 or j not in self._masks0:
+            return self._read(b, r0, r1)
+        if self._xtile is None or self._xtile[0] != r0:
+            self._xtile = (r0, self._read(Block.whole(self.x), r0, r1))
+        p, seed = self._masks0[j]
+        t = self._xtile[1].clone()
+        e = self.engines[self.active[j]]
+        hash_dropout.apply_(t, p, seed=e._seed_at(seed, r0, t))
+        return t
 
     def _aggregate(self, k: int, r0: int, r1: int, src: np.ndarray, reverse: bool = False) -> Tensor:
         tile = self.graph.tile(r0, r1, reverse=reverse)
@@ -151,19 +195,24 @@ class BatchedTiledGNN:
                 return Block(s, *cols[i][j])
             return Block.whole(self.spill.array(f"m{act[j]}.h{i}", (n, E[j].decls[i].in_dim)))
 
-        # Layer 0's inputs: the features read once per tile, each dropped-out copy written where it is read.
+        # Layer 0's inputs: the features, read once per tile for every configuration. A configuration that
+        # transforms its dropped-out features first recomputes them per tile from its counter-based mask (nothing
+        # spilled); one that aggregates them first needs them whole, in its source block.
         inputs: list[list[Block]] = [[Block.whole(self.x)] for _ in E]
-        dropped = [j for j, p in enumerate(ps) if p > 0.0]
+        self._masks0 = {j: (ps[j], seeds[j][0]) for j, p in enumerate(ps) if p > 0.0 and not af[0][j]}
+        self._xtile = None
+        dropped = [j for j, p in enumerate(ps) if p > 0.0 and af[0][j]]
         if dropped:
             for j in dropped:
-                inputs[j][0] = input_block(0, j) if af[0][j] else \
-                    Block.whole(self.spill.array(f"m{act[j]}.h0", self.x.shape))
+                inputs[j][0] = input_block(0, j)
+            writes = _TileWrites(self)
             for r0, r1 in E[0]._pass([self.x]):
                 t = torch.from_numpy(np.array(self.x[r0:r1], dtype=np.float32))
                 for j in dropped:
                     tj = t.clone()
                     hash_dropout.apply_(tj, ps[j], seed=E[j]._seed_at(seeds[j][0], r0, tj))
-                    self._write(inputs[j][0], r0, r1, tj)
+                    writes.add(inputs[j][0], tj)
+                writes.flush(r0, r1)
         outs = [torch.empty((len(rows), e.decls[-1].out_dim)) for e in E]
         self._saved = (act, af, cached, srcs, cols, inputs, seeds, ps)
         with torch.no_grad():
@@ -173,10 +222,12 @@ class BatchedTiledGNN:
                 tf = [j for j in range(len(E)) if not af[i][j]]
                 if tf:  # transformed rows of every transform-first configuration, before any tile aggregates
                     assert src is not None
+                    writes = _TileWrites(self)
                     for r0, r1 in E[0]._pass([]):
                         for j in tf:
-                            z = F.linear(self._read(inputs[j][i], r0, r1), E[j].convs[i].transform_weight())
-                            self._write(Block(src, *cols[i][j]), r0, r1, z)
+                            z = F.linear(self._input(j, i, inputs[j][i], r0, r1), E[j].convs[i].transform_weight())
+                            writes.add(Block(src, *cols[i][j]), z)
+                        writes.flush(r0, r1)
                 a = self.spill.array(f"a{i}", src.shape) if src is not None else None
                 shared = [j for j in range(len(E)) if i == 0 and cached[j]]
                 a0c, fresh0 = None, False
@@ -184,6 +235,7 @@ class BatchedTiledGNN:
                     fresh0 = not self.spill.has("a0c")
                     a0c = self.spill.array("a0c", (n, self.x.shape[1]))
                 nxt = {j: input_block(i + 1, j) for j in range(len(E))} if not last else {}
+                writes = _TileWrites(self)
                 for r0, r1 in E[0]._pass([a, self.x] if a is not None else [self.x]):
                     a_t = None
                     if src is not None and a is not None:
@@ -204,17 +256,18 @@ class BatchedTiledGNN:
                             assert a_t is not None
                             a_j = a_t[:, cols[i][j][0]:cols[i][j][1]]
                         uses_h, uses_z = e._reads(i, af[i][j])
-                        h_t = self._read(inputs[j][i], r0, r1) if uses_h else None
+                        h_t = self._input(j, i, inputs[j][i], r0, r1) if uses_h else None
                         z_t = self._read(Block(src, *cols[i][j]), r0, r1) if (uses_z and src is not None) else None
                         y = e._dense(i, a_j, h_t, z_t, aggregate_first=af[i][j], p=ps[j], seed=seeds[j][i + 1],
                                      r0=r0)
                         if not last:
-                            self._write(nxt[j], r0, r1, y)
+                            writes.add(nxt[j], y)
                         else:
                             lo, hi = np.searchsorted(rows.ids, [r0, r1])
                             if hi > lo:
                                 local = torch.from_numpy(rows.ids[lo:hi] - r0)
                                 outs[j].index_copy_(0, rows.dest[lo:hi], y.index_select(0, local))
+                    writes.flush(r0, r1)
                 for j in nxt:
                     inputs[j].append(nxt[j])
         return outs
@@ -251,6 +304,7 @@ class BatchedTiledGNN:
                 gz_root = Block.whole(self.spill.array(f"m{act[j]}.gz_root{i}", (n, e.decls[i].out_dim))) \
                     if uses_z else None
                 roots[j] = (gh_root, gz_root)
+            writes = _TileWrites(self)
             for r0, r1 in E[0]._pass([arr for arr in (a, ga) if arr is not None]):
                 a_t = self._read(Block.whole(a), r0, r1) if a is not None else None
                 c_t = self._read(Block.whole(self.spill.get("a0c")), r0, r1) if (i == 0 and any(cached)) else None
@@ -259,24 +313,25 @@ class BatchedTiledGNN:
                     uses_h, uses_z = e._reads(i, af[i][j])
                     if i == 0 and cached[j]:
                         assert c_t is not None
-                        a_j = c_t.clone().requires_grad_(need_a)
+                        a_j = c_t.detach().requires_grad_(need_a)
                     else:
                         assert a_t is not None
-                        a_j = a_t[:, cols[i][j][0]:cols[i][j][1]].clone().requires_grad_(need_a)
-                    h_t = self._read(inputs[j][i], r0, r1).clone().requires_grad_(need_in) if uses_h else None
-                    z_t = self._read(Block(src, *cols[i][j]), r0, r1).clone().requires_grad_(True) \
+                        a_j = a_t[:, cols[i][j][0]:cols[i][j][1]].detach().requires_grad_(need_a)
+                    h_t = self._input(j, i, inputs[j][i], r0, r1).detach().requires_grad_(need_in) if uses_h else None
+                    z_t = self._read(Block(src, *cols[i][j]), r0, r1).detach().requires_grad_(True) \
                         if (uses_z and src is not None) else None
                     with torch.enable_grad():
                         y = e._dense(i, a_j, h_t, z_t, aggregate_first=af[i][j], p=ps[j], seed=seeds[j][i + 1],
                                      r0=r0)
                         y.backward(self._read(g_out[j], r0, r1))
                     if need_a and ga is not None:
-                        self._write(Block(ga, *ga_cols[j]), r0, r1, _grad(a_j))
+                        writes.add(Block(ga, *ga_cols[j]), _grad(a_j))
                     gh_root, gz_root = roots[j]
                     if gh_root is not None:
                         self._write(gh_root, r0, r1, _grad(h_t))
                     if gz_root is not None:
                         self._write(gz_root, r0, r1, _grad(z_t))
+                writes.flush(r0, r1)
             if ga is None:
                 continue
             g_in = {j: Block.whole(self.spill.array(f"m{act[j]}.g{i}", (n, inputs[j][i].width)))
@@ -284,12 +339,12 @@ class BatchedTiledGNN:
             for r0, r1 in E[0]._pass([ga]):
                 gs_wide = self._aggregate(0, r0, r1, ga, reverse=True)
                 for j in ga_js:
-                    gs = gs_wide[:, ga_cols[j][0]:ga_cols[j][1]]
+                    gs = gs_wide[:, ga_cols[j][0]:ga_cols[j][1]].contiguous()
                     gh_root, gz_root = roots[j]
                     gh: Tensor | None = gs
                     if not af[i][j]:
                         gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)
-                        h_t = self._read(inputs[j][i], r0, r1).clone().requires_grad_(need_in)
+                        h_t = self._input(j, i, inputs[j][i], r0, r1).detach().requires_grad_(need_in)
                         with torch.enable_grad():
                             F.linear(h_t, E[j].convs[i].transform_weight()).backward(gz)
                         gh = h_t.grad

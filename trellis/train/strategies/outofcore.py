@@ -255,7 +255,7 @@ class OutOfCoreFull(Strategy):
         self.bounds = self.graph.tile_bounds(plan.row_bytes, plan.edge_bytes, plan.tile_bytes,
                                              max_rows=self.max_tile_rows)
         root = self._spill_root()
-        check_spill_root(root, plan.spill_bytes * len(models),
+        check_spill_root(root, plan.spill_bytes,
                          flag="--spill-dir" if cfg.spill_dir else "spill directory")
 
     def _spill_root(self) -> Path:
