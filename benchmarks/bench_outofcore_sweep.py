@@ -1,7 +1,8 @@
 """Out-of-core sweep of K configurations vs K budgeted solo runs on a large graph (Lotan's batching, out of core).
 
     python -m benchmarks.bench_outofcore_sweep [--nodes 2m] [--features 128] [--budget 3G] [--epochs 3]
-                                               [--grid lr=0.01,0.005 dropout=0.3,0.5] [--data-dir DIR]
+                                               [--grid lr=0.01,0.005 dropout=0.3,0.5] [--set dropout=0.5]
+                                               [--data-dir DIR]
 
 One ``trellis sweep STORE --set memory_budget=BUDGET`` process trains the grid's configurations together (every
 tile's CSR reads and aggregations shared, :mod:`trellis.nn.tiled_batch`), then each configuration's saved
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="3G")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--grid", nargs="+", default=["lr=0.01,0.005", "dropout=0.3,0.5"])
+    ap.add_argument("--set", dest="base", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="values every configuration shares (e.g. dropout=0.5)")
     ap.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "trellis-bench-ooc"))
     ap.add_argument("--work", default=None, help="where runs and spills go (default: a temporary directory)")
     args = ap.parse_args(argv)
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     env = child_env()
     sweep_dir = work / "sweep"
     cmd = [sys.executable, "-m", "trellis.cli", "sweep", str(store), "--model", args.model, "--grid", *args.grid,
-           "--set", f"memory_budget={args.budget}", f"spill_dir={spill}", f"hidden={args.hidden}",
+           "--set", f"memory_budget={args.budget}", f"spill_dir={spill}", f"hidden={args.hidden}", *args.base,
            "--epochs", str(args.epochs), "--patience", str(args.epochs), "--device", "cpu", "--out", str(sweep_dir),
            "--overwrite", "--no-progress", "--json"]
     print("sweep:", " ".join(cmd[2:]), flush=True)

@@ -215,6 +215,27 @@ def test_out_of_core_sweep_shares_every_tile_and_equals_solo_runs_bit_for_bit(st
             assert [r["val_acc"] for r in recs] == [r["val_acc"] for r in solo]
 
 
+def test_out_of_core_configurations_with_equal_dropout_streams_aggregate_their_features_once(store, tmp_path,
+                                                                                           monkeypatch):
+    """A grid over learning rate and weight decay at one dropout rate: every configuration draws the same masks
+    (same seed), so their dropped-out features are one block, aggregated once; each still equals its solo run."""
+    from trellis.train.strategies.outofcore import OutOfCoreFull
+
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 50)
+    grid = parse_grid(["lr=0.05,0.01", "weight_decay=0,5e-4"])
+    out = tmp_path / "sweep"
+    run_sweep(SweepConfig(store=store, model="gcn", grid=grid, epochs=4, patience=4, out=str(out),
+                          base={"memory_budget": "3G", "dropout": "0.5", "hidden": "8"}, progress=False))
+    solo_gathered = None
+    for cid in ("c00", "c03"):
+        recs = read_jsonl(out / "configs" / cid / "metrics.jsonl")
+        solo = solo_metrics(out / "configs" / cid / "config.json", tmp_path / f"solo-{cid}")
+        assert [r["loss"] for r in recs] == pytest.approx([r["loss"] for r in solo], abs=1e-6)
+        solo_gathered = solo[-1]["spill_gathered_bytes"]
+    # four configurations gather far less than four solo runs: the first layer's aggregation is shared
+    assert recs[-1]["spill_gathered_bytes"] < 0.75 * 4 * solo_gathered
+
+
 def test_out_of_core_batches_drop_configurations_that_stop_early(store, tmp_path):
     """Early stopping inside a shared out-of-core batch: a stopped configuration leaves the passes, the others go on
     exactly as alone."""

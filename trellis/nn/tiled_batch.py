@@ -178,12 +178,18 @@ class BatchedTiledGNN:
         # it aggregates first, its transformed rows otherwise); a cached first aggregation is shared instead.
         af = [[plans[j][i].order(0) for j in range(len(E))] for i in range(L)]
         cached = [plans[j][0].is_cached(0) for j in range(len(E))]
+        # Configurations that aggregate the features first with the same dropout rate and seed (a grid over
+        # learning rates or weight decay: equal seeds draw equal masks) share one block, aggregated once.
+        first_of: dict[tuple[float, int | None], int] = {}
+        rep = {j: first_of.setdefault((ps[j], seeds[j][0]), j) if af[0][j] else j for j in range(len(E))}
         srcs: list[np.ndarray | None] = []
         cols: list[dict[int, tuple[int, int]]] = []
         for i in range(L):
             widths = {j: (e.decls[i].in_dim if af[i][j] else int(e.convs[i].transform_weight().shape[0]))
-                      for j, e in enumerate(E) if not (i == 0 and cached[j])}
+                      for j, e in enumerate(E) if not (i == 0 and (cached[j] or rep[j] != j))}
             s, c = self._wide(f"s{i}", widths)
+            if i == 0:
+                c.update({j: c[rep[j]] for j in range(len(E)) if rep[j] != j and not cached[j]})
             srcs.append(s)
             cols.append(c)
 
@@ -201,16 +207,19 @@ class BatchedTiledGNN:
         inputs: list[list[Block]] = [[Block.whole(self.x)] for _ in E]
         self._masks0 = {j: (ps[j], seeds[j][0]) for j, p in enumerate(ps) if p > 0.0 and not af[0][j]}
         self._xtile = None
-        dropped = [j for j, p in enumerate(ps) if p > 0.0 and af[0][j]]
-        if dropped:
-            for j in dropped:
-                inputs[j][0] = input_block(0, j)
+        blocks0 = [j for j in range(len(E)) if af[0][j] and not cached[j]]
+        for j in blocks0:
+            inputs[j][0] = input_block(0, j)
+        if blocks0:
             writes = _TileWrites(self)
             for r0, r1 in E[0]._pass([self.x]):
                 t = torch.from_numpy(np.array(self.x[r0:r1], dtype=np.float32))
-                for j in dropped:
+                for j in blocks0:
+                    if rep[j] != j:
+                        continue
                     tj = t.clone()
-                    hash_dropout.apply_(tj, ps[j], seed=E[j]._seed_at(seeds[j][0], r0, tj))
+                    if ps[j] > 0.0:
+                        hash_dropout.apply_(tj, ps[j], seed=E[j]._seed_at(seeds[j][0], r0, tj))
                     writes.add(inputs[j][0], tj)
                 writes.flush(r0, r1)
         outs = [torch.empty((len(rows), e.decls[-1].out_dim)) for e in E]
