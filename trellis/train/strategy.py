@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -24,10 +25,60 @@ from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
-from trellis.train.build import ModelFactory, ModelSpec, build_run_model
+from trellis.train.build import ModelFactory, ModelSpec, build_run_model, default_model_factory, make_model
 from trellis.train.config import TrainConfig, flag
 from trellis.train.loop import Lane, ModelBatch, SoloBatch
 from trellis.train.tasks import Task
+from trellis.train.world import LOCAL, World
+
+
+@dataclass
+class PredictRequest:
+    """What ``trellis predict`` asks a strategy for: logits of every node of ``store`` from a saved model.
+
+    Attributes:
+        saved: The model file's contents (``models/run-N.pt``: weights and what rebuilds the model).
+        run_dir: The run directory.
+        run_cfg: The run's ``config.json``.
+        store: The store to predict on (features of the width the model was trained on).
+        device: ``auto|cpu|cuda[:N]``.
+        memory_budget: Cap on peak ``RssAnon`` (None: in memory, or the run's own for an out-of-core run).
+        spill_dir: Where spill files go (None: the run's, else ``RUN_DIR/spill``).
+        model_factory: Builds message-passing models by name.
+    """
+
+    saved: dict[str, Any]
+    run_dir: Path
+    run_cfg: dict[str, Any]
+    store: str
+    device: str = "auto"
+    memory_budget: str | None = None
+    spill_dir: str | None = None
+    model_factory: ModelFactory | None = None
+
+
+@dataclass
+class Prediction:
+    """A strategy's answer to a :class:`PredictRequest`.
+
+    Attributes:
+        logits: ``[N, C]``.
+        embeddings: ``[N, D]`` node embeddings, None when the strategy wrote them itself (``embedding_dim`` set).
+        embedding_source: ``penultimate``, ``features`` or ``logits``.
+        embedding_dim: Width of embeddings written by the strategy itself.
+    """
+
+    logits: Tensor
+    embeddings: Tensor | None
+    embedding_source: str
+    embedding_dim: int = 0
+
+
+def saved_model(req: PredictRequest) -> nn.Module:
+    """The model of a saved run rebuilt by its factory (weights not loaded: a wrapper may hold them)."""
+    saved = req.saved
+    return make_model(req.model_factory or default_model_factory, saved["model"], saved["in_dim"], saved["out_dim"],
+                      edge_dim=saved["edge_dim"], **saved["kwargs"])
 
 
 class Strategy(ABC):
@@ -172,6 +223,17 @@ class Strategy(ABC):
         """Logits of every node (``trellis predict``); strategies that cannot say so."""
         raise TrellisUserError(f"--strategy {self.name} cannot predict every node")
 
+    @classmethod
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+        """``trellis predict`` with a model this strategy trained.
+
+        ``embeddings_to`` is where the embeddings go when the strategy writes them itself (tile by tile).
+
+        Raises:
+            TrellisUserError: The strategy cannot predict every node, or the store does not fit the model.
+        """
+        raise TrellisUserError(f"--strategy {cls.name} cannot predict every node")
+
     def explain(self, model: nn.Module) -> str:
         """The plan ``--explain`` prints for this strategy and model."""
         explain = getattr(model, "explain", None)
@@ -203,16 +265,9 @@ class Strategy(ABC):
         """Release files and threads."""
 
     # ---- several processes ----------------------------------------------------------------------
-    #: Whether this process writes the run directory (a distributed run's rank 0; its peers write to a
-    #: scratch directory that is removed at the end).
-    writes_run_dir: bool = True
-
-    def agree(self, flag: bool) -> bool:
-        """``flag`` agreed by every process training together (True when any has it): stop requests."""
-        return flag
-
-    def committed(self, what: str) -> None:  # noqa: B027 - optional hook
-        """A checkpoint (or the run's end) was written: wait until every process of the run got there."""
+    #: The processes this strategy trains in (:mod:`trellis.train.world`): one, unless it trains across ranks
+    #: (then rank 0 writes the run directory and its peers a scratch directory removed at the end).
+    world: World = LOCAL
 
 
 #: ``--strategy`` name -> class.

@@ -221,7 +221,7 @@ class Trainer:
         if paths is None and not self.write_run_dir:
             scratch = tempfile.mkdtemp(prefix="trellis-run-")
             paths = prepare_run_dir(scratch, overwrite=True)
-        elif not strategy.writes_run_dir:  # a peer of the process that writes the run directory
+        elif strategy.world.rank != 0:  # a peer of the process that writes the run directory
             scratch = tempfile.mkdtemp(prefix="trellis-peer-")
             paths = prepare_run_dir(scratch, overwrite=True)
         elif paths is None:
@@ -230,9 +230,9 @@ class Trainer:
             cfg.out = str(paths.root)
             # the store recorded absolute: `--resume RUN_DIR` from another directory finds it
             write_json_atomic(paths.config, {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())})
-        strategy.committed("run directory")
+        strategy.world.barrier("after the run directory")
         self.paths = paths
-        if strategy.banner() and strategy.writes_run_dir:
+        if strategy.banner() and strategy.world.rank == 0:
             print(strategy.banner(), file=self.err)
         log = MetricsLog(paths.metrics, offset=prog.log_offset if scratch is None else None)
         meter = PeakMemory(device=device).start()
@@ -264,7 +264,7 @@ class Trainer:
         if scratch is None:
             plot_curves(paths.metrics, paths.curves, metric)
             write_json_atomic(paths.summary, summary)
-        strategy.committed("summary")
+        strategy.world.barrier("after the summary")
         return summary
 
     @contextmanager
@@ -289,8 +289,13 @@ class Trainer:
                 signal.signal(s, h)
 
     def _stopping(self, strategy: Strategy) -> bool:
-        """Whether a stop was requested here or, in a distributed run, on any rank (every rank then stops)."""
-        if strategy.agree(self._stop_signal is not None) and self._stop_signal is None:
+        """Whether a stop was requested here or, in a distributed run, on any rank (every rank then stops).
+
+        Every process first reaches the epoch's end (a missing rank is named), then a stop anywhere stops all.
+        """
+        world = strategy.world
+        world.barrier("epoch end")
+        if world.any(self._stop_signal is not None) and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM
         return self._stop_signal is not None
 
@@ -302,7 +307,7 @@ class Trainer:
             "config": self.cfg.to_dict(), "progress": vars(ctx.prog), "run_state": run_state,
             "rng": get_rng_state(),
         }, ctx.paths.checkpoint)
-        ctx.strategy.committed("checkpoint")
+        ctx.strategy.world.barrier("after the checkpoint")
 
     def _interrupt(self, ctx: _RunContext, run: int, epoch: int) -> None:
         assert self._stop_signal is not None
@@ -336,7 +341,7 @@ class Trainer:
         lane = Lane(cfg, model, optimizer, stopper, ctx.log, epochs=start, time_s=run_time,
                     step_times=prog.step_times, fields={"run": r, "seed": seed})
         bar = tqdm(total=cfg.epochs, initial=start, desc=f"run {r + 1}/{cfg.runs} (seed {seed})", unit="ep",
-                   file=self.err, disable=None if cfg.progress and strategy.writes_run_dir else True,
+                   file=self.err, disable=None if cfg.progress and strategy.world.rank == 0 else True,
                    dynamic_ncols=True, leave=True)
 
         def on_record(ln: Lane, record: dict[str, Any]) -> None:

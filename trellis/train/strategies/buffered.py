@@ -37,6 +37,7 @@ from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_labels
 from trellis.train.strategies.batches import BatchStrategy
 from trellis.train.strategies.outofcore import budget_and_baseline
+from trellis.train.strategy import Prediction, PredictRequest, saved_model
 from trellis.utils.memory import proc_status
 from trellis.utils.sizes import parse_size
 
@@ -227,6 +228,32 @@ class BufferedMini(BatchStrategy):
         if loader is not None:
             loader.close()
         super().close()
+
+
+    @classmethod
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+        """Inference over the run's layout: layer-wise through the buffer within the budget, exact without one.
+
+        The features are read from the layout (the store may hold none after ``trellis partition
+        --move-features``).
+        """
+        run_cfg, saved = req.run_cfg, req.saved
+        keep = {k: run_cfg[k] for k in ("strategy", "model", "parts_dir", "buffer_parts", "buffer_cache", "fanouts",
+                                        "batch_size", "layers", "hidden", "task", "split_seed", "labor")
+                if run_cfg.get(k) is not None}
+        cfg = TrainConfig.from_dict({**keep, "store": req.store, "nproc": 1, "device": "cpu", "progress": False,
+                                     "feature_norm": saved["feature_norm"],
+                                     "memory_budget": req.memory_budget or run_cfg.get("memory_budget"),
+                                     "spill_dir": req.spill_dir})
+        strategy = cls(cfg, torch.device("cpu"))
+        strategy.load()
+        try:
+            model = saved_model(req)
+            model.load_state_dict(saved["state_dict"])
+            logits = strategy.predict(model)
+        finally:
+            strategy.close()
+        return Prediction(logits, logits, "logits")
 
 
 class BufferedCluster(BufferedMini):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -21,12 +23,13 @@ from trellis.plan.planner import plan_model
 from trellis.plan.rewrites import DEFAULT_REWRITES
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
-from trellis.train.data import GraphData, load_graph_data
+from trellis.train.data import GraphData, load_graph_data, resolve_device
+from trellis.train.features import NodeEmbedding
 from trellis.train.loop import Lane, ModelBatch
 from trellis.train.strategies.outofcore import OutOfCoreFull
 from trellis.train.strategies.partitioned import PartitionedFull
 from trellis.train.strategies.partitioned_outofcore import PartitionedOutOfCore
-from trellis.train.strategy import Strategy, register_strategy
+from trellis.train.strategy import Prediction, PredictRequest, Strategy, register_strategy, saved_model
 from trellis.train.tasks import Task, evaluate_logits
 from trellis.utils.sizes import format_size
 
@@ -67,6 +70,43 @@ class GraphStrategy(Strategy):
     def summary_info(self) -> dict[str, Any]:
         """Inputs as resolved."""
         return {"feature_norm": self.data.feature_norm, "features": self.data.features}
+
+    @classmethod
+    @torch.no_grad()
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+        """The whole graph in memory: logits, and the penultimate layer's output when the model returns it."""
+        saved = req.saved
+        features = saved.get("features", "store")
+        data = load_graph_data(req.store, device=resolve_device(req.device), feature_norm=saved["feature_norm"],
+                               need_labels=False, features=features)
+        if data.embedding_dim and data.store.num_nodes != saved["num_nodes"]:
+            raise TrellisUserError(f"{req.store}: has {data.store.num_nodes} nodes but the run learned an embedding "
+                                   f"table of {saved['num_nodes']} (--features {features}); predict on the training "
+                                   "graph")
+        if data.in_dim != saved["in_dim"]:
+            raise TrellisUserError(f"{req.store}: features have width {data.in_dim} but the model was trained on "
+                                   f"width {saved['in_dim']}; predict on a store with the same features")
+        model = saved_model(req)
+        if data.embedding_dim:
+            emb_model = NodeEmbedding(model, data.store.num_nodes, data.embedding_dim)
+            emb_model.load_state_dict(saved["state_dict"])
+            model = emb_model
+        else:
+            model.load_state_dict(saved["state_dict"])
+        model.to(data.x.device).eval()
+        logits: Tensor = model(data.graph, data.x)
+        if not _accepts_return_embedding(getattr(model, "model", model)):  # a NodeEmbedding passes it on
+            return Prediction(logits, logits, "logits")
+        res = model(data.graph, data.x, return_embedding=True)
+        return Prediction(logits, res[1] if isinstance(res, tuple) else res, "penultimate")
+
+
+def _accepts_return_embedding(model: nn.Module) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "return_embedding" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def fit_warning(cfg: TrainConfig) -> str:

@@ -38,8 +38,8 @@ from trellis.train.data import SPLITS, load_labels, normalize_features
 from trellis.train.features import node_inputs, parse_features
 from trellis.train.loop import Lane, ModelBatch
 from trellis.train.runs import default_run_dir
-from trellis.train.strategy import Strategy
-from trellis.train.tasks import Task, split_metrics
+from trellis.train.strategy import Prediction, PredictRequest, Strategy, saved_model
+from trellis.train.tasks import TASKS, Task, split_metrics
 from trellis.utils.memory import proc_io, proc_status, return_freed_memory
 from trellis.utils.sizes import format_size, parse_size
 from trellis.utils.spill import SpillDir, check_spill_root
@@ -364,6 +364,25 @@ class OutOfCoreFull(Strategy):
         if self.spill is not None:
             self.spill.close()
             self.spill = None
+
+    @classmethod
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+        """Tiled inference under the request's budget; the embeddings go to ``embeddings_to`` tile by tile."""
+        saved = req.saved
+        if saved.get("features", "store") not in ("store", "none", "degree"):
+            raise TrellisUserError(f"--memory-budget: a model trained with --features {saved['features']} predicts "
+                                   "in memory only; drop --memory-budget")
+        assert req.memory_budget is not None
+        cfg = TrainConfig(store=req.store, model=saved["model"], device="cpu", memory_budget=req.memory_budget,
+                          spill_dir=req.spill_dir or str(req.run_dir / "spill"), feature_norm=saved["feature_norm"],
+                          features=saved.get("features", "store"), progress=False)
+        model = saved_model(req)
+        model.load_state_dict(saved["state_dict"])
+        model.eval()
+        task = TASKS[saved["task"]](saved["out_dim"])
+        logits, emb_dim = predict_out_of_core(cfg, model, task, embeddings_to)
+        source = "penultimate" if len(getattr(model, "convs", ())) > 1 else "features"
+        return Prediction(logits, None, source, emb_dim)
 
     def _in_memory_estimate(self, model: nn.Module, cfg: TrainConfig) -> int:
         """About the peak of the in-memory run of ``model`` (what a refusal names)."""

@@ -197,7 +197,7 @@ class PartitionedFull(Strategy):
             self.device = torch.device("cuda", env.local_rank)
         link = None if cfg.emulate_link is None else Link.parse(cfg.emulate_link)
         self.comm = Comm(env, self.device, cfg.timeout, link)
-        self.writes_run_dir = self.comm.rank == 0
+        self.world = self.comm
         return layout.part(self.comm.rank)
 
     def _feature_norm(self) -> str:
@@ -424,18 +424,6 @@ class PartitionedFull(Strategy):
         return {"in_dim": self.spec.in_dim, "out_dim": self.task.num_outputs, "edge_dim": self.spec.edge_dim,
                 "kwargs": cfg.model_kwargs(), "task": self.task.name, "feature_norm": self.feature_norm,
                 "features": cfg.features, "num_nodes": self.store.num_nodes}
-
-    # ---- several processes ----------------------------------------------------------------------
-    def agree(self, flag: bool) -> bool:
-        """Every rank reaches the epoch's end (a missing rank is named), then a stop anywhere stops all."""
-        assert self.comm is not None
-        self.comm.barrier("epoch end")
-        return self.comm.any(flag)
-
-    def committed(self, what: str) -> None:
-        """Wait until every rank has passed this point (rank 0 has written ``what``)."""
-        assert self.comm is not None
-        self.comm.barrier(f"after the {what}")
 
     def epoch_info(self) -> dict[str, Any]:
         """Halo bytes of the epoch.

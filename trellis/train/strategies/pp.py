@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,9 @@ from trellis.nn.pp_models import build_pp_model, hops_used
 from trellis.nn.runtime import generator_scope
 from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
+from trellis.train.data import resolve_device
 from trellis.train.loop import Lane, ModelBatch
-from trellis.train.strategy import Strategy, register_strategy
+from trellis.train.strategy import Prediction, PredictRequest, Strategy, register_strategy
 from trellis.train.tasks import Task, resolve_task
 from trellis.utils.memory import proc_io
 
@@ -211,6 +213,14 @@ class PrePropagation(Strategy):
         """Logits of every node from the cache (refused for a ``--split-rows-only`` cache)."""
         return predict_pp({**self.model_record(self.cfg), "model": self.cfg.model, "state_dict": model.state_dict()},
                           self.store, self.device)
+
+    @classmethod
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+        """Logits of every node from the run's cache (the model's input is pre-propagated rows, not a graph)."""
+        saved = req.saved
+        record = {**saved, "out_dim": saved.get("out_dim", saved.get("num_classes"))}  # older pp model files
+        logits = predict_pp(record, open_store(req.store), resolve_device(req.device))
+        return Prediction(logits, logits, "logits")
 
     def explain(self, model: nn.Module) -> str:
         """The model, its parameter count and the placement decision."""
