@@ -17,12 +17,14 @@ share of the batch's (all of it for a batch of one), and a batch's records add `
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import Tensor, nn
@@ -116,6 +118,57 @@ class SoloBatch(ModelBatch):
             dropped = tuple(f"{s}_" for s in self.strategy.eval_splits if s not in self.keep)
             ev = {k: v for k, v in ev.items() if not k.startswith(dropped)}
         return [ev]
+
+
+class StopRequested(Exception):  # noqa: N818 - an outcome, not an error
+    """A signal asked the loop to stop; raised at an epoch boundary by :meth:`StopOnSignal.check`."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM become a stop request honoured at the next epoch boundary; a second SIGINT aborts at once.
+
+    The trainer checkpoints there and stops (``--resume`` continues it); a tune saves the states of the batch it
+    was in. Handlers are installed only while the context is entered, only in the main thread, and only when
+    ``enabled`` (a library caller's process keeps its own).
+
+    Args:
+        err: Where the notice goes.
+        enabled: Install the handlers.
+        notice: What the notice says will happen.
+    """
+
+    def __init__(self, err: IO[str], enabled: bool = True,
+                 notice: str = "writing a checkpoint after this epoch") -> None:
+        self.err, self.enabled, self.notice = err, enabled, notice
+        #: The signal that asked to stop (None: none yet).
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if self.enabled and threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
+
+    def check(self) -> None:
+        """Raise :class:`StopRequested` if a signal asked to stop (call it at an epoch boundary)."""
+        if self.signum is not None:
+            raise StopRequested(self.signum)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: {self.notice} (press Ctrl-C again to abort without one)",
+              file=self.err)
 
 
 #: Called after each epoch with a lane and its record (the trainer's callbacks, a progress bar).

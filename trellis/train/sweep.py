@@ -407,7 +407,8 @@ def open_state(entry: SweepEntry, strategy: Strategy, metric: str, device: torch
 def advance(states: list[ConfigState], strategy: Strategy, *, until: int | None = None,
             splits: dict[str, Tensor] | None = None, keep_splits: Sequence[str] | None = None,
             err: IO[str] | None = None, desc: str = "", progress: bool = True, tag: dict[str, Any] | None = None,
-            deadline: float | None = None, clock: Callable[[], float] | None = None) -> bool:
+            deadline: float | None = None, clock: Callable[[], float] | None = None,
+            after_epoch: Callable[[], None] | None = None) -> bool:
     """Train ``states`` together through the strategy's batch, in the trainer's epoch loop (see there).
 
     ``splits`` replace the store's (a tune's final runs); ``keep_splits`` are the ones scored (a tune's search
@@ -431,7 +432,8 @@ def advance(states: list[ConfigState], strategy: Strategy, *, until: int | None 
     try:
         return run_epochs(states, lambda lanes: strategy.open_batch(lanes, keep_splits=keep_splits, splits=splits),
                           strategy.task, until=until, deadline=deadline, device=strategy.device,
-                          epoch_info=strategy.epoch_info, on_record=on_record, tag=tag or {}, clock=clock)
+                          epoch_info=strategy.epoch_info, on_record=on_record, tag=tag or {}, clock=clock,
+                          after_epoch=after_epoch)
     finally:
         bar.close()
 

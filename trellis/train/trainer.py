@@ -22,10 +22,8 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -42,7 +40,7 @@ from trellis.train.config import TrainConfig
 from trellis.train.convergence import summarize_time_to_accuracy
 from trellis.train.data import resolve_device
 from trellis.train.early_stopping import EarlyStopping
-from trellis.train.loop import Lane, run_epochs
+from trellis.train.loop import Lane, StopOnSignal, run_epochs
 from trellis.train.rng import get_rng_state, seed_everything, set_rng_state
 from trellis.train.runs import (
     MetricsLog,
@@ -140,7 +138,7 @@ class Trainer:
         self.handle_signals = handle_signals
         self.write_run_dir = run_dir
         self.keep_models = keep_models or not run_dir
-        self._stop_signal: int | None = None
+        self._signal = StopOnSignal(self.err, enabled=False)
         self.paths: RunPaths | None = None
         #: Per run, its best-validation model (with ``keep_models``).
         self.models: list[nn.Module] = []
@@ -149,7 +147,7 @@ class Trainer:
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Checkpoint at the end of the current epoch and stop (what SIGINT/SIGTERM do)."""
-        self._stop_signal = signum
+        self._signal.signum = signum
 
     def _strategy(self, device: torch.device) -> Strategy:
         cls = strategy_class(self.cfg.strategy).for_config(self.cfg)
@@ -240,7 +238,9 @@ class Trainer:
         t_start = time.perf_counter()
         fresh = ckpt is None and scratch is None
         try:
-            with self._signals():
+            requested, self._signal = self._signal.signum, StopOnSignal(self.err, enabled=self.handle_signals)
+            self._signal.signum = requested  # a stop requested before training started still holds
+            with self._signal:
                 run_state = ckpt.get("run_state") if ckpt else None
                 rng = ckpt.get("rng") if ckpt else None
                 for r in range(prog.run, cfg.runs):
@@ -267,27 +267,6 @@ class Trainer:
         strategy.world.barrier("after the summary")
         return summary
 
-    @contextmanager
-    def _signals(self) -> Iterator[None]:
-        """Turn SIGINT/SIGTERM into "checkpoint after this epoch"; a second SIGINT aborts at once."""
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._stop_signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self._stop_signal = signum
-            print(f"\n{signal.Signals(signum).name}: writing a checkpoint after this epoch "
-                  "(press Ctrl-C again to abort without one)", file=self.err)
-
-        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
     def _stopping(self, strategy: Strategy) -> bool:
         """Whether a stop was requested here or, in a distributed run, on any rank (every rank then stops).
 
@@ -295,9 +274,9 @@ class Trainer:
         """
         world = strategy.world
         world.barrier("epoch end")
-        if world.any(self._stop_signal is not None) and self._stop_signal is None:
-            self._stop_signal = signal.SIGTERM
-        return self._stop_signal is not None
+        if world.any(self._signal.signum is not None) and self._signal.signum is None:
+            self._signal.signum = signal.SIGTERM
+        return self._signal.signum is not None
 
     def _checkpoint(self, ctx: _RunContext, run_state: dict[str, Any] | None) -> None:
         ctx.prog.log_offset = ctx.log.offset
@@ -310,8 +289,8 @@ class Trainer:
         ctx.strategy.world.barrier("after the checkpoint")
 
     def _interrupt(self, ctx: _RunContext, run: int, epoch: int) -> None:
-        assert self._stop_signal is not None
-        raise TrainingInterrupted(ctx.paths.root, run, epoch, self._stop_signal)
+        assert self._signal.signum is not None
+        raise TrainingInterrupted(ctx.paths.root, run, epoch, self._signal.signum)
 
     def _run(self, ctx: _RunContext, r: int, run_state: dict[str, Any] | None,
              rng: dict[str, Any] | None) -> None:
@@ -359,7 +338,7 @@ class Trainer:
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "best": stopper.state_dict(), "run_time_s": lane.time_s, "strategy": strategy.state_dict(),
                 })
-                if self._stop_signal is not None:
+                if self._signal.signum is not None:
                     self._interrupt(ctx, r, lane.epochs)
 
         try:

@@ -36,15 +36,12 @@ import io
 import json
 import math
 import shutil
-import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import FrameType
 from typing import IO, Any
 
 import numpy as np
@@ -55,6 +52,7 @@ from trellis.nn.batched import family_of
 from trellis.plan.batching import balanced_batches, default_budget_bytes
 from trellis.train.build import ModelFactory, default_model_factory
 from trellis.train.data import redraw_split, resolve_device
+from trellis.train.loop import StopOnSignal, StopRequested
 from trellis.train.runs import MetricsLog, read_jsonl, write_json_atomic
 from trellis.train.space import Space, candidates, load_space, parse_space, space_to_json
 from trellis.train.strategies.full import FullBatch
@@ -228,24 +226,6 @@ def load_state(s: ConfigState, path: Path, device: torch.device) -> None:
     s.log = MetricsLog(s.log.path, offset=st["log_offset"])
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt, so a killed tune stops at an epoch boundary like Ctrl-C does."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        old = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 # ---- the tune ----------------------------------------------------------------------------------------
 class Tune:
     """One tune: its candidates, their states and the scheduler's position (see the module docstring)."""
@@ -281,6 +261,8 @@ class Tune:
                                          "active": [e.id for e in self.entries], "batches": None, "cut": None,
                                          "done": False, "bracket": 0, "finalists": [], "bracket_s": []}
         self._first = len(self.entries)
+        #: Stop requests (SIGINT/SIGTERM) honoured at epoch boundaries; run_tune installs the handlers.
+        self.stop = StopOnSignal(self.err, enabled=False)
 
     # -- brackets: a budget left over after the schedule buys another one (Hyperband's outer loop)
     def bracket_entries(self, k: int) -> list[SweepEntry]:
@@ -404,10 +386,20 @@ class Tune:
             for b in range(p["batches_done"], len(p["batches"])):
                 ids = p["batches"][b]
                 states = [self._state(by_id[i]) for i in ids]
-                finished = advance(states, self.strategy, until=self.rungs[r], keep_splits=("train", "val"),
-                                   err=self.err, progress=self.tc.progress,
-                                   desc=f"rung {r} ({self.rungs[r]} ep) batch {b + 1}/{len(p['batches'])}",
-                                   tag={"rung": r, "batch": b}, deadline=self._deadline(t_start), clock=clock)
+                self.stop.check()
+                try:
+                    finished = advance(states, self.strategy, until=self.rungs[r], keep_splits=("train", "val"),
+                                       err=self.err, progress=self.tc.progress,
+                                       desc=f"rung {r} ({self.rungs[r]} ep) batch {b + 1}/{len(p['batches'])}",
+                                       tag={"rung": r, "batch": b}, deadline=self._deadline(t_start), clock=clock,
+                                       after_epoch=self.stop.check)
+                except StopRequested:
+                    # mid-batch: the batch's states are saved at this epoch, and --resume continues them exactly
+                    for s in states:
+                        save_state(s, self.root / "state" / f"{s.entry.id}.pt")
+                    p["elapsed_s"] = clock()
+                    self._save_progress()
+                    raise
                 if not finished:
                     p["cut"] = {"bracket": p["bracket"], "rung": r, "batches_done": b, "epochs": self.rungs[r]}
                     break
@@ -476,8 +468,10 @@ class Tune:
                 groups = [states] if self._batchable([best.id]) else [[s] for s in states]
                 try:
                     for g in groups:
+                        self.stop.check()
                         advance(g, data, splits=splits, err=self.err, progress=self.tc.progress,
-                                desc=f"final split {j + 1}/{len(self.split_seeds)}", tag={"split": j})
+                                desc=f"final split {j + 1}/{len(self.split_seeds)}", tag={"split": j},
+                                after_epoch=self.stop.check)
                 finally:
                     for s in states:
                         s.log.close()
@@ -511,7 +505,7 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
             tune.progress = {**tune.progress, **json.loads(saved.read_text())}
             before = tune.progress["elapsed_s"]
             tune.restore_brackets()
-    with _sigterm_interrupts():
+    with StopOnSignal(tune.err, notice="saving the tune's state after this epoch") as tune.stop:
         try:
             t0 = time.perf_counter()
             if not tune.progress["done"]:
@@ -527,9 +521,9 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
             t_final = time.perf_counter()
             final = tune.final_runs(best)
             final_s = time.perf_counter() - t_final
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, StopRequested):
             print(f"tune interrupted; continue it with: trellis tune --resume {tune.root}", file=tune.err)
-            raise
+            raise KeyboardInterrupt from None
         finally:
             for s in tune.states.values():
                 s.log.close()
