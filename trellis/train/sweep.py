@@ -241,10 +241,8 @@ class SweepConfig:
                 raise TrellisUserError(f"--set {key}: set by the sweep itself; use the sweep's own flag instead")
             if name == "strategy" and self.base[key] not in SWEEP_STRATEGIES:
                 raise TrellisUserError(f"--set {key}={self.base[key]}: a sweep trains --strategy "
-                                       f"{' or '.join(SWEEP_STRATEGIES)} (full in memory shares one whole-graph pass "
-                                       "between configurations, pp one read of each batch's rows; full with "
-                                       "--memory-budget trains them one at a time); train other strategies with "
-                                       "`trellis train`")
+                                       f"{' or '.join(SWEEP_STRATEGIES)} (in memory or with --set memory_budget=SIZE); "
+                                       "train other strategies with `trellis train`")
             if name in self.grid:
                 raise TrellisUserError(f"--set {key} and --grid {name}: give the values in one place")
 
@@ -317,7 +315,6 @@ class SweepGroup:
     choice_text: str
     choice_rows: list[dict[str, Any]]
     plan_text: str = ""
-    batchable: bool = True
 
 
 def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: Strategy, device: torch.device,
