@@ -178,7 +178,10 @@ def test_a_budget_left_after_the_schedule_buys_more_brackets(store, tmp_path):
     assert board["wall_time_s"] < 12.0 * 1.5
     ids = [r["config"] for r in board["rows"]]
     assert any(i.startswith("b1c") for i in ids) and len(set(ids)) == len(ids)
-    assert "more bracket(s) of fresh candidates" in (tmp_path / "t" / "report.md").read_text()
+    report = (tmp_path / "t" / "report.md").read_text()
+    assert "more bracket(s) of fresh candidates" in report
+    first = [r for r in board["schedule"] if r["bracket"] == 0]
+    assert report.count("→") == len(first) - 1  # the schedule once, not once per bracket
 
 
 def test_sign_tunes_over_a_preprocessed_cache_and_its_choice_replays(store, tmp_path, capsys):

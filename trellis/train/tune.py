@@ -617,7 +617,8 @@ def report_text(board: dict[str, Any]) -> str:
     """The one-paragraph report."""
     m, best = board["metric"], board["best"]
     params = ", ".join(f"{k}={v}" for k, v in best["params"].items())
-    sched = " → ".join(f"{r['candidates']} × {r['epochs']} ep" for r in board["schedule"])
+    # the first bracket's rungs (later brackets repeat the same schedule over fresh candidates)
+    sched = " → ".join(f"{r['candidates']} × {r['epochs']} ep" for r in board["schedule"] if r.get("bracket", 0) == 0)
     cut = ""
     if board["cut"] and board["cut"].get("bracket", 0) > 0:
         cut = (f" The budget then cut bracket {board['cut']['bracket'] + 1} in rung {board['cut']['rung']}; the "
@@ -628,7 +629,7 @@ def report_text(board: dict[str, Any]) -> str:
     brackets = len({r.get("bracket", 0) for r in board["schedule"]})
     if brackets > 1:
         cut = (f" The schedule finished with budget left, so {brackets - 1} more bracket(s) of fresh candidates "
-               f"ran ({board['candidates']} candidates in all).") + cut
+               f"ran on the same schedule ({board['candidates']} candidates in all).") + cut
     top5 = board["top5_val"]
     budget = f" of a {board['budget_s'] / 60:.0f}-minute budget" if board["budget_s"] else ""
     n_final = len(board["final"])
