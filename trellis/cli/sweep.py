@@ -22,6 +22,10 @@ examples:
   trellis sweep STORE --grid optimizer=adam,adagrad lr=0.05,0.01 --set layers=3 hidden=256 --out SWEEP_DIR
   trellis sweep STORE --grid hidden=64,256 --batch-models 1 --out SWEEP_DIR     one at a time
   trellis sweep STORE --grid hidden=64,256 --explain      the K table and the batched plan, no training
+  trellis sweep STORE --grid lr=0.01,0.005 weight_decay=0,5e-4 --set memory_budget=3G --out SWEEP_DIR
+                                                          out of core: the batch shares every tile's reads
+  trellis sweep STORE --model sign --grid lr=0.003,0.001 --set strategy=pp pp_dir=PP_DIR --out SWEEP_DIR
+                                                          pre-propagation: each batch's rows read once
 
 sweepable hyperparameters: lr, weight_decay, dropout, hidden, layers, optimizer, init
 """
@@ -52,8 +56,9 @@ def register(sub: Any) -> None:
     p.add_argument("--batch-models", type=_int("--batch-models"), default=None, metavar="K",
                    help="configurations per batched model (default: chosen from the cost model and memory budget)")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
-                   help="memory the batches may use, as in `trellis train`: e.g. 3G or 512MiB; a bare number is "
-                        "MiB (default: 60%% of the available memory)")
+                   help="memory the in-memory batches may use when K is chosen: e.g. 3G or 512MiB; a bare number "
+                        "is MiB (default: 60%% of the available memory). To train out of core, give every "
+                        "configuration a budget: --set memory_budget=SIZE")
     p.add_argument("--epochs", type=_int("--epochs"), default=None, metavar="N",
                    help="maximum epochs per configuration (default: the model's, 200 for gcn)")
     p.add_argument("--patience", type=_int("--patience"), default=None, metavar="N",
