@@ -1,6 +1,6 @@
 """Run every side-by-side benchmark in sequence (``make bench``).
 
-    python -m benchmarks.run [--only fullbatch,ops,partition,minibatch,pp,sweep,user,overlap,value]
+    python -m benchmarks.run [--only fullbatch,ops,partition,minibatch,pp,sweep,ooc-sweep,user,overlap,value]
 
 Each benchmark prints its own table with the competitor's figure and the ratio; see docs/benchmarks.md.
 """
@@ -18,6 +18,9 @@ BENCHES = {
     "minibatch": ["benchmarks.bench_minibatch"],
     "pp": ["benchmarks.bench_pp"],
     "sweep": ["benchmarks.bench_sweep"],
+    # out-of-core sweep vs budgeted solo runs (issue #24): small here; docs/benchmarks.md has the 2M-node command
+    "ooc-sweep": ["benchmarks.bench_outofcore_sweep", "--nodes", "200k", "--epochs", "2", "--budget", "2G",
+                  "--grid", "lr=0.01,0.005", "weight_decay=0,5e-4", "--set", "dropout=0.5"],
     "user": ["benchmarks.bench_user_layers"],
     # distributed schedules and prices (issue #22): small defaults here; docs/benchmarks.md has the full commands
     "overlap": ["benchmarks.bench_overlap", "--nodes", "200k", "--epochs", "4"],
