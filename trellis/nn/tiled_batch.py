@@ -142,10 +142,11 @@ class BatchedTiledGNN:
         hash_dropout.apply_(t, p, seed=e._seed_at(seed, r0, t))
         return t
 
-    def _aggregate(self, k: int, r0: int, r1: int, src: np.ndarray, reverse: bool = False) -> Tensor:
+    def _aggregate(self, layer: int, r0: int, r1: int, src: np.ndarray, reverse: bool = False) -> Tensor:
+        """Rows ``[r0, r1)`` of layer ``layer``'s aggregation of ``src`` (the transposed one with ``reverse``)."""
         tile = self.graph.tile(r0, r1, reverse=reverse)
         self.io.gathered += tile.num_edges * src.shape[1] * 4
-        return self.graph.aggregate(self.kinds[k], tile, src, reverse=reverse)
+        return self.graph.aggregate(self.kinds[layer], tile, src, reverse=reverse)
 
     def _wide(self, name: str, widths: dict[int, int]) -> tuple[np.ndarray | None, dict[int, tuple[int, int]]]:
         """A spill of the configurations' blocks side by side, and each one's columns."""
@@ -248,7 +249,7 @@ class BatchedTiledGNN:
                 for r0, r1 in E[0]._pass([a, self.x] if a is not None else [self.x]):
                     a_t = None
                     if src is not None and a is not None:
-                        a_t = self._aggregate(0, r0, r1, src)
+                        a_t = self._aggregate(i, r0, r1, src)
                         self._write(Block.whole(a), r0, r1, a_t)
                     c_t = None
                     if shared and a0c is not None:
@@ -346,7 +347,7 @@ class BatchedTiledGNN:
             g_in = {j: Block.whole(self.spill.array(f"m{act[j]}.g{i}", (n, inputs[j][i].width)))
                     for j in ga_js} if need_in else {}
             for r0, r1 in E[0]._pass([ga]):
-                gs_wide = self._aggregate(0, r0, r1, ga, reverse=True)
+                gs_wide = self._aggregate(i, r0, r1, ga, reverse=True)
                 for j in ga_js:
                     gs = gs_wide[:, ga_cols[j][0]:ga_cols[j][1]].contiguous()
                     gh_root, gz_root = roots[j]

@@ -22,7 +22,6 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -108,7 +107,7 @@ class SoloBatch(ModelBatch):
 
     def step(self, optimizers: Sequence[Any], task: Task, epoch: int) -> list[Tensor]:
         """The strategy's training step, its dropout drawn from the configuration's generator."""
-        with generator_scope(self.generator) if self.generator is not None else nullcontext():
+        with generator_scope(self.generator):  # None: the default generator, as a solo run draws
             return [self.strategy.train_step(self.model, optimizers[0], task, epoch)]
 
     def evaluate(self, task: Task) -> list[dict[str, float]]:

@@ -177,10 +177,8 @@ class OutOfCoreFull(Strategy):
             if self._x_raw is not None and self.x is not self._x_raw:
                 self.x = None  # the normalized features were a spill: written again
             self.plan_for([ln.model for ln in lanes], list(cfgs))
-        if len(lanes) == 1 and keep_splits is None:
-            return super().open_batch(lanes, splits=splits)
-        if splits is not None:
-            return super().open_batch(lanes, splits=splits)  # refuses, naming the strategy
+        if (len(lanes) == 1 and keep_splits is None) or splits is not None:
+            return super().open_batch(lanes, splits=splits)  # one alone, or refused naming the strategy
         return SharedTiles(self, lanes, keep_splits)
 
     def batch_size_for(self, models: list[nn.Module], budget_bytes: float, override: int | None,

@@ -125,10 +125,8 @@ class PrePropagation(Strategy):
     def open_batch(self, lanes: list[Lane], *, keep_splits: Sequence[str] | None = None,
                    splits: dict[str, Tensor] | None = None) -> ModelBatch:
         """K configurations over one read of each batch's rows (:class:`SharedRows`); one runs as ``train``."""
-        if len(lanes) == 1 and keep_splits is None:
-            return super().open_batch(lanes, splits=splits)
-        if splits is not None:
-            return super().open_batch(lanes, splits=splits)  # refuses, naming the strategy
+        if (len(lanes) == 1 and keep_splits is None) or splits is not None:
+            return super().open_batch(lanes, splits=splits)  # one alone, or refused naming the strategy
         if len({ln.cfg.seed for ln in lanes}) > 1:
             raise TrellisUserError("--strategy pp shares batches between configurations of one seed (the shuffle "
                                    "follows it); batch configurations of different seeds separately")
