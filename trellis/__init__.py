@@ -5,6 +5,7 @@ The library's front door (``docs/api.md``)::
     import trellis
     run = trellis.train("stores/cora", model="gcn", epochs=50)   # -> trellis.Run
     run.model, run.history, run.summary, run.predict()
+    trellis.train("stores/cora", model="sage", strategy=trellis.MiniOptions(fanouts=[10, 5]))
     trellis.load_run("runs/cora-gcn")                            # a run directory as a Run
     trellis.predict(run_dir, store, out)                         # what `trellis predict` writes
     trellis.partition(store, parts=8, out="parts")               # what `trellis partition` writes
@@ -29,6 +30,10 @@ _EXPORTS = {
     "preprocess": ("trellis.loader.ppcache", "preprocess"),
     "TrellisUserError": ("trellis.errors", "TrellisUserError"),
     "TrainConfig": ("trellis.train.config", "TrainConfig"),
+    "FullOptions": ("trellis.train.options", "FullOptions"),
+    "MiniOptions": ("trellis.train.options", "MiniOptions"),
+    "ClusterOptions": ("trellis.train.options", "ClusterOptions"),
+    "PPOptions": ("trellis.train.options", "PPOptions"),
 }
 
 
@@ -43,5 +48,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'trellis' has no attribute {name!r}")
 
 
-__all__ = ["Run", "TrainConfig", "TrellisUserError", "explain", "load_run", "partition", "predict", "preprocess",
+__all__ = ["ClusterOptions", "FullOptions", "MiniOptions", "PPOptions", "Run", "TrainConfig",
+           "TrellisUserError", "explain", "load_run", "partition", "predict", "preprocess",
            "resume", "sweep", "train", "tune", "__version__"]

@@ -7,6 +7,7 @@ import pytest
 
 from tests.train.stubmodel import make_sbm_store
 from trellis.cli.main import main
+from trellis.errors import TrellisUserError
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +103,21 @@ def test_overwrite_replaces_a_previous_sweep(store, tmp_path, capsys):
     assert (out / "sweep.json").is_file() and not (out / "stale.txt").exists()
 
 
-@pytest.mark.parametrize(("flag", "mib"), [("3G", 3e9 / 2**20), ("512MiB", 512.0), ("100", 100.0), ("1.5", 1.5)])
-def test_memory_budget_takes_a_size_and_a_bare_number_is_mib(store, flag, mib):
+def test_memory_budget_is_every_configurations_budget(store):
+    """``--memory-budget`` means what it means to ``trellis train``: one flag, one meaning in every command."""
     from trellis.cli.main import build_parser
     from trellis.cli.sweep import config_from_args
 
-    args = build_parser().parse_args(["sweep", store, "--grid", "lr=0.1", "--memory-budget", flag])
-    assert config_from_args(args).memory_budget_mb == pytest.approx(mib)
+    args = build_parser().parse_args(["sweep", store, "--grid", "lr=0.1", "--memory-budget", "3G"])
+    assert config_from_args(args).base == {"memory_budget": "3G"}
+    args = build_parser().parse_args(["sweep", store, "--grid", "lr=0.1", "--memory-budget", "3G", "--set",
+                                      "memory_budget=2G"])
+    with pytest.raises(TrellisUserError, match="name the same option; give it once"):
+        config_from_args(args)
 
 
-@pytest.mark.parametrize(("flag", "needle"), [("lots", "cannot read the size"), ("0", "must be a positive size")])
+@pytest.mark.parametrize(("flag", "needle"), [("lots", "cannot read the size"), ("0", "--memory-budget")])
 def test_bad_memory_budget_is_a_user_error(store, tmp_path, capsys, flag, needle):
     rc, _, err = run(capsys, "sweep", store, "--grid", "lr=0.1", "--memory-budget", flag, "--out", tmp_path / "o")
     assert rc == 2 and needle in err and "--memory-budget" in err
+    assert not (tmp_path / "o").exists()

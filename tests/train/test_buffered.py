@@ -126,7 +126,7 @@ def test_bad_input(sbm_store, p4, tmp_path, kw, match):
 
 
 def test_buffer_flags_need_a_layout(sbm_store, tmp_path):
-    with pytest.raises(TrellisUserError, match="--buffer-parts applies to --strategy mini or cluster with --parts-dir"):
+    with pytest.raises(TrellisUserError, match="--buffer-parts applies to --strategy mini with --parts-dir"):
         _cfg(sbm_store, tmp_path / "x", buffer_parts=2)
 
 

@@ -147,8 +147,10 @@ def test_compare_reads_every_strategy_through_one_schema(store, pp_dir, tmp_path
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--strategy", "mini", "--memory-budget", "3G"],
-     "--memory-budget does not apply to --strategy mini; it applies to --strategy full and pp"),
-    (["--strategy", "cluster", "--spill-dir", "/tmp"], "--spill-dir does not apply to --strategy cluster"),
+     "--memory-budget applies to --strategy mini with --parts-dir PART_DIR (a partition buffer"),
+    (["--strategy", "cluster", "--spill-dir", "/tmp"], "--spill-dir applies to --strategy cluster with --parts-dir"),
+    (["--strategy", "pp", "--pp-dir", "/tmp", "--model", "sgc", "--overlap"],
+     "--overlap does not apply to --strategy pp; it applies to --strategy full"),
     (["--spill-dir", "/tmp"], "--spill-dir applies to --strategy full with --memory-budget only"),
     (["--strategy", "mini", "--clusters", "8"], "--clusters does not apply to --strategy mini"),
     (["--strategy", "cluster", "--labor"], "--labor does not apply to --strategy cluster"),

@@ -14,7 +14,6 @@ import sys
 from typing import Any
 
 from trellis.errors import TrellisUserError
-from trellis.utils.sizes import parse_size
 
 _EPILOG = """\
 examples:
@@ -22,7 +21,7 @@ examples:
   trellis sweep STORE --grid optimizer=adam,adagrad lr=0.05,0.01 --set layers=3 hidden=256 --out SWEEP_DIR
   trellis sweep STORE --grid hidden=64,256 --batch-models 1 --out SWEEP_DIR     one at a time
   trellis sweep STORE --grid hidden=64,256 --explain      the K table and the batched plan, no training
-  trellis sweep STORE --grid lr=0.01,0.005 weight_decay=0,5e-4 --set memory_budget=3G --out SWEEP_DIR
+  trellis sweep STORE --grid lr=0.01,0.005 weight_decay=0,5e-4 --memory-budget 3G --out SWEEP_DIR
                                                           out of core: the batch shares every tile's reads
   trellis sweep STORE --model sign --grid lr=0.003,0.001 --set strategy=pp pp_dir=PP_DIR --out SWEEP_DIR
                                                           pre-propagation: each batch's rows read once
@@ -55,10 +54,7 @@ def register(sub: Any) -> None:
                         "weight_decay=0)")
     p.add_argument("--batch-models", type=_int("--batch-models"), default=None, metavar="K",
                    help="configurations per batched model (default: chosen from the cost model and memory budget)")
-    p.add_argument("--memory-budget", default=None, metavar="SIZE",
-                   help="memory the in-memory batches may use when K is chosen: e.g. 3G or 512MiB; a bare number "
-                        "is MiB (default: 60%% of the available memory). To train out of core, give every "
-                        "configuration a budget: --set memory_budget=SIZE")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE", help=BUDGET_HELP)
     p.add_argument("--epochs", type=_int("--epochs"), default=None, metavar="N",
                    help="maximum epochs per configuration (default: the model's, 200 for gcn)")
     p.add_argument("--patience", type=_int("--patience"), default=None, metavar="N",
@@ -75,6 +71,21 @@ def register(sub: Any) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="progress bar per batch on a terminal (default: on)")
     p.set_defaults(func=run)
+
+
+#: ``--memory-budget`` of sweep and tune: the same option as ``trellis train``'s, given to every configuration.
+BUDGET_HELP = ("train every configuration within SIZE, as `trellis train --memory-budget` does (e.g. 3G): full "
+               "trains out of core with K configurations sharing every tile's reads; pp plans its placement in "
+               "it (default: none, in memory; K is then chosen within 60%% of the available memory)")
+
+
+def with_budget(base: dict[str, str], budget: str | None) -> dict[str, str]:
+    """``base`` with ``--memory-budget`` as every configuration's ``memory_budget`` (one flag, one meaning)."""
+    if budget is None:
+        return base
+    if "memory_budget" in base:
+        raise TrellisUserError("--memory-budget and --set memory_budget=... name the same option; give it once")
+    return {**base, "memory_budget": budget}
 
 
 def _base(items: list[str]) -> dict[str, str]:
@@ -97,12 +108,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
             raise TrellisUserError(f"--{name} must be an integer >= 1 (got {value})")
     if args.seed < 0:
         raise TrellisUserError(f"--seed must be an integer >= 0 (got {args.seed})")
-    budget_mb = None
-    if args.memory_budget is not None:  # a bare number stays MiB, as before the flag took a SIZE
-        budget_mb = parse_size(args.memory_budget, bare_unit="MiB", flag="--memory-budget") / 2**20
-    return SweepConfig(store=args.store, model=args.model, grid=parse_grid(args.grid), base=_base(args.base),
-                       epochs=args.epochs, patience=args.patience, seed=args.seed, device=args.device,
-                       batch_models=args.batch_models, memory_budget_mb=budget_mb, out=args.out,
+    return SweepConfig(store=args.store, model=args.model, grid=parse_grid(args.grid),
+                       base=with_budget(_base(args.base), args.memory_budget), epochs=args.epochs,
+                       patience=args.patience, seed=args.seed, device=args.device,
+                       batch_models=args.batch_models, out=args.out,
                        overwrite=args.overwrite, progress=args.progress)
 
 

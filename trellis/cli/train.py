@@ -20,6 +20,7 @@ from typing import Any
 from trellis.cli.args import int_at_least
 from trellis.errors import TrellisUserError
 from trellis.train.config import SESSION_FIELDS, TrainConfig, base_type, check_keys, flag, load_config_file
+from trellis.train.options import OPTIONS
 from trellis.train.strategies import STRATEGIES
 
 #: Fields that may be given again with ``--resume``: per-invocation ones, the store path (its content is
@@ -38,8 +39,18 @@ examples:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one argument per :class:`TrainConfig` field; unset flags stay absent from the namespace."""
+    """Add one argument per :class:`TrainConfig` field; unset flags stay absent from the namespace.
+
+    A strategy's options are listed under a heading naming the strategies that read them (their dataclasses
+    in :mod:`trellis.train.options`), so ``--help`` reads as the options of each strategy.
+    """
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in fields(TrainConfig):
+        owners = tuple(s for s, c in OPTIONS.items() if f.name in c.names())
+        target: Any = parser
+        if owners:
+            title = "options of --strategy " + " and ".join(owners)
+            target = groups.setdefault(title, parser.add_argument_group(title))
         meta = f.metadata
         help_text = meta.get("help", "")
         if f.name == "store":
@@ -47,7 +58,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         typ, _ = base_type(f.name)
         if typ is bool:
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+            target.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_text)
             continue
         choices = tuple(STRATEGIES) if f.name == "strategy" else meta.get("choices")
@@ -55,7 +66,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                           {int: "N", float: "X", dict: "JSON"}.get(typ, "VALUE"))
         # Values stay strings here: TrainConfig parses them, so the error names the flag the same way for
         # flags, --set and config files.
-        parser.add_argument(flag(f.name), default=argparse.SUPPRESS, metavar=metavar, help=help_text)
+        target.add_argument(flag(f.name), default=argparse.SUPPRESS, metavar=metavar, help=help_text)
     parser.add_argument("--config", dest="_config_file", metavar="FILE", default=None,
                         help="read options from a JSON or TOML file (e.g. a run's config.json); flags override it")
     parser.add_argument("--set", dest="_overrides", action="extend", nargs="+", metavar="KEY=VALUE", default=[],

@@ -13,9 +13,8 @@ import json
 import sys
 from typing import Any
 
-from trellis.cli.sweep import _base, _int
+from trellis.cli.sweep import BUDGET_HELP, _base, _int, with_budget
 from trellis.errors import TrellisUserError
-from trellis.utils.sizes import parse_size
 
 _EPILOG = """\
 examples:
@@ -68,8 +67,7 @@ def register(sub: Any) -> None:
                    help="values every candidate shares (fields of `trellis train`, e.g. feature_norm=l2)")
     p.add_argument("--batch-models", type=_int("--batch-models"), default=None, metavar="K",
                    help="candidates per batched model (default: the cost model's choice)")
-    p.add_argument("--memory-budget", default=None, metavar="SIZE",
-                   help="memory the batches may use, e.g. 3G (default: 60%% of the available memory)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE", help=BUDGET_HELP)
     p.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}", help="device (default: auto)")
     p.add_argument("--out", default=None, metavar="TUNE_DIR", help="output directory (default: tunes/<store>-<model>)")
     p.add_argument("--resume", default=None, metavar="TUNE_DIR", help="continue the interrupted tune in TUNE_DIR")
@@ -88,9 +86,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     if args.store is None:
         raise TrellisUserError("trellis tune: give a STORE (or --resume TUNE_DIR)")
-    budget_mb = None
-    if args.memory_budget is not None:
-        budget_mb = parse_size(args.memory_budget, bare_unit="MiB", flag="--memory-budget") / 2**20
     if args.seed < 0:
         raise TrellisUserError(f"--seed must be an integer >= 0 (got {args.seed})")
     out = args.out or str(Path("tunes") / f"{Path(args.store).name}-{args.model}")
@@ -98,8 +93,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
                       candidates=args.candidates,
                       budget_s=parse_duration(args.budget) if args.budget is not None else None, eta=args.eta,
                       min_epochs=args.min_epochs, epochs=args.epochs, patience=args.patience, seed=args.seed,
-                      seeds=args.seeds, splits=args.splits, base=_base(args.base), device=args.device,
-                      batch_models=args.batch_models, memory_budget_mb=budget_mb, out=out,
+                      seeds=args.seeds, splits=args.splits, base=with_budget(_base(args.base), args.memory_budget),
+                      device=args.device, batch_models=args.batch_models, out=out,
                       overwrite=args.overwrite, progress=args.progress)
 
 

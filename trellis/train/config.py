@@ -28,24 +28,22 @@ from pathlib import Path
 from typing import Any
 
 from trellis.errors import TrellisUserError
-from trellis.loader.blocks import parse_fanouts
 from trellis.nn import MODELS
 from trellis.nn.init import INITS
 from trellis.nn.models import JKS, NORMS
 from trellis.train.features import parse_features
 from trellis.train.optim import OPTIMIZERS
+from trellis.train.options import (
+    OPTIONS,
+    StrategyOptions,
+    option_fields,
+    options_class,
+    refuse_foreign,
+)
 from trellis.train.tasks import TASKS, check_metric
-from trellis.utils.sizes import parse_size
 
 #: Models of the ``pp`` strategy (trellis.nn.pp_models.PP_MODELS); they train on no other strategy.
 PP_MODELS = ("sgc", "sign", "hoga")
-
-#: ``--pp-loader`` choices (trellis.loader.pp.LOADERS; auto = the placement planner's choice).
-PP_LOADERS = ("auto", "naive", "naive-batch", "index", "prefetch", "chunk", "storage")
-
-
-#: ``--cluster-method`` choices (partitioners of trellis.partition, and ``hash`` = balanced random).
-CLUSTER_METHODS = ("metis", "grem", "hash")
 
 #: Per-layer fanouts when ``--fanouts`` is not given, target layer first (truncated to ``--layers``).
 DEFAULT_FANOUTS = (15, 10, 5)
@@ -77,9 +75,6 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
 #: Per-strategy defaults of fields that depend on the strategy (``None`` until resolved).
 STRATEGY_DEFAULTS: dict[str, dict[str, Any]] = {"pp": {"batch_size": 8192}}
 
-#: Seconds a distributed rank waits for its peers by default (``--timeout``).
-DEFAULT_TIMEOUT_S = 300.0
-
 #: Fields that describe one invocation rather than the experiment: not written to ``config.json`` and
 #: allowed to differ when a run is resumed.
 SESSION_FIELDS = frozenset({"json", "explain", "resume", "progress", "overwrite", "timeout"})
@@ -97,6 +92,12 @@ def _f(default: Any = None, help: str = "", *, choices: tuple[str, ...] | None =
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _opt(name: str) -> Any:
+    """A strategy option's field, as its strategy's options dataclass defines it (one definition)."""
+    f = option_fields()[name]
+    return field(default=f.default, metadata=f.metadata)
 
 
 @dataclass
@@ -165,64 +166,33 @@ class TrainConfig:
     strategy: str = _f("full", "training strategy: full = full-batch, mini = neighbour-sampled mini-batches, "
                                "cluster = cluster-batches, pp = pre-propagation (default: full); the choices are "
                                "the registered strategies (trellis.train.strategies)")
-    fanouts: str = _f(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "
-                                   "(default: 15,10 for 2 layers; 15,10,5,5,... for more)", metavar="F1,F2,...",
-                             resolved=True)
-    batch_size: int = _f(None, "mini/pp: target nodes (mini) or rows (pp) per batch (default: 1024; "
-                                      "pp 8192)", resolved=True)
-    labor: bool = _f(False, "mini: LABOR (layer-neighbour) sampling instead of uniform (default: off)")
-    clusters: int = _f(32, "cluster: number of clusters the graph is split into (default: 32)")
-    clusters_per_batch: int = _f(4, "cluster: clusters merged into one batch (default: 4)")
-    boundary_hops: int = _f(0, "cluster: hops of boundary neighbours added as extra sources, 0-2 (default: 0)")
-    cluster_method: str = _f("metis", "cluster: partitioner making the clusters (default: metis)",
-                             choices=CLUSTER_METHODS)
-    pp_dir: str | None = _f(None, "pp: pre-propagated cache from `trellis preprocess STORE --out PP_DIR`",
-                            metavar="PP_DIR")
-    pp_loader: str = _f("auto", "pp: data loader; auto = the placement planner's choice from --memory-budget "
-                                "(default: auto)", choices=PP_LOADERS)
-    chunk_size: int | None = _f(None, "pp: chunk reshuffling chunk in rows, 1 = exact reshuffling (default: the "
-                                      "placement's choice)")
-    memory_budget: str | None = _f(None, "full: cap on the process's peak memory (RssAnon), e.g. 3G; the graph "
-                                         "is trained out of core in row tiles with spill files, exactly as in "
-                                         "memory (default: none, all in memory). mini with --parts-dir: what the "
-                                         "partition buffer plans its parts and cache in. pp: memory for the data "
-                                         "placement (default: 80%% of available RAM)", metavar="SIZE")
-    spill_dir: str | None = _f(None, "full with --memory-budget: where spill files go; they are removed when the "
-                                     "run ends (default: RUN_DIR/spill)", metavar="DIR")
-    parts_dir: str | None = _f(None, "full: train partition-parallel on the partitioned layout PART_DIR (from "
-                                     "`trellis partition STORE --parts P --out PART_DIR`), one rank per part; the "
-                                     "result is the single process's. mini (with --nproc 1): train from the "
-                                     "layout through a partition buffer, K parts resident at a time "
-                                     "(default: none)", metavar="PART_DIR")
-    buffer_parts: int | None = _f(None, "mini with --parts-dir: parts resident in the partition buffer, 1..P "
-                                        "(default: as many as --memory-budget holds; all without a budget)",
-                                  metavar="K")
-    buffer_cache: str | None = _f(None, "mini with --parts-dir: memory for the cache of rows outside the buffer "
-                                        "most likely to be sampled, e.g. 256M; 0 = sample inside the buffer only "
-                                        "(default: what --memory-budget leaves after the parts)", metavar="SIZE")
-    nproc: int | None = _f(None, "full with --parts-dir: ranks to start on this machine (127.0.0.1, gloo; nccl with "
-                                 "--device cuda); must equal the layout's parts; under torchrun the launcher's "
-                                 "ranks are used instead (default: the number of parts)")
-    timeout: float = _f(DEFAULT_TIMEOUT_S, "full with --parts-dir: seconds a rank waits for its peers (rendezvous, "
-                                           "exchanges, barriers) before it fails (default: 300)")
-    overlap: bool = _f(False, "full with --parts-dir: start each layer's halo exchange asynchronously and "
-                              "aggregate the interior edges (local sources) while the rows travel, then the "
-                              "boundary edges; the result equals the blocking schedule's (to float rounding) "
-                              "(default: off)")
-    staleness: int = _f(0, "full with --parts-dir: layers use halo rows and halo gradients up to S epochs old while "
-                           "fresh ones travel (PipeGCN is 1); 0 = the exact synchronous engine (default: 0)",
-                        metavar="S")
-    emulate_link: str | None = _f(None, "full with --parts-dir: delay every exchange as a link of this rate and "
-                                        "latency would (it sleeps; no CPU is used), e.g. 100MB/s,1ms (default: "
-                                        "none)", metavar="RATE[,LATENCY]")
+    # Strategy options: defined (default, help, rules) by their strategy's dataclass in trellis.train.options.
+    fanouts: str = _opt("fanouts")
+    batch_size: int = _opt("batch_size")
+    labor: bool = _opt("labor")
+    clusters: int = _opt("clusters")
+    clusters_per_batch: int = _opt("clusters_per_batch")
+    boundary_hops: int = _opt("boundary_hops")
+    cluster_method: str = _opt("cluster_method")
+    pp_dir: str | None = _opt("pp_dir")
+    pp_loader: str = _opt("pp_loader")
+    chunk_size: int | None = _opt("chunk_size")
+    memory_budget: str | None = _opt("memory_budget")
+    spill_dir: str | None = _opt("spill_dir")
+    parts_dir: str | None = _opt("parts_dir")
+    buffer_parts: int | None = _opt("buffer_parts")
+    buffer_cache: str | None = _opt("buffer_cache")
+    nproc: int | None = _opt("nproc")
+    timeout: float = _opt("timeout")
+    overlap: bool = _opt("overlap")
+    staleness: int = _opt("staleness")
+    emulate_link: str | None = _opt("emulate_link")
+    prefetch: int = _opt("prefetch")
+    samplers: int = _opt("samplers")
     price_per_hour: str | None = _f(None, "price the run: dollars per machine-hour (one rank per machine), e.g. 0.34, "
                                           "or per resource-hour, e.g. core=0.0425,gib=0.0057; summary.json gets "
                                           "cost_per_epoch_usd and value = 1 / (epoch time x cost) (default: none)",
                                     metavar="PRICE")
-    prefetch: int = _f(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
-    samplers: int = _f(0, "mini/cluster: prepare batches in K worker processes (passed back through shared memory; "
-                          "the same batches as in-process preparation), 0 = in this process (default: 0)",
-                       metavar="K")
     deterministic: bool = _f(False, "force deterministic torch kernels (bit-exact resume on GPU; slower) "
                                     "(default: off)")
     json: bool = _f(False, "print the summary as one JSON line at the end of stdout (default: off)")
@@ -299,74 +269,19 @@ class TrainConfig:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise TrellisUserError(f"--device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
         _check_range("batch_size", self.batch_size, 1)
-        _check_range("clusters", self.clusters, 1)
-        _check_range("clusters_per_batch", self.clusters_per_batch, 1)
-        _check_range("prefetch", self.prefetch, 0)
-        if self.boundary_hops not in (0, 1, 2):
-            raise TrellisUserError(f"--boundary-hops must be 0, 1 or 2 (got {self.boundary_hops})")
-        if self.clusters_per_batch > self.clusters:
-            raise TrellisUserError(f"--clusters-per-batch {self.clusters_per_batch} exceeds --clusters "
-                                   f"{self.clusters}; a batch cannot hold more clusters than there are")
         self._validate_model_options()
         if (self.strategy == "pp") != (self.model in PP_MODELS):
             raise TrellisUserError(
                 f"--model {self.model} trains on the pre-propagation strategy only: add --strategy pp --pp-dir "
                 "PP_DIR" if self.model in PP_MODELS else
                 f"--strategy pp trains {', '.join(PP_MODELS)} (got --model {self.model})")
-        if self.memory_budget is not None:
-            try:
-                parse_size(self.memory_budget)
-            except TrellisUserError as exc:
-                raise TrellisUserError(f"--memory-budget: {exc}") from None
-        if self.nproc is not None:
-            _check_range("nproc", self.nproc, 1)
-        if not 0.0 < self.timeout < float("inf"):
-            raise TrellisUserError(f"--timeout must be a positive number of seconds (got {self.timeout})")
-        if self.timeout != DEFAULT_TIMEOUT_S and self.parts_dir is None:
-            raise TrellisUserError("--timeout applies to distributed runs only; add --parts-dir PART_DIR or drop it")
-        if self.staleness < 0:
-            raise TrellisUserError(f"--staleness must be 0 (exact) or a positive number of epochs (got "
-                                   f"{self.staleness})")
-        for flag, given in (("--overlap", self.overlap), ("--staleness", self.staleness > 0),
-                            ("--emulate-link", self.emulate_link is not None)):
-            if given and self.parts_dir is None:
-                raise TrellisUserError(f"{flag} applies to distributed runs only: add --parts-dir PART_DIR (from "
-                                       "`trellis partition STORE --parts P --out PART_DIR`) or drop it")
-        if self.emulate_link is not None:
-            from trellis.distributed.comm import Link
-
-            Link.parse(self.emulate_link)
         if self.price_per_hour is not None:
             from trellis.plan.price import Price
 
             Price.parse(self.price_per_hour)
-        if self.buffer_parts is not None:
-            _check_range("buffer_parts", self.buffer_parts, 1)
-        _check_range("samplers", self.samplers, 0)
-        if self.samplers > 0 and self.parts_dir is not None and self.strategy in ("mini", "cluster"):
-            raise TrellisUserError("--samplers with --parts-dir: the partition buffer prepares its batches in this "
-                                   "process so far; drop --samplers")
-        for flag_name, value in (("--buffer-parts", self.buffer_parts), ("--buffer-cache", self.buffer_cache)):
-            if value is not None and (self.parts_dir is None or self.strategy not in ("mini", "cluster")):
-                raise TrellisUserError(f"{flag_name} applies to --strategy mini or cluster with --parts-dir PART_DIR "
-                                       "(a partition buffer); add them or drop it")
-        if self.buffer_cache is not None:
-            parse_size(self.buffer_cache, flag="--buffer-cache")
-        if self.nproc is not None and self.parts_dir is None:
-            raise TrellisUserError("--nproc needs --parts-dir PART_DIR (ranks train the parts of a partitioned "
-                                   "layout; make one with `trellis partition STORE --parts P --out PART_DIR`)")
-        if self.strategy == "pp":
-            if self.features != "store":
-                raise TrellisUserError(f"--features {self.features} does not apply to --strategy pp: it trains on the "
-                                       "pre-propagated features of PP_DIR")
-            if self.pp_dir is None:
-                raise TrellisUserError("--strategy pp needs --pp-dir PP_DIR (build it with `trellis preprocess "
-                                       "STORE --out PP_DIR`)")
-            if self.chunk_size is not None:
-                _check_range("chunk_size", self.chunk_size, 1)
-        if self.strategy == "mini":
-            parse_fanouts(self.fanouts or "", self.layers)
-        for name in ("optimizer", "task", "feature_norm", "cluster_method", "pp_loader", "init"):
+        refuse_foreign(self)
+        self.options.validate(self)
+        for name in ("optimizer", "task", "feature_norm", "init"):
             choices = _field_meta(name)["choices"]
             if getattr(self, name) not in choices:
                 raise TrellisUserError(_choice_msg(name, getattr(self, name), choices))
@@ -386,15 +301,24 @@ class TrainConfig:
         """Build from a mapping whose values may be strings (parsed per field type) or JSON values.
 
         Args:
-            values: Field name -> value; unknown names are refused with a did-you-mean hint.
+            values: Field name -> value; unknown names are refused with a did-you-mean hint. The strategy's
+                options may come nested: ``strategy`` as a :class:`~trellis.train.options.StrategyOptions`
+                (``MiniOptions(fanouts="10,5")``), or a table named after the strategy (``{"strategy": "mini",
+                "mini": {"fanouts": "10,5"}}``, a TOML file's ``[mini]``).
             source: Where the values came from, for error messages (e.g. the config file's path).
         """
+        values = flatten_options(values, source)
         check_keys(values, source)
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             name = key.replace("-", "_")
             kwargs[name] = parse_value(name, value) if isinstance(value, str) else _coerce(name, value)
         return cls(**kwargs)
+
+    @property
+    def options(self) -> StrategyOptions:
+        """The typed options of :attr:`strategy` (e.g. :class:`~trellis.train.options.MiniOptions`)."""
+        return options_class(self.strategy).of(self)
 
     def to_dict(self, *, session: bool = False) -> dict[str, Any]:
         """JSON-ready values; ``session=False`` leaves out per-invocation fields (:data:`SESSION_FIELDS`)."""
@@ -411,6 +335,41 @@ class TrainConfig:
         defaults = {"norm": "none", "residual": False, "jk": "none", "mlp_hidden": 0, "edge_weight": False}
         return {"hidden": self.hidden, "layers": self.layers, "heads": self.heads, "dropout": self.dropout,
                 **{k: v for k, v in options.items() if v != defaults[k]}, **self.model_args}
+
+
+def flatten_options(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Nested strategy options (an options object, or a table named after the strategy) as flat fields.
+
+    Raises:
+        TrellisUserError: A table for another strategy than the one chosen, an option its strategy does not
+            have, or an option given both nested and flat.
+    """
+    out = dict(values)
+    strategy = out.get("strategy")
+    nested: dict[str, Any] = {}
+    if isinstance(strategy, StrategyOptions):
+        out["strategy"] = strategy.strategy
+        nested = {f.name: getattr(strategy, f.name) for f in fields(strategy) if strategy.given(f.name)}
+        where = f"{type(strategy).__name__}(...)"
+    for name in [k for k in out if k in OPTIONS and isinstance(out[k], dict)]:
+        table = out.pop(name)
+        if out.get("strategy", "full") != name:
+            raise TrellisUserError(f"{source}: options for --strategy {name} given, but the strategy is "
+                                   f"{out.get('strategy', 'full')!r}; set strategy = {name!r} or drop them")
+        own = OPTIONS[name].names()
+        for key in table:
+            if key.replace("-", "_") not in own:
+                hint = difflib.get_close_matches(key.replace("-", "_"), sorted(own), n=1)
+                raise TrellisUserError(f"{source}: [{name}] has no option {key!r}"
+                                       + (f"; did you mean {hint[0]!r}?" if hint else "")
+                                       + f" ({name}'s options: {', '.join(sorted(own))})")
+        nested = {key.replace("-", "_"): value for key, value in table.items()}
+        where = f"[{name}]"
+    for key, value in nested.items():
+        if key in out or key.replace("_", "-") in out:
+            raise TrellisUserError(f"{source}: {flag(key)} is given both in {where} and on its own; give it once")
+        out[key] = value
+    return out
 
 
 def check_keys(values: dict[str, Any], source: str) -> None:
@@ -437,7 +396,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             from exc
     if not isinstance(data, dict):
         raise TrellisUserError(f"--config {p}: must hold an object of option names to values")
-    return data
+    return flatten_options(data, f"--config {p}")
 
 
 # ---- per-field parsing ------------------------------------------------------------------------------

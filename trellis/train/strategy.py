@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model, default_model_factory, make_model
-from trellis.train.config import TrainConfig, flag
+from trellis.train.config import TrainConfig
 from trellis.train.loop import Lane, ModelBatch, SoloBatch
 from trellis.train.tasks import Task
 from trellis.train.world import LOCAL, World
@@ -102,8 +102,6 @@ class Strategy(ABC):
 
     #: ``--strategy`` name (set by :func:`register_strategy`).
     name: ClassVar[str] = ""
-    #: Strategy-specific options (of :data:`STRATEGY_OPTIONS`) this strategy reads; the others are refused.
-    options: ClassVar[frozenset[str]] = frozenset()
     #: Splits :meth:`evaluate` scores each epoch (the summary reports these).
     eval_splits: ClassVar[tuple[str, ...]] = ("train", "val", "test")
 
@@ -123,17 +121,15 @@ class Strategy(ABC):
 
     @classmethod
     def check_options(cls, cfg: TrainConfig) -> None:
-        """Refuse a strategy-specific option this strategy would ignore (never ignore one silently).
+        """Refuse what this variant cannot run beyond its options' own rules.
+
+        The options' rules are checked with the config (:mod:`trellis.train.options`); a variant adds what
+        depends on how it runs, e.g. model options whose result would depend on a split across ranks.
 
         Raises:
-            TrellisUserError: Names the flag and the strategies it applies to.
+            TrellisUserError: Names the flag.
         """
-        defaults = {f.name: f.default for f in fields(TrainConfig)}
-        for name in sorted(STRATEGY_OPTIONS - cls.options):
-            if getattr(cfg, name) != defaults[name]:
-                users = [s for s, c in STRATEGIES.items() if name in c.options]
-                raise TrellisUserError(f"{flag(name)} does not apply to --strategy {cls.name}; it applies to "
-                                       f"--strategy {' and '.join(users)} (drop it, or choose that strategy)")
+        return None  # a hook: most variants need nothing beyond their options' rules
 
     # ---- data -----------------------------------------------------------------------------------
     @abstractmethod
@@ -272,13 +268,6 @@ class Strategy(ABC):
 
 #: ``--strategy`` name -> class.
 STRATEGIES: dict[str, type[Strategy]] = {}
-
-#: Options that only some strategies read (each strategy lists its own in :attr:`Strategy.options`). Options
-#: whose default depends on the model or the strategy (``--fanouts``, ``--batch-size``) are not checked.
-STRATEGY_OPTIONS = frozenset({"labor", "clusters", "clusters_per_batch", "boundary_hops", "cluster_method",
-                              "pp_dir", "pp_loader", "chunk_size", "memory_budget", "spill_dir",
-                              "prefetch", "parts_dir", "nproc", "timeout", "overlap", "staleness",
-                              "emulate_link", "buffer_parts", "buffer_cache", "samplers"})
 
 def register_strategy(name: str) -> Any:
     """Class decorator that registers a :class:`Strategy` under ``name``."""

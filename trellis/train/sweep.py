@@ -201,7 +201,6 @@ class SweepConfig:
         seed: Seed of every configuration (each is built and trained as its solo run with this seed).
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         batch_models: ``--batch-models K`` (None: chosen by the planner).
-        memory_budget_mb: Memory the sweep may use (None: 60% of the available memory).
         out: SWEEP_DIR (None: ``sweeps/<store>-<model>-<time>``).
         overwrite: Replace an existing SWEEP_DIR.
         progress: Show a progress bar per batch on a terminal.
@@ -217,7 +216,6 @@ class SweepConfig:
     seed: int = 0
     device: str = "auto"
     batch_models: int | None = None
-    memory_budget_mb: float | None = None
     out: str | None = None
     overwrite: bool = False
     progress: bool = True
@@ -231,8 +229,6 @@ class SweepConfig:
                 parse_grid([f"{key}=" + ",".join(map(str, self.grid[key]))])
         if self.batch_models is not None and self.batch_models < 1:
             raise TrellisUserError(f"--batch-models must be a positive integer (got {self.batch_models})")
-        if self.memory_budget_mb is not None and not self.memory_budget_mb > 0:
-            raise TrellisUserError(f"--memory-budget must be a positive size (got {self.memory_budget_mb} MiB)")
         check_keys(self.base, "--set")
         fixed = {"store", "model", "seed", "runs", "resume", "out"}
         for key in self.base:
@@ -320,7 +316,7 @@ class SweepGroup:
 def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: Strategy, device: torch.device,
                explain: bool = False, factory: ModelFactory = default_model_factory) -> list[SweepGroup]:
     """Group configurations by depth and let the strategy choose K for each group (its cost model and budget)."""
-    budget = sc.memory_budget_mb * 2**20 if sc.memory_budget_mb is not None else default_budget_bytes()
+    budget = default_budget_bytes()  # in memory; a strategy under --memory-budget plans K within its own
     groups: list[SweepGroup] = []
     by_depth: dict[int, list[SweepEntry]] = {}
     for e in entries:
@@ -546,8 +542,7 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
         write_json_atomic(tmp / "sweep.json", {"format": SWEEP_FORMAT, "version": 1, "store": sc.store,
                                                "model": sc.model, "grid": sc.grid, "base": sc.base,
                                                "epochs": sc.epochs, "patience": sc.patience, "seed": sc.seed,
-                                               "device": sc.device, "batch_models": sc.batch_models,
-                                               "memory_budget_mb": sc.memory_budget_mb})
+                                               "device": sc.device, "batch_models": sc.batch_models})
         plot_leaderboard(tmp, rows, metric)
         replace_dir(tmp, out)
     except BaseException:

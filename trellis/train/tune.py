@@ -102,7 +102,6 @@ class TuneConfig:
         base: Values every candidate shares (``--set KEY=VALUE``).
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         batch_models: Configurations per batch (None: the cost model's choice).
-        memory_budget_mb: Memory the batches may use (None: 60% of the available memory).
         out: TUNE_DIR.
         overwrite: Replace an existing TUNE_DIR.
         progress: Progress bars on a terminal.
@@ -125,7 +124,6 @@ class TuneConfig:
     base: dict[str, Any] = field(default_factory=dict)
     device: str = "auto"
     batch_models: int | None = None
-    memory_budget_mb: float | None = None
     out: str = "tune"
     overwrite: bool = False
     progress: bool = True
@@ -241,7 +239,7 @@ class Tune:
             raise TrellisUserError(f"--set {sorted(fixed)[0]}: it is also in the search space; give it in one place")
         self.sc = SweepConfig(store=tc.store, model=tc.model, grid={k: [0] for k in self.space}, base=tc.base,
                               epochs=tc.epochs, patience=tc.patience, seed=tc.seed, device=tc.device,
-                              batch_models=tc.batch_models, memory_budget_mb=tc.memory_budget_mb,
+                              batch_models=tc.batch_models,
                               progress=tc.progress)
         draws, self.how = candidates(self.space, tc.candidates, tc.seed, tc.search)
         self.entries = make_entries(self.sc, draws)
@@ -333,8 +331,7 @@ class Tune:
     # -- the search
     def _batches(self, ids: list[str]) -> list[list[str]]:
         """Batches of the candidates ``ids``: by depth, K from the cost model (fixed per rung once chosen)."""
-        budget = (self.tc.memory_budget_mb * 2**20 if self.tc.memory_budget_mb is not None
-                  else default_budget_bytes())
+        budget = default_budget_bytes()  # in memory; a strategy under --memory-budget plans K within its own
         by_id = {e.id: e for e in self.entries}
         by_depth: dict[int, list[str]] = {}
         for i in ids:
@@ -714,6 +711,7 @@ def load_resume(tune_dir: str) -> TuneConfig:
         settings = json.loads(path.read_text())["settings"]
     except (OSError, ValueError, KeyError) as exc:
         raise TrellisUserError(f"--resume {tune_dir}: cannot read {path} ({exc})") from None
+    settings.pop("memory_budget_mb", None)  # tunes written before --memory-budget became the runs' budget
     return TuneConfig(**settings)
 
 

@@ -31,8 +31,6 @@ from trellis.train.strategy import Strategy, register_strategy
 class MiniBatch(BatchStrategy):
     """Neighbour-sampled mini-batches (``--strategy mini``)."""
 
-    options = frozenset({"labor", "prefetch", "samplers"})
-
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
         """:class:`~trellis.train.strategies.buffered.BufferedMini` with ``--parts-dir``, else this class."""
@@ -53,8 +51,6 @@ class MiniBatch(BatchStrategy):
 @register_strategy("cluster")
 class ClusterBatch(BatchStrategy):
     """Cluster-batches (``--strategy cluster``): Cluster-GCN with GraphTheta's optional boundary."""
-
-    options = frozenset({"clusters", "clusters_per_batch", "boundary_hops", "cluster_method", "prefetch", "samplers"})
 
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> type[Strategy]:

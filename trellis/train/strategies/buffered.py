@@ -88,9 +88,6 @@ SKEW_WARNING = 0.25
 class BufferedMini(BatchStrategy):
     """``--strategy mini`` over a partitioned layout with a partition buffer (see the module docstring)."""
 
-    options = frozenset({"labor", "prefetch", "parts_dir", "nproc", "memory_budget", "buffer_parts", "buffer_cache",
-                         "spill_dir"})
-
     def load(self) -> None:
         """Open the store (labels, splits, degrees) and the layout; plan the residency; start the buffer."""
         cfg = self.cfg
@@ -265,7 +262,6 @@ class BufferedCluster(BufferedMini):
     buffer's.
     """
 
-    options = frozenset({"prefetch", "parts_dir", "nproc", "memory_budget", "buffer_parts", "spill_dir"})
     cluster_mode = True
 
     def _fanouts(self) -> list[int]:

@@ -142,8 +142,6 @@ class FullBatch(GraphStrategy):
     last-bit differences of tiny gradients into ``±lr`` updates). Other models run as they are.
     """
 
-    options = frozenset({"memory_budget", "spill_dir", "parts_dir", "nproc", "timeout", "overlap", "staleness",
-                         "emulate_link"})
     batches_models = True
     #: Planner rewrites of model-batched steps (benchmarks turn them off to measure batching alone).
     rewrites: tuple[str, ...] = DEFAULT_REWRITES

@@ -83,7 +83,6 @@ class OutOfCoreFull(Strategy):
     """``--strategy full`` under ``--memory-budget`` (see the module docstring)."""
 
     name = "full"
-    options = frozenset({"memory_budget", "spill_dir"})
 
     #: Cap on the rows of a tile (None: the plan's); tests force one-row and seven-row tiles with it.
     max_tile_rows: ClassVar[int | None] = None

@@ -119,7 +119,6 @@ class PartitionedFull(Strategy):
     """Full-batch training of one part per rank (see the module docstring); ``full`` with ``--parts-dir``."""
 
     name = "full"
-    options = frozenset({"parts_dir", "nproc", "timeout", "overlap", "staleness", "emulate_link"})
 
     @classmethod
     def check_options(cls, cfg: TrainConfig) -> None:

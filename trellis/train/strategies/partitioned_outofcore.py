@@ -52,7 +52,6 @@ from trellis.utils.spill import SpillDir, check_spill_root
 class PartitionedOutOfCore(PartitionedFull):
     """``full`` with ``--parts-dir`` and ``--memory-budget`` (see the module docstring)."""
 
-    options = PartitionedFull.options | frozenset({"memory_budget", "spill_dir"})
     #: Cap on the rows of a tile (tests force small tiles with it).
     max_tile_rows: int | None = None
     #: Rows per peer and round of a halo exchange (None: from the budget; tests force many rounds with it).

@@ -76,7 +76,6 @@ class PrePropagation(Strategy):
     """Dense models over pre-propagated rows; evaluation scores the validation and test rows each epoch."""
 
     eval_splits = ("val", "test")
-    options = frozenset({"pp_dir", "pp_loader", "chunk_size", "memory_budget"})
 
     def load(self) -> None:
         """Open the store and its cache, choose the placement, and build the loaders."""

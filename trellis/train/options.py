@@ -1,0 +1,333 @@
+"""Typed options of each training strategy: one dataclass per ``--strategy``, validated by itself.
+
+Why: a strategy's options used to be loose fields of one flat config that every strategy could see and none
+owned, so the rules about them (``--buffer-parts`` needs ``--parts-dir``, ``--clusters-per-batch`` at most
+``--clusters``, ``--pp-dir`` required) lived in one long validator, and a Python caller had no type telling
+which options ``mini`` reads. Here each strategy's options are a frozen dataclass: its fields are the
+definitions (default, help, choices) that the CLI flags and :class:`~trellis.train.config.TrainConfig`'s
+fields are generated from, its :meth:`~StrategyOptions.validate` holds the strategy's rules, and an option
+that belongs to another strategy is refused by name (:func:`refuse_foreign`), never silently ignored.
+
+The run record (``config.json``, ``--set``, flags) stays flat, so runs written before keep resuming; the
+typed view is :attr:`TrainConfig.options`, and the library accepts it directly
+(``trellis.train(store, strategy=trellis.MiniOptions(fanouts="10,5"))``). Shared groups of options
+(the partition layout, the memory budget, the batch producer) are mixins, so each flag is defined once.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Protocol
+
+from trellis.errors import TrellisUserError
+from trellis.loader.blocks import parse_fanouts
+from trellis.utils.sizes import parse_size
+
+
+class TrainConfig(Protocol):
+    """What option rules read of the run's configuration (:class:`trellis.train.config.TrainConfig`)."""
+
+    strategy: str
+    layers: int
+    features: str
+
+#: ``--pp-loader`` choices (trellis.loader.pp.LOADERS; auto = the placement planner's choice).
+PP_LOADERS = ("auto", "naive", "naive-batch", "index", "prefetch", "chunk", "storage")
+
+#: ``--cluster-method`` choices (partitioners of trellis.partition, and ``hash`` = balanced random).
+CLUSTER_METHODS = ("metis", "grem", "hash")
+
+#: Seconds a distributed rank waits for its peers by default (``--timeout``).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+_BUDGET_HELP = ("full: cap on the process's peak memory (RssAnon), e.g. 3G; the graph is trained out of core in row "
+                "tiles with spill files, exactly as in memory (default: none, all in memory). mini/cluster with "
+                "--parts-dir: what the partition buffer plans its parts and cache in. pp: memory for the data "
+                "placement (default: 80%% of available RAM)")
+_BATCH_SIZE_HELP = "mini/pp: target nodes (mini) or rows (pp) per batch (default: 1024; pp 8192)"
+
+
+def opt(default: Any = None, help: str = "", *, choices: tuple[str, ...] | None = None,
+        metavar: str | None = None, resolved: bool = False) -> Any:
+    """An option field with its CLI help; ``resolved`` = None until the config fills the strategy's default."""
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
+                                            "resolved": resolved})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _at_least(name: str, value: int | None, low: int) -> None:
+    if value is not None and value < low:
+        raise TrellisUserError(f"{_flag(name)} must be an integer >= {low} (got {value})")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = difflib.get_close_matches(value, list(choices), n=1)
+        raise TrellisUserError(f"{_flag(name)} {value!r} is not one of {', '.join(choices)}"
+                               + (f"; did you mean {hint[0]!r}?" if hint else ""))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyOptions:
+    """Options of one strategy (the base has none: a user-registered strategy without options)."""
+
+    #: The ``--strategy`` these options belong to.
+    strategy: ClassVar[str] = ""
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        """Field names of this strategy's options."""
+        return frozenset(f.name for f in fields(cls))
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> StrategyOptions:
+        """This strategy's options read from a (flat) configuration."""
+        return cls(**{name: getattr(cfg, name) for name in cls.names()})
+
+    def validate(self, cfg: TrainConfig) -> None:
+        """Check the options against each other and the model; raise a user error naming the flag."""
+
+    def given(self, name: str) -> bool:
+        """Whether option ``name`` differs from its default (the user asked for it)."""
+        f = next(f for f in fields(self) if f.name == name)
+        return getattr(self, name) != (f.default if f.default is not MISSING else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Loader(StrategyOptions):
+    """How batches are prepared (mini, cluster)."""
+
+    prefetch: int = opt(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
+    samplers: int = opt(0, "mini/cluster: prepare batches in K worker processes (passed back through shared "
+                           "memory; the same batches as in-process preparation), 0 = in this process (default: 0)",
+                        metavar="K")
+
+    def validate(self, cfg: TrainConfig) -> None:
+        _at_least("prefetch", self.prefetch, 0)
+        _at_least("samplers", self.samplers, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Budget(StrategyOptions):
+    """A memory budget and where spills go."""
+
+    memory_budget: str | None = opt(None, _BUDGET_HELP, metavar="SIZE")
+    spill_dir: str | None = opt(None, "full with --memory-budget, mini/cluster with --parts-dir: where spill files "
+                                      "go; they are removed when the run ends (default: RUN_DIR/spill or a "
+                                      "temporary directory)", metavar="DIR")
+
+    def validate(self, cfg: TrainConfig) -> None:
+        if self.memory_budget is not None:
+            parse_size(self.memory_budget, flag="--memory-budget")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Parts(StrategyOptions):
+    """A partitioned layout and the ranks that train it."""
+
+    parts_dir: str | None = opt(None, "full: train partition-parallel on the partitioned layout PART_DIR (from "
+                                      "`trellis partition STORE --parts P --out PART_DIR`), one rank per part; "
+                                      "the result is the single process's. mini/cluster (with --nproc 1): train "
+                                      "from the layout through a partition buffer, K parts resident at a time "
+                                      "(default: none)", metavar="PART_DIR")
+    nproc: int | None = opt(None, "with --parts-dir: ranks to start on this machine (127.0.0.1, gloo; nccl with "
+                                  "--device cuda); full: must equal the layout's parts; mini/cluster: 1; under "
+                                  "torchrun the launcher's ranks are used instead (default: the number of parts)")
+
+    def validate(self, cfg: TrainConfig) -> None:
+        _at_least("nproc", self.nproc, 1)
+        if self.nproc is not None and self.parts_dir is None:
+            raise TrellisUserError("--nproc needs --parts-dir PART_DIR (ranks train the parts of a partitioned "
+                                   "layout; make one with `trellis partition STORE --parts P --out PART_DIR`)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Buffer(_Parts, _Budget, _Loader):
+    """Mini- and cluster-batch over a partition buffer (``--parts-dir``)."""
+
+    buffer_parts: int | None = opt(None, "mini/cluster with --parts-dir: parts resident in the partition buffer, "
+                                         "1..P (default: as many as --memory-budget holds; all without a budget)",
+                                   metavar="K")
+
+    def _needs_parts(self, names: Sequence[str]) -> None:
+        if self.parts_dir is not None:
+            return
+        for name in names:
+            if name in self.names() and self.given(name):
+                raise TrellisUserError(
+                    f"{_flag(name)} applies to --strategy {self.strategy} with --parts-dir PART_DIR (a partition "
+                    f"buffer: `trellis partition STORE --out PART_DIR`); add it or drop {_flag(name)}")
+
+    def validate(self, cfg: TrainConfig) -> None:
+        _Loader.validate(self, cfg)
+        _Budget.validate(self, cfg)
+        _Parts.validate(self, cfg)
+        _at_least("buffer_parts", self.buffer_parts, 1)
+        self._needs_parts(["memory_budget", "spill_dir", "buffer_parts", "buffer_cache"])
+        if self.samplers > 0 and self.parts_dir is not None:
+            raise TrellisUserError("--samplers with --parts-dir: the partition buffer prepares its batches in this "
+                                   "process so far; drop --samplers")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullOptions(_Parts, _Budget):
+    """``--strategy full``: in memory, out of core (``memory_budget``) or partition-parallel (``parts_dir``)."""
+
+    strategy: ClassVar[str] = "full"
+    timeout: float = opt(DEFAULT_TIMEOUT_S, "full with --parts-dir: seconds a rank waits for its peers "
+                                            "(rendezvous, exchanges, barriers) before it fails (default: 300)")
+    overlap: bool = opt(False, "full with --parts-dir: start each layer's halo exchange asynchronously and "
+                               "aggregate the interior edges (local sources) while the rows travel, then the "
+                               "boundary edges; the result equals the blocking schedule's (to float rounding) "
+                               "(default: off)")
+    staleness: int = opt(0, "full with --parts-dir: layers use halo rows and halo gradients up to S epochs old "
+                            "while fresh ones travel (PipeGCN is 1); 0 = the exact synchronous engine (default: 0)",
+                         metavar="S")
+    emulate_link: str | None = opt(None, "full with --parts-dir: delay every exchange as a link of this rate and "
+                                         "latency would (it sleeps; no CPU is used), e.g. 100MB/s,1ms (default: "
+                                         "none)", metavar="RATE[,LATENCY]")
+
+    def validate(self, cfg: TrainConfig) -> None:
+        """Distributed options need ``--parts-dir``; spills need a budget; the link must parse."""
+        _Budget.validate(self, cfg)
+        _Parts.validate(self, cfg)
+        if not 0.0 < self.timeout < float("inf"):
+            raise TrellisUserError(f"--timeout must be a positive number of seconds (got {self.timeout})")
+        if self.staleness < 0:
+            raise TrellisUserError(f"--staleness must be 0 (exact) or a positive number of epochs (got "
+                                   f"{self.staleness})")
+        if self.parts_dir is None:
+            for name in ("timeout", "overlap", "staleness", "emulate_link"):
+                if self.given(name):
+                    raise TrellisUserError(f"{_flag(name)} applies to distributed runs only: add --parts-dir "
+                                           "PART_DIR (from `trellis partition STORE --parts P --out PART_DIR`) or "
+                                           "drop it")
+        if self.spill_dir is not None and self.memory_budget is None:
+            raise TrellisUserError("--spill-dir applies to --strategy full with --memory-budget only; add "
+                                   "--memory-budget SIZE or drop --spill-dir")
+        if self.emulate_link is not None:
+            from trellis.distributed.comm import Link
+
+            Link.parse(self.emulate_link)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MiniOptions(_Buffer):
+    """``--strategy mini``: neighbour-sampled mini-batches, in memory or through a partition buffer."""
+
+    strategy: ClassVar[str] = "mini"
+    fanouts: str | None = opt(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "
+                                    "(default: 15,10 for 2 layers; 15,10,5,5,... for more)", metavar="F1,F2,...",
+                              resolved=True)
+    batch_size: int | None = opt(None, _BATCH_SIZE_HELP, resolved=True)
+    labor: bool = opt(False, "mini: LABOR (layer-neighbour) sampling instead of uniform (default: off)")
+    buffer_cache: str | None = opt(None, "mini with --parts-dir: memory for the cache of rows outside the buffer "
+                                         "most likely to be sampled, e.g. 256M; 0 = sample inside the buffer only "
+                                         "(default: what --memory-budget leaves after the parts)", metavar="SIZE")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fanouts, (list, tuple)):  # the library may pass [15, 10]
+            object.__setattr__(self, "fanouts", ",".join(str(int(f)) for f in self.fanouts))
+
+    def validate(self, cfg: TrainConfig) -> None:
+        """The buffer's rules, and one fanout per layer."""
+        super().validate(cfg)
+        _at_least("batch_size", self.batch_size, 1)
+        parse_fanouts(self.fanouts or "", cfg.layers)
+        if self.buffer_cache is not None:
+            parse_size(self.buffer_cache, flag="--buffer-cache")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterOptions(_Buffer):
+    """``--strategy cluster``: batches of merged clusters, or of the resident parts of a partition buffer."""
+
+    strategy: ClassVar[str] = "cluster"
+    clusters: int = opt(32, "cluster: number of clusters the graph is split into (default: 32)")
+    clusters_per_batch: int = opt(4, "cluster: clusters merged into one batch (default: 4)")
+    boundary_hops: int = opt(0, "cluster: hops of boundary neighbours added as extra sources, 0-2 (default: 0)")
+    cluster_method: str = opt("metis", "cluster: partitioner making the clusters (default: metis)",
+                              choices=CLUSTER_METHODS)
+
+    def validate(self, cfg: TrainConfig) -> None:
+        """The buffer's rules; clusters per batch within the clusters; no cluster options over a layout."""
+        super().validate(cfg)
+        _at_least("clusters", self.clusters, 1)
+        _at_least("clusters_per_batch", self.clusters_per_batch, 1)
+        if self.boundary_hops not in (0, 1, 2):
+            raise TrellisUserError(f"--boundary-hops must be 0, 1 or 2 (got {self.boundary_hops})")
+        if self.clusters_per_batch > self.clusters:
+            raise TrellisUserError(f"--clusters-per-batch {self.clusters_per_batch} exceeds --clusters "
+                                   f"{self.clusters}; a batch cannot hold more clusters than there are")
+        _choice("cluster_method", self.cluster_method, CLUSTER_METHODS)
+        if self.parts_dir is not None:
+            for name in ("clusters", "clusters_per_batch", "boundary_hops", "cluster_method"):
+                if self.given(name):
+                    raise TrellisUserError(f"{_flag(name)} does not apply with --parts-dir: a batch is the buffer's "
+                                           "resident parts (the layout's parts are the clusters); drop it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOptions(StrategyOptions):
+    """``--strategy pp``: SGC/SIGN/HOGA on a pre-propagated cache."""
+
+    strategy: ClassVar[str] = "pp"
+    pp_dir: str | None = opt(None, "pp: pre-propagated cache from `trellis preprocess STORE --out PP_DIR`",
+                             metavar="PP_DIR")
+    pp_loader: str = opt("auto", "pp: data loader; auto = the placement planner's choice from --memory-budget "
+                                 "(default: auto)", choices=PP_LOADERS)
+    chunk_size: int | None = opt(None, "pp: chunk reshuffling chunk in rows, 1 = exact reshuffling (default: the "
+                                       "placement's choice)")
+    batch_size: int | None = opt(None, _BATCH_SIZE_HELP, resolved=True)
+    memory_budget: str | None = opt(None, _BUDGET_HELP, metavar="SIZE")
+
+    def validate(self, cfg: TrainConfig) -> None:
+        """A cache is required; the store's features are what it was built from."""
+        if self.memory_budget is not None:
+            parse_size(self.memory_budget, flag="--memory-budget")
+        _at_least("batch_size", self.batch_size, 1)
+        if cfg.features != "store":
+            raise TrellisUserError(f"--features {cfg.features} does not apply to --strategy pp: it trains on the "
+                                   "pre-propagated features of PP_DIR")
+        if self.pp_dir is None:
+            raise TrellisUserError("--strategy pp needs --pp-dir PP_DIR (build it with `trellis preprocess "
+                                   "STORE --out PP_DIR`)")
+        _at_least("chunk_size", self.chunk_size, 1)
+        _choice("pp_loader", self.pp_loader, PP_LOADERS)
+
+
+#: ``--strategy`` name -> its options (a strategy registered without options has none).
+OPTIONS: dict[str, type[StrategyOptions]] = {c.strategy: c for c in (FullOptions, MiniOptions, ClusterOptions,
+                                                                    PPOptions)}
+
+
+def options_class(strategy: str) -> type[StrategyOptions]:
+    """The options type of ``strategy`` (the empty base for a strategy that declared none)."""
+    return OPTIONS.get(strategy, StrategyOptions)
+
+
+def option_fields() -> dict[str, Any]:
+    """Every strategy option's dataclass field by name (each defined once, in the class that owns it)."""
+    out: dict[str, Any] = {}
+    for cls in OPTIONS.values():
+        for f in fields(cls):
+            out.setdefault(f.name, f)
+    return out
+
+
+def refuse_foreign(cfg: TrainConfig) -> None:
+    """Refuse an option set away from its default that ``cfg.strategy`` does not read, naming who reads it."""
+    own = options_class(cfg.strategy).names()
+    for name, f in sorted(option_fields().items()):
+        if name in own or f.metadata.get("resolved"):
+            continue  # resolved fields (batch size, fanouts) always hold a value
+        if getattr(cfg, name) != f.default:
+            users = [s for s, c in OPTIONS.items() if name in c.names()]
+            raise TrellisUserError(f"{_flag(name)} does not apply to --strategy {cfg.strategy}; it applies to "
+                                   f"--strategy {' and '.join(users)} (drop it, or choose that strategy)")
