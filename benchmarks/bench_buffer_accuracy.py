@@ -9,7 +9,9 @@ validation epoch (exact layer-wise evaluation in every case):
 * ``memory``: ``--strategy mini`` (the whole graph sampled);
 * ``buffer+cache``: ``--buffer-parts K`` plus a cache of ``--cache-frac`` of the rows ranked by inclusion
   probability (the design Trellis uses under a budget);
-* ``in-buffer only``: ``--buffer-parts K`` and ``--buffer-cache 0`` (MariusGNN's in-buffer sampling).
+* ``in-buffer only``: ``--buffer-parts K`` and ``--buffer-cache 0`` (MariusGNN's in-buffer sampling);
+* ``buffer + replay``: in-buffer sampling plus ``--buffer-replay R`` rehearsal batches (``--replay``), which
+  keep min-cut parts that follow the labels from skewing the model (``--configs`` picks among these).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-buffer-parts", type=int, default=0,
                    help="resident parts of the buffer+cache configuration (default: --buffer-parts)")
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--replay", type=int, default=128,
+                   help="--buffer-replay of the 'buffer + replay' configuration (in-buffer sampling plus "
+                        "rehearsal batches; default: 128)")
     a = p.parse_args(argv)
 
     from trellis.data.store import GraphStore
@@ -75,7 +80,9 @@ def main(argv: list[str] | None = None) -> None:
             configs = {"memory": {}, "buffer+cache": dict(parts_dir=str(layout),
                                                           buffer_parts=a.cache_buffer_parts or a.buffer_parts,
                                                           buffer_cache=str(cache)),
-                       "in-buffer only": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0")}
+                       "in-buffer only": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0"),
+                       "buffer + replay": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0",
+                                               buffer_replay=a.replay)}
             configs = {k: v for k, v in configs.items() if k in a.configs.split(",")}
             acc: dict[str, list[float]] = {k: [] for k in configs}
             epoch_s: dict[str, list[float]] = {k: [] for k in configs}

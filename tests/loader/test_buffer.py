@@ -128,6 +128,41 @@ def test_buffer_batches_only_read_resident_rows(layout, sbm_store, capacity, cac
         buf.close()
 
 
+def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
+    """After each step's last batch come the kept batches of the parts not resident, one resident part's weight
+    each; they are not targets of the epoch (every training node is still a target exactly once)."""
+    store = GraphStore(sbm_store)
+    train = np.asarray(store.split("train"), dtype=np.int64)
+    degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
+    x, y = np.asarray(store.x), torch.from_numpy(np.array(store.y))
+    part_of = np.asarray(np.load(layout.path / "node_parts.npy"))
+    buf = PartitionBuffer(layout, 2, [5, 5], train, 16, y=y, degree=degree, prefetch=1, replay=4)
+    try:
+        targets, steps, rehearsed = [], 0, 0
+        resident: set[int] = set()
+        for batch in buf.epoch(1):
+            assert torch.equal(batch.x, torch.from_numpy(x[batch.node_ids.numpy()]))  # the right rows, kept
+            if not batch.replay:
+                targets.append(batch.targets.numpy())
+                resident = set(part_of[batch.targets.numpy()].tolist())
+                continue
+            rehearsed += 1
+            parts = set(part_of[batch.targets.numpy()].tolist())
+            assert len(parts) == 1 and not parts & resident and batch.num_targets <= 4
+            assert batch.step_weight == 0.5 and torch.equal(batch.y, y[batch.targets])
+            steps += batch.step_end
+        assert np.array_equal(np.sort(np.concatenate(targets)), np.sort(train))
+        assert rehearsed > 0 and steps > 0
+        carry = buf.carry
+        again = [(b.replay, b.node_ids.clone()) for b in buf.epoch(1)]
+        buf.carry = carry  # a resumed run restores the carry: the epoch, rehearsals included, is the same
+        first = [(b.replay, b.node_ids) for b in buf.epoch(1)]
+        assert len(again) == len(first)
+        assert all(ra == rb and torch.equal(a, b) for (ra, a), (rb, b) in zip(again, first))
+    finally:
+        buf.close()
+
+
 @pytest.mark.parametrize("sizes,batch", [([10], 4), ([3, 5, 0, 9], 4), ([2, 2, 2], 8), ([7, 1], 1)])
 def test_steps_span_states(sizes, batch):
     """An epoch takes ceil(T / B) optimizer steps of B targets, whichever states they come from."""

@@ -185,7 +185,7 @@ def test_kill_9_mid_epoch_and_resume_give_the_uninterrupted_losses(sbm_store, p4
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     args = ["--strategy", "mini", "--model", "sage", "--fanouts", "4,3", "--batch-size", "16", "--hidden", "16",
-            "--parts-dir", str(p4), "--nproc", "1", "--buffer-parts", "2", "--device", "cpu"]
+            "--parts-dir", str(p4), "--nproc", "1", "--buffer-parts", "2", "--buffer-replay", "8", "--device", "cpu"]
     proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(sbm_store), *args, "--epochs", "400",
                              "--patience", "400", "--checkpoint-every", "1", "--no-progress", "--out", str(out)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -58,6 +58,7 @@ class Batch:
     stats: dict[str, float] = field(default_factory=dict)
     step_end: bool = True
     step_weight: float = 1.0
+    replay: bool = False
 
     @property
     def targets(self) -> Tensor:

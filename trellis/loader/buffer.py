@@ -29,6 +29,7 @@ features, not the store's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -465,13 +466,16 @@ class PartitionBuffer:
         cluster_layers: Cluster-batch mode for a model of this many layers (0 = neighbour batches): every
             buffer state is one batch, the subgraph induced by its resident parts (GraphTheta's cluster-batch
             with clusters = parts), with the loss on the state's targets.
+        replay: Rehearsal targets kept per part (0 = none): each step also trains on the kept batches of the
+            parts not resident, so a state whose parts hold few classes (min-cut parts of a homophilous
+            graph) does not drive the model to those classes (see ``docs/minibatch.md``).
     """
 
     def __init__(self, layout: PartitionedGraph, capacity: int, fanouts: Sequence[int], train_ids: np.ndarray,
                  batch_size: int, *, y: Tensor | None, degree: np.ndarray, feature_norm: str = "none",
                  cache_rows: int = 0, labor: bool = False, seed: int = 0, device: torch.device | str = "cpu",
                  prefetch: int = 2, edge_weight: Tensor | None = None, edge_feat: Tensor | None = None,
-                 cluster_layers: int = 0) -> None:
+                 cluster_layers: int = 0, replay: int = 0) -> None:
         self.layout = layout
         self.path = Path(layout.path)
         self.num_parts = layout.num_parts
@@ -488,6 +492,7 @@ class PartitionBuffer:
         self.y = y
         self.edge_weight, self.edge_feat = edge_weight, edge_feat
         self.cluster_layers = int(cluster_layers)
+        self.replay = int(replay)
         parts_info = layout.manifest["parts"]
         self.part_rows = np.array([int(p["num_local"]) for p in parts_info], dtype=np.int64)
         self.max_rows = int(self.part_rows.max()) if self.part_rows.size else 0
@@ -706,6 +711,43 @@ class PartitionBuffer:
             return batch.to(self.device, non_blocking=True)
         return batch
 
+    def _rehearse(self, sampler: NeighborSampler, state: BufferState, plan: BufferEpoch, k: int,
+                  pool: dict[int, Batch]) -> None:
+        """Keep up to ``replay`` of ``state``'s targets per resident part as that part's rehearsal batch.
+
+        The batch is sampled from the state's graph and its rows copied out of the arena, so it stays valid
+        after the part is evicted.
+        """
+        rng = np.random.default_rng(mix64(self.seed, plan.epoch, 0x4E91, k) >> 1)
+        of_part = self.node_part[state.targets]
+        for p in state.parts:
+            mine = state.targets[of_part == p]
+            if mine.shape[0] == 0:
+                continue
+            pick = np.sort(mine[rng.choice(mine.shape[0], size=min(self.replay, mine.shape[0]), replace=False)])
+            rb = sampler.sample(pick, int(rng.integers(0, 2**62)))
+            rb.x = torch.from_numpy(self.arena[self.slot_of[rb.node_ids.numpy()]])
+            if self.y is not None:
+                rb.y = self.y.index_select(0, rb.targets.to(self.y.device))
+            rb.replay = True
+            pool[int(p)] = rb if self.device.type == "cpu" else rb.to(self.device, non_blocking=True)
+
+    def _with_replay(self, batch: Batch, state: BufferState, pool: dict[int, Batch]) -> Iterator[Batch]:
+        """``batch``, then (at a step's end) the rehearsal batches of the parts not resident.
+
+        Each is weighted as one resident part's share of the step, so every part weighs the same in the
+        step's gradient whichever parts are resident.
+        """
+        away = [p for p in sorted(pool) if p not in state.parts]
+        if not (batch.step_end and away):
+            yield batch
+            return
+        batch.step_end = False
+        yield batch
+        share = 1.0 / max(1, len(state.parts))
+        for i, p in enumerate(away):
+            yield dataclasses.replace(pool[p], step_end=i == len(away) - 1, step_weight=share, index=batch.index)
+
     def _cluster_batch(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch,
                        k: int) -> Batch:
         """The state as one cluster-batch: the subgraph induced by its resident parts, loss on its targets."""
@@ -750,6 +792,7 @@ class PartitionBuffer:
         stats.load_wait_s += time.perf_counter() - t0
         pending: Future[tuple[PartRows, StateGraph, float]] | None = None
         pending_slot = -1
+        pool: dict[int, Batch] = {}  # part -> its rehearsal batch (this epoch's: a resumed epoch rebuilds it)
         t0 = time.perf_counter()
         graph = self._state_graph(plan.states[0])
         stats.extra["state_build_s"] = time.perf_counter() - t0
@@ -775,8 +818,14 @@ class PartitionBuffer:
                 if self.cluster_layers:
                     yield self._cluster_batch(sampler, eids, state, plan, k)
                     continue
+                if self.replay:
+                    self._rehearse(sampler, state, plan, k, pool)
                 for j in range(state.num_batches):
-                    yield self._build(sampler, eids, state, plan, j)
+                    batch = self._build(sampler, eids, state, plan, j)
+                    if self.replay:
+                        yield from self._with_replay(batch, state, pool)
+                    else:
+                        yield batch
         finally:
             if pending is not None:  # stopped early: the slot being read is free again once the read ends
                 try:

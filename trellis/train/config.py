@@ -182,6 +182,7 @@ class TrainConfig:
     parts_dir: str | None = _opt("parts_dir")
     buffer_parts: int | None = _opt("buffer_parts")
     buffer_cache: str | None = _opt("buffer_cache")
+    buffer_replay: int = _opt("buffer_replay")
     nproc: int | None = _opt("nproc")
     timeout: float = _opt("timeout")
     overlap: bool = _opt("overlap")

@@ -169,7 +169,7 @@ class _Buffer(_Parts, _Budget, _Loader):
         _Budget.validate(self, cfg)
         _Parts.validate(self, cfg)
         _at_least("buffer_parts", self.buffer_parts, 1)
-        self._needs_parts(["memory_budget", "spill_dir", "buffer_parts", "buffer_cache"])
+        self._needs_parts(["memory_budget", "spill_dir", "buffer_parts", "buffer_cache", "buffer_replay"])
         if self.samplers > 0 and self.parts_dir is not None:
             raise TrellisUserError("--samplers with --parts-dir: the partition buffer prepares its batches in this "
                                    "process so far; drop --samplers")
@@ -231,6 +231,12 @@ class MiniOptions(_Buffer):
                                          "most likely to be sampled, e.g. 256M; 0 = sample inside the buffer only "
                                          "(default: what --memory-budget leaves after the parts)", metavar="SIZE")
 
+    buffer_replay: int = opt(0, "mini with --parts-dir: targets per part kept as rehearsal batches (their sampled "
+                                "subgraphs and rows, taken while the part is resident); every step also trains "
+                                "on those of the parts not resident, each weighted as a resident part, so states "
+                                "whose parts hold few classes do not skew the model; 0 = off (default: 0)",
+                             metavar="R")
+
     def __post_init__(self) -> None:
         if isinstance(self.fanouts, (list, tuple)):  # the library may pass [15, 10]
             object.__setattr__(self, "fanouts", ",".join(str(int(f)) for f in self.fanouts))
@@ -239,6 +245,7 @@ class MiniOptions(_Buffer):
         """The buffer's rules, and one fanout per layer."""
         super().validate(cfg)
         _at_least("batch_size", self.batch_size, 1)
+        _at_least("buffer_replay", self.buffer_replay, 0)
         parse_fanouts(self.fanouts or "", cfg.layers)
         if self.buffer_cache is not None:
             parse_size(self.buffer_cache, flag="--buffer-cache")

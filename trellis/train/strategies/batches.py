@@ -78,8 +78,9 @@ class BatchStrategy(GraphStrategy):
             if loss is not None:
                 (loss if batch.step_weight == 1.0 else loss * batch.step_weight).backward()
                 backed = True
-                total += loss.detach().to(torch.float64) * n
-                count += n
+                if not batch.replay:  # a rehearsed batch is not one of the epoch's targets
+                    total += loss.detach().to(torch.float64) * n
+                    count += n
             if batch.step_end:  # a partition buffer's step may span batches of two buffer states
                 if backed:
                     optimizer.step()

@@ -162,7 +162,8 @@ class BufferedMini(BatchStrategy):
             frontier *= max(1, f) if f > 0 else 32
             inputs += frontier
         inputs = min(inputs, layout.num_nodes)
-        return int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5), 0
+        replay = min(layout.num_nodes, layout.num_parts * cfg.buffer_replay * inputs // max(1, cfg.batch_size))
+        return int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5 + replay * dim * 4 * 1.5), 0
 
     def _fanouts(self) -> list[int]:
         return parse_fanouts(self.cfg.fanouts, self.cfg.layers)
@@ -179,7 +180,8 @@ class BufferedMini(BatchStrategy):
                               cfg.batch_size, y=d.y, degree=degree, feature_norm=self.feature_norm,
                               cache_rows=self.plan.cache_rows, labor=cfg.labor, device=self.device,
                               prefetch=cfg.prefetch, edge_weight=d.edge_weight, edge_feat=d.edge_feat,
-                              cluster_layers=cfg.layers if self.cluster_mode else 0)
+                              cluster_layers=cfg.layers if self.cluster_mode else 0,
+                              replay=0 if self.cluster_mode else cfg.buffer_replay)
         if cfg.progress and self.plan.cache_rows:
             print(f"buffer: {self.plan.capacity} of {self.layout.num_parts} parts resident, cache of "
                   f"{self.plan.cache_rows:,} rows filled in {buf.cache_fill_s:.1f} s", file=sys.stderr)
