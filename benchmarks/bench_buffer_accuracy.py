@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(name, seed, {k: round(v[-1], 4) for k, v in acc.items()}, flush=True)
             results[name] = acc
             ref = statistics.mean(acc["memory"]) if "memory" in acc else 0.0
-            print(f"\n{name}: {a.parts} parts, {a.buffer_parts} resident, cache {a.cache_frac:.1%} of rows, "
+            parts = json.loads((layout / "manifest.json").read_text())["num_parts"]
+            print(f"\n{name}: {parts} parts, {a.buffer_parts} resident, cache {a.cache_frac:.1%} of rows, "
                   f"{a.seeds} seeds (mean ± std test accuracy)")
             for label, v in acc.items():
                 sd = statistics.stdev(v) if len(v) > 1 else 0.0
