@@ -36,6 +36,8 @@ class BufferCosts:
         batch_bytes: Feature rows and activations of the batches in flight.
         baseline: The process's ``RssAnon`` before any of it (interpreter, torch, compiled kernels).
         batch_bytes_per_slot: What a batch costs per resident part (cluster-batches hold every resident row).
+        eval_bytes: What scoring holds at its peak: the scored rows' logits, one split's copy of them and the
+            metrics' per-row temporaries (on a graph of 24M nodes, 16 classes: about 3 GiB).
     """
 
     num_nodes: int
@@ -47,6 +49,7 @@ class BufferCosts:
     batch_bytes: int
     baseline: int
     batch_bytes_per_slot: int = 0
+    eval_bytes: int = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -57,7 +60,8 @@ class BufferCosts:
     @property
     def fixed_bytes(self) -> int:
         """Everything but the slots and the cache."""
-        return self.baseline + self.num_nodes * NODE_BYTES + self.model_bytes + self.batch_bytes + MARGIN_BYTES
+        return (self.baseline + self.num_nodes * NODE_BYTES + self.model_bytes + self.batch_bytes + self.eval_bytes
+                + MARGIN_BYTES)
 
     def cache_row_bytes(self, avg_degree: float) -> int:
         """One cached row: its features and its in-edges."""
@@ -80,6 +84,7 @@ class BufferPlan:
         rows = [("process baseline", c.baseline), (f"O(N) maps and vectors ({c.num_nodes:,} nodes)",
                                                    c.num_nodes * NODE_BYTES),
                 ("model + optimizer", c.model_bytes), ("batches in flight", c.batch_bytes),
+                ("evaluation (scored rows' logits, a split's copy, metrics)", c.eval_bytes),
                 (f"part slots: {self.capacity} resident + {slots - self.capacity} reading "
                  f"(of {c.num_parts} parts)", slots * c.slot_bytes),
                 (f"cache ({self.cache_rows:,} rows by inclusion probability)", self.cache_rows * c.row_bytes)]

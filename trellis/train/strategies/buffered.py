@@ -146,8 +146,9 @@ class BufferedMini(BatchStrategy):
         batch_bytes, per_slot = self._batch_bytes(layout, rows, dim)
         h = cfg.hidden
         params = dim * h * 2 + h * h * 2 * max(0, cfg.layers - 2) + h * self.spec.out_dim * 2
+        scored = int(np.unique(torch.cat(list(self.data.splits.values())).cpu().numpy()).shape[0])
         costs = BufferCosts(layout.num_nodes, layout.num_parts, rows, edges, dim * 4, params * 16, batch_bytes,
-                            baseline, per_slot)
+                            baseline, per_slot, eval_bytes=scored * (self.spec.out_dim * 4 * 2 + 16))
         cache = None if cfg.buffer_cache is None else parse_size(cfg.buffer_cache, flag="--buffer-cache")
         if self.cluster_mode:
             cache = 0  # a cluster-batch is the induced subgraph of the resident parts: no rows from outside
