@@ -130,7 +130,8 @@ def test_buffer_batches_only_read_resident_rows(layout, sbm_store, capacity, cac
 
 def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
     """After each step's last batch come the kept batches of the parts not resident, one resident part's weight
-    each; they are not targets of the epoch (every training node is still a target exactly once)."""
+    each; they are not targets of the epoch (every training node is still a target exactly once), and they
+    survive a checkpoint."""
     store = GraphStore(sbm_store)
     train = np.asarray(store.split("train"), dtype=np.int64)
     degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
@@ -153,12 +154,14 @@ def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
             steps += batch.step_end
         assert np.array_equal(np.sort(np.concatenate(targets)), np.sort(train))
         assert rehearsed > 0 and steps > 0
-        carry = buf.carry
-        again = [(b.replay, b.node_ids.clone()) for b in buf.epoch(1)]
-        buf.carry = carry  # a resumed run restores the carry: the epoch, rehearsals included, is the same
-        first = [(b.replay, b.node_ids) for b in buf.epoch(1)]
+        state = buf.state_dict()  # the carry and the rehearsal batches, as a checkpoint holds them
+        assert len(state["pool"]) == 4
+        again = [(b.replay, b.node_ids.clone(), b.x.clone(), b.step_weight) for b in buf.epoch(1)]
+        buf.load_state_dict(state)  # a resumed run: the same epoch, rehearsals included
+        first = [(b.replay, b.node_ids.clone(), b.x.clone(), b.step_weight) for b in buf.epoch(1)]
         assert len(again) == len(first)
-        assert all(ra == rb and torch.equal(a, b) for (ra, a), (rb, b) in zip(again, first))
+        assert all(a[0] == b[0] and a[3] == b[3] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+                   for a, b in zip(again, first))
     finally:
         buf.close()
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ from trellis.loader.blocks import Batch, attach_edge_data
 from trellis.loader.cluster import induced_subgraph, prefix_blocks
 from trellis.loader.features import FeatureGather, FeatureSource, expand_ranges, gather_rows, normalize_rows_, np_int64
 from trellis.loader.prefetch import prefetch_iter
-from trellis.loader.sampler import NeighborSampler, batch_seed, mix64
+from trellis.loader.sampler import LazyReverseBlock, NeighborSampler, batch_seed, mix64
 from trellis.partition.layout import PartitionedGraph, part_dir_name
 from trellis.utils.memory import proc_io
 from trellis.utils.numba import njit
@@ -468,7 +469,8 @@ class PartitionBuffer:
             with clusters = parts), with the loss on the state's targets.
         replay: Rehearsal targets kept per part (0 = none): each step also trains on the kept batches of the
             parts not resident, so a state whose parts hold few classes (min-cut parts of a homophilous
-            graph) does not drive the model to those classes (see ``docs/minibatch.md``).
+            graph) does not drive the model to those classes (see ``docs/minibatch.md``). A part's batch is
+            replaced each time the part is resident and kept across epochs (:meth:`state_dict` holds it).
     """
 
     def __init__(self, layout: PartitionedGraph, capacity: int, fanouts: Sequence[int], train_ids: np.ndarray,
@@ -523,6 +525,8 @@ class PartitionBuffer:
         #: The previous epoch's last state: the next epoch starts from it (its parts are still resident). Part
         #: of a run's checkpointed state (:meth:`state_dict`), so a resumed run plans the same epochs.
         self.carry: tuple[int, ...] | None = None
+        #: Part -> its rehearsal batch (``replay``), kept across epochs and checkpointed with the carry.
+        self.pool: dict[int, Batch] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-buffer-io")
         self._lock = threading.Lock()
         if cache_rows > 0:
@@ -700,18 +704,23 @@ class PartitionBuffer:
             if self.cache_piece is not None:
                 self.stats.cache_inputs += int(np.count_nonzero(self.slot_of[ids] >= self.cache_base))
         batch.x = self.features.gather(batch.node_ids, index)
+        return self._finish(batch, eids)
+
+    def _finish(self, batch: Batch, eids: np.ndarray | None) -> Batch:
+        """Labels, edge data (``eids``: the state CSR's positions -> store edge ids; None: already store ids)."""
         if self.y is not None:
             batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
         if self.edge_weight is not None or self.edge_feat is not None:
-            for b in {id(b): b for b in batch.blocks}.values():  # positions in the state's CSR -> store edge ids
-                assert b.edge_ids is not None
-                b.edge_ids = torch.from_numpy(eids[b.edge_ids.numpy()])
+            if eids is not None:
+                for b in {id(b): b for b in batch.blocks}.values():
+                    assert b.edge_ids is not None
+                    b.edge_ids = torch.from_numpy(eids[b.edge_ids.numpy()])
             attach_edge_data(batch.blocks, self.edge_weight, self.edge_feat)
         if self.device.type != "cpu":
             return batch.to(self.device, non_blocking=True)
         return batch
 
-    def _rehearse(self, sampler: NeighborSampler, state: BufferState, plan: BufferEpoch, k: int,
+    def _rehearse(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch, k: int,
                   pool: dict[int, Batch]) -> None:
         """Keep up to ``replay`` of ``state``'s targets per resident part as that part's rehearsal batch.
 
@@ -727,10 +736,8 @@ class PartitionBuffer:
             pick = np.sort(mine[rng.choice(mine.shape[0], size=min(self.replay, mine.shape[0]), replace=False)])
             rb = sampler.sample(pick, int(rng.integers(0, 2**62)))
             rb.x = torch.from_numpy(self.arena[self.slot_of[rb.node_ids.numpy()]])
-            if self.y is not None:
-                rb.y = self.y.index_select(0, rb.targets.to(self.y.device))
             rb.replay = True
-            pool[int(p)] = rb if self.device.type == "cpu" else rb.to(self.device, non_blocking=True)
+            pool[int(p)] = self._finish(rb, eids)
 
     def _with_replay(self, batch: Batch, state: BufferState, pool: dict[int, Batch]) -> Iterator[Batch]:
         """``batch``, then (at a step's end) the rehearsal batches of the parts not resident.
@@ -792,7 +799,7 @@ class PartitionBuffer:
         stats.load_wait_s += time.perf_counter() - t0
         pending: Future[tuple[PartRows, StateGraph, float]] | None = None
         pending_slot = -1
-        pool: dict[int, Batch] = {}  # part -> its rehearsal batch (this epoch's: a resumed epoch rebuilds it)
+        pool = self.pool
         t0 = time.perf_counter()
         graph = self._state_graph(plan.states[0])
         stats.extra["state_build_s"] = time.perf_counter() - t0
@@ -819,7 +826,7 @@ class PartitionBuffer:
                     yield self._cluster_batch(sampler, eids, state, plan, k)
                     continue
                 if self.replay:
-                    self._rehearse(sampler, state, plan, k, pool)
+                    self._rehearse(sampler, eids, state, plan, k, pool)
                 for j in range(state.num_batches):
                     batch = self._build(sampler, eids, state, plan, j)
                     if self.replay:
@@ -843,14 +850,40 @@ class PartitionBuffer:
         self.carry = plan.states[-1].parts  # only once the whole epoch was produced
         stats.extra["storage_bytes_read"] = float(proc_io().get("read_bytes", 0) - io0)
 
-    def state_dict(self) -> dict[str, list[int]]:
-        """What a resumed run needs to plan the same epochs: the last state's parts."""
-        return {"carry": [] if self.carry is None else list(self.carry)}
+    def reset(self) -> None:
+        """A new run: the first epoch draws its first state, and no part has a rehearsal batch yet."""
+        self.carry = None
+        self.pool = {}
 
-    def load_state_dict(self, state: dict[str, list[int]]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to produce the same epochs: the last state's parts and the rehearsal batches.
+
+        Only tensors, numbers and lists (a checkpoint loads with ``weights_only=True``); a rehearsal batch's
+        blocks are rebuilt on load as the sampler builds them.
+        """
+        pool = {str(p): {"node_ids": b.node_ids, "x": b.x.cpu() if b.x is not None else None,
+                         "num_targets": b.num_targets,
+                         "blocks": [{"indptr": g.indptr.cpu(), "indices": g.indices.cpu(), "num_src": g.num_src,
+                                     "edge_ids": None if g.edge_ids is None else g.edge_ids.cpu(),
+                                     "lazy": isinstance(g, LazyReverseBlock)} for g in b.blocks]}
+                for p, b in self.pool.items()}
+        return {"carry": [] if self.carry is None else list(self.carry), "pool": pool}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (an empty carry: the next epoch draws its first state)."""
         carry = state.get("carry") or []
         self.carry = tuple(int(p) for p in carry) if carry else None
+        self.pool = {}
+        for p, d in (state.get("pool") or {}).items():
+            ids = d["node_ids"].cpu()
+            blocks = []
+            for g in d["blocks"]:
+                block = self.sampler.block(g["indptr"].numpy(), g["indices"].numpy(), np.zeros(0, dtype=np.int64),
+                                           int(g["num_src"]), ids, lazy_reverse=bool(g["lazy"]))
+                block.edge_ids = g["edge_ids"]
+                blocks.append(block)
+            batch = Batch(blocks=blocks, node_ids=ids, num_targets=int(d["num_targets"]), x=d["x"], replay=True)
+            self.pool[int(p)] = self._finish(batch, None)
 
     def close(self) -> None:
         """Stop the reading thread."""

@@ -430,12 +430,13 @@ class NeighborSampler:
         blocks: list[CSRGraph] = []
         for indptr, local, eid, _, num_src in reversed(blocks_top_down):
             # the input block's reverse is built only if a backward pass asks for it (LazyReverseBlock)
-            blocks.append(self._block(indptr, local, eid, num_src, ids_t, lazy_reverse=not blocks))
+            blocks.append(self.block(indptr, local, eid, num_src, ids_t, lazy_reverse=not blocks))
         stats["inputs"] = float(n)
         return Batch(blocks=blocks, node_ids=ids_t, num_targets=int(seeds.shape[0]), seed=int(seed), stats=stats)
 
-    def _block(self, indptr: np.ndarray, local: np.ndarray, eid: np.ndarray, num_src: int,
-               node_ids: Tensor, *, lazy_reverse: bool = False) -> CSRGraph:
+    def block(self, indptr: np.ndarray, local: np.ndarray, eid: np.ndarray, num_src: int,
+              node_ids: Tensor, *, lazy_reverse: bool = False) -> CSRGraph:
+        """One block as :meth:`sample` builds it: its reverse (unless lazy) and its sources' global degrees."""
         cls = LazyReverseBlock if lazy_reverse or not self.reverse else CSRGraph
         g = cls(torch.from_numpy(indptr), torch.from_numpy(local), int(num_src), node_ids=node_ids[:num_src])
         g.edge_ids = torch.from_numpy(eid)

@@ -197,7 +197,7 @@ class BufferedMini(BatchStrategy):
 
     def begin_run(self, seed: int) -> None:
         """A run plans its first epoch afresh (as a resumed run at that point would)."""
-        self.loader.carry = None
+        self.loader.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """The buffer's last state (the next epoch starts from it)."""
