@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
                                       checkpoint_every=0, **kw)
                     summary = train(cfg)
                     acc[label].append(float(summary["test_acc_mean"]))
+                    last = (root / f"{name}-{label}-{seed}" / "metrics.jsonl").read_text().splitlines()[-1]
+                    if "replay_rows" in last:  # the rehearsal batches' rows, against the data's
+                        print(f"  {label}: rehearsal holds {json.loads(last)['replay_rows'] / s.num_nodes:.1%} of "
+                              "the rows", flush=True)
                     epoch_s[label].append(float(summary["epoch_time_s_median"]))
                 print(name, seed, {k: round(v[-1], 4) for k, v in acc.items()}, flush=True)
             results[name] = acc

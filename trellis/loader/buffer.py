@@ -469,15 +469,17 @@ class PartitionBuffer:
             with clusters = parts), with the loss on the state's targets.
         replay: Rehearsal targets kept per part (0 = none): each step also trains on the kept batches of the
             parts not resident, so a state whose parts hold few classes (min-cut parts of a homophilous
-            graph) does not drive the model to those classes (see ``docs/minibatch.md``). A part's batch is
-            replaced each time the part is resident and kept across epochs (:meth:`state_dict` holds it).
+            graph) does not drive the model to those classes (see ``docs/minibatch.md``). A part's batches
+            are replaced each time the part is resident and kept across epochs (:meth:`state_dict` holds them).
+        replay_batch: Targets per rehearsal batch; a step trains one of each part not resident, in turn
+            (default: ``batch_size / (P - K)``, so a step rehearses about as many targets as it trains).
     """
 
     def __init__(self, layout: PartitionedGraph, capacity: int, fanouts: Sequence[int], train_ids: np.ndarray,
                  batch_size: int, *, y: Tensor | None, degree: np.ndarray, feature_norm: str = "none",
                  cache_rows: int = 0, labor: bool = False, seed: int = 0, device: torch.device | str = "cpu",
                  prefetch: int = 2, edge_weight: Tensor | None = None, edge_feat: Tensor | None = None,
-                 cluster_layers: int = 0, replay: int = 0) -> None:
+                 cluster_layers: int = 0, replay: int = 0, replay_batch: int = 0) -> None:
         self.layout = layout
         self.path = Path(layout.path)
         self.num_parts = layout.num_parts
@@ -495,6 +497,9 @@ class PartitionBuffer:
         self.edge_weight, self.edge_feat = edge_weight, edge_feat
         self.cluster_layers = int(cluster_layers)
         self.replay = int(replay)
+        # default: a step rehearses about as many targets as it trains (one batch per part not resident)
+        away = max(1, layout.num_parts - int(capacity))
+        self.replay_batch = int(replay_batch) if replay_batch > 0 else max(1, -(-int(batch_size) // away))
         parts_info = layout.manifest["parts"]
         self.part_rows = np.array([int(p["num_local"]) for p in parts_info], dtype=np.int64)
         self.max_rows = int(self.part_rows.max()) if self.part_rows.size else 0
@@ -525,8 +530,8 @@ class PartitionBuffer:
         #: The previous epoch's last state: the next epoch starts from it (its parts are still resident). Part
         #: of a run's checkpointed state (:meth:`state_dict`), so a resumed run plans the same epochs.
         self.carry: tuple[int, ...] | None = None
-        #: Part -> its rehearsal batch (``replay``), kept across epochs and checkpointed with the carry.
-        self.pool: dict[int, Batch] = {}
+        #: Part -> its rehearsal batches (``replay``), kept across epochs and checkpointed with the carry.
+        self.pool: dict[int, list[Batch]] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-buffer-io")
         self._lock = threading.Lock()
         if cache_rows > 0:
@@ -721,11 +726,11 @@ class PartitionBuffer:
         return batch
 
     def _rehearse(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch, k: int,
-                  pool: dict[int, Batch]) -> None:
-        """Keep up to ``replay`` of ``state``'s targets per resident part as that part's rehearsal batch.
+                  pool: dict[int, list[Batch]]) -> None:
+        """Keep up to ``replay`` of ``state``'s targets per resident part as that part's rehearsal batches.
 
-        The batch is sampled from the state's graph and its rows copied out of the arena, so it stays valid
-        after the part is evicted.
+        The targets are cut into batches of ``replay_batch``, each sampled from the state's graph with its rows
+        copied out of the arena, so they stay valid after the part is evicted.
         """
         rng = np.random.default_rng(mix64(self.seed, plan.epoch, 0x4E91, k) >> 1)
         of_part = self.node_part[state.targets]
@@ -733,14 +738,17 @@ class PartitionBuffer:
             mine = state.targets[of_part == p]
             if mine.shape[0] == 0:
                 continue
-            pick = np.sort(mine[rng.choice(mine.shape[0], size=min(self.replay, mine.shape[0]), replace=False)])
-            rb = sampler.sample(pick, int(rng.integers(0, 2**62)))
-            rb.x = torch.from_numpy(self.arena[self.slot_of[rb.node_ids.numpy()]])
-            rb.replay = True
-            pool[int(p)] = self._finish(rb, eids)
+            pick = mine[rng.choice(mine.shape[0], size=min(self.replay, mine.shape[0]), replace=False)]
+            chunks = []
+            for c in range(0, pick.shape[0], self.replay_batch):
+                rb = sampler.sample(np.sort(pick[c:c + self.replay_batch]), int(rng.integers(0, 2**62)))
+                rb.x = torch.from_numpy(self.arena[self.slot_of[rb.node_ids.numpy()]])
+                rb.replay = True
+                chunks.append(self._finish(rb, eids))
+            pool[int(p)] = chunks
 
-    def _with_replay(self, batch: Batch, state: BufferState, pool: dict[int, Batch]) -> Iterator[Batch]:
-        """``batch``, then (at a step's end) the rehearsal batches of the parts not resident.
+    def _with_replay(self, batch: Batch, state: BufferState, pool: dict[int, list[Batch]]) -> Iterator[Batch]:
+        """``batch``, then (at a step's end) one rehearsal batch of every part not resident, in turn.
 
         Each is weighted as one resident part's share of the step, so every part weighs the same in the
         step's gradient whichever parts are resident.
@@ -753,7 +761,9 @@ class PartitionBuffer:
         yield batch
         share = 1.0 / max(1, len(state.parts))
         for i, p in enumerate(away):
-            yield dataclasses.replace(pool[p], step_end=i == len(away) - 1, step_weight=share, index=batch.index)
+            chunks = pool[p]
+            yield dataclasses.replace(chunks[batch.index % len(chunks)], step_end=i == len(away) - 1,
+                                      step_weight=share, index=batch.index)
 
     def _cluster_batch(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch,
                        k: int) -> Batch:
@@ -849,6 +859,8 @@ class PartitionBuffer:
         yield from prefetch_iter(self._produce(plan), self.prefetch)
         self.carry = plan.states[-1].parts  # only once the whole epoch was produced
         stats.extra["storage_bytes_read"] = float(proc_io().get("read_bytes", 0) - io0)
+        if self.replay:  # what the rehearsal batches hold (their rows count against the budget)
+            stats.extra["replay_rows"] = float(sum(int(b.num_inputs) for c in self.pool.values() for b in c))
 
     def reset(self) -> None:
         """A new run: the first epoch draws its first state, and no part has a rehearsal batch yet."""
@@ -861,12 +873,13 @@ class PartitionBuffer:
         Only tensors, numbers and lists (a checkpoint loads with ``weights_only=True``); a rehearsal batch's
         blocks are rebuilt on load as the sampler builds them.
         """
-        pool = {str(p): {"node_ids": b.node_ids, "x": b.x.cpu() if b.x is not None else None,
-                         "num_targets": b.num_targets,
-                         "blocks": [{"indptr": g.indptr.cpu(), "indices": g.indices.cpu(), "num_src": g.num_src,
-                                     "edge_ids": None if g.edge_ids is None else g.edge_ids.cpu(),
-                                     "lazy": isinstance(g, LazyReverseBlock)} for g in b.blocks]}
-                for p, b in self.pool.items()}
+        pool = {str(p): [{"node_ids": b.node_ids, "x": b.x.cpu() if b.x is not None else None,
+                          "num_targets": b.num_targets,
+                          "blocks": [{"indptr": g.indptr.cpu(), "indices": g.indices.cpu(), "num_src": g.num_src,
+                                      "edge_ids": None if g.edge_ids is None else g.edge_ids.cpu(),
+                                      "lazy": isinstance(g, LazyReverseBlock)} for g in b.blocks]}
+                         for b in chunks]
+                for p, chunks in self.pool.items()}
         return {"carry": [] if self.carry is None else list(self.carry), "pool": pool}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -874,16 +887,20 @@ class PartitionBuffer:
         carry = state.get("carry") or []
         self.carry = tuple(int(p) for p in carry) if carry else None
         self.pool = {}
-        for p, d in (state.get("pool") or {}).items():
-            ids = d["node_ids"].cpu()
-            blocks = []
-            for g in d["blocks"]:
-                block = self.sampler.block(g["indptr"].numpy(), g["indices"].numpy(), np.zeros(0, dtype=np.int64),
-                                           int(g["num_src"]), ids, lazy_reverse=bool(g["lazy"]))
-                block.edge_ids = g["edge_ids"]
-                blocks.append(block)
-            batch = Batch(blocks=blocks, node_ids=ids, num_targets=int(d["num_targets"]), x=d["x"], replay=True)
-            self.pool[int(p)] = self._finish(batch, None)
+        for p, chunks in (state.get("pool") or {}).items():
+            self.pool[int(p)] = [self._restore(d) for d in chunks]
+
+    def _restore(self, d: dict[str, Any]) -> Batch:
+        """A rehearsal batch from :meth:`state_dict`: its blocks rebuilt as the sampler builds them."""
+        ids = d["node_ids"].cpu()
+        blocks = []
+        for g in d["blocks"]:
+            block = self.sampler.block(g["indptr"].numpy(), g["indices"].numpy(), np.zeros(0, dtype=np.int64),
+                                       int(g["num_src"]), ids, lazy_reverse=bool(g["lazy"]))
+            block.edge_ids = g["edge_ids"]
+            blocks.append(block)
+        batch = Batch(blocks=blocks, node_ids=ids, num_targets=int(d["num_targets"]), x=d["x"], replay=True)
+        return self._finish(batch, None)
 
     def close(self) -> None:
         """Stop the reading thread."""

@@ -231,9 +231,9 @@ class MiniOptions(_Buffer):
                                          "most likely to be sampled, e.g. 256M; 0 = sample inside the buffer only "
                                          "(default: what --memory-budget leaves after the parts)", metavar="SIZE")
 
-    buffer_replay: int = opt(0, "mini with --parts-dir: targets per part kept as rehearsal batches (their sampled "
-                                "subgraphs and rows, taken while the part is resident); every step also trains "
-                                "on those of the parts not resident, each weighted as a resident part, so states "
+    buffer_replay: int = opt(0, "mini with --parts-dir: targets per part kept as rehearsal batches (sampled, with "
+                                "their rows, while the part is resident; kept across epochs); every step also "
+                                "trains one of each part not resident, weighted as a resident part, so states "
                                 "whose parts hold few classes do not skew the model; 0 = off (default: 0)",
                              metavar="R")
 
