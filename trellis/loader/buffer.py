@@ -873,7 +873,7 @@ class PartitionBuffer:
         Only tensors, numbers and lists (a checkpoint loads with ``weights_only=True``); a rehearsal batch's
         blocks are rebuilt on load as the sampler builds them.
         """
-        pool = {str(p): [{"node_ids": b.node_ids, "x": b.x.cpu() if b.x is not None else None,
+        pool = {str(p): [{"node_ids": b.node_ids.cpu(), "x": b.x.cpu() if b.x is not None else None,
                           "num_targets": b.num_targets,
                           "blocks": [{"indptr": g.indptr.cpu(), "indices": g.indices.cpu(), "num_src": g.num_src,
                                       "edge_ids": None if g.edge_ids is None else g.edge_ids.cpu(),
