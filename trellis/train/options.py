@@ -114,17 +114,33 @@ class _Loader(StrategyOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Budget(StrategyOptions):
-    """A memory budget and where spills go."""
+class _Memory(StrategyOptions):
+    """A memory budget."""
 
     memory_budget: str | None = opt(None, _BUDGET_HELP, metavar="SIZE")
-    spill_dir: str | None = opt(None, "full with --memory-budget, mini/cluster with --parts-dir: where spill files "
-                                      "go; they are removed when the run ends (default: RUN_DIR/spill or a "
-                                      "temporary directory)", metavar="DIR")
 
     def validate(self, cfg: TrainConfig) -> None:
         if self.memory_budget is not None:
             parse_size(self.memory_budget, flag="--memory-budget")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Batched(StrategyOptions):
+    """Targets or rows per batch."""
+
+    batch_size: int | None = opt(None, _BATCH_SIZE_HELP, resolved=True)
+
+    def validate(self, cfg: TrainConfig) -> None:
+        _at_least("batch_size", self.batch_size, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Budget(_Memory):
+    """A memory budget and where spills go."""
+
+    spill_dir: str | None = opt(None, "full with --memory-budget, mini/cluster with --parts-dir: where spill files "
+                                      "go; they are removed when the run ends (default: RUN_DIR/spill or a "
+                                      "temporary directory)", metavar="DIR")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,14 +234,13 @@ class FullOptions(_Parts, _Budget):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MiniOptions(_Buffer):
+class MiniOptions(_Buffer, _Batched):
     """``--strategy mini``: neighbour-sampled mini-batches, in memory or through a partition buffer."""
 
     strategy: ClassVar[str] = "mini"
     fanouts: str | None = opt(None, "mini: neighbours sampled per node per layer, target layer first, -1 = all "
                                     "(default: 15,10 for 2 layers; 15,10,5,5,... for more)", metavar="F1,F2,...",
                               resolved=True)
-    batch_size: int | None = opt(None, _BATCH_SIZE_HELP, resolved=True)
     labor: bool = opt(False, "mini: LABOR (layer-neighbour) sampling instead of uniform (default: off)")
     buffer_cache: str | None = opt(None, "mini with --parts-dir: memory for the cache of rows outside the buffer "
                                          "most likely to be sampled, e.g. 256M; 0 = sample inside the buffer only "
@@ -243,8 +258,8 @@ class MiniOptions(_Buffer):
 
     def validate(self, cfg: TrainConfig) -> None:
         """The buffer's rules, and one fanout per layer."""
-        super().validate(cfg)
-        _at_least("batch_size", self.batch_size, 1)
+        _Buffer.validate(self, cfg)
+        _Batched.validate(self, cfg)
         _at_least("buffer_replay", self.buffer_replay, 0)
         parse_fanouts(self.fanouts or "", cfg.layers)
         if self.buffer_cache is not None:
@@ -281,7 +296,7 @@ class ClusterOptions(_Buffer):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PPOptions(StrategyOptions):
+class PPOptions(_Memory, _Batched):
     """``--strategy pp``: SGC/SIGN/HOGA on a pre-propagated cache."""
 
     strategy: ClassVar[str] = "pp"
@@ -291,14 +306,11 @@ class PPOptions(StrategyOptions):
                                  "(default: auto)", choices=PP_LOADERS)
     chunk_size: int | None = opt(None, "pp: chunk reshuffling chunk in rows, 1 = exact reshuffling (default: the "
                                        "placement's choice)")
-    batch_size: int | None = opt(None, _BATCH_SIZE_HELP, resolved=True)
-    memory_budget: str | None = opt(None, _BUDGET_HELP, metavar="SIZE")
 
     def validate(self, cfg: TrainConfig) -> None:
         """A cache is required; the store's features are what it was built from."""
-        if self.memory_budget is not None:
-            parse_size(self.memory_budget, flag="--memory-budget")
-        _at_least("batch_size", self.batch_size, 1)
+        _Memory.validate(self, cfg)
+        _Batched.validate(self, cfg)
         if cfg.features != "store":
             raise TrellisUserError(f"--features {cfg.features} does not apply to --strategy pp: it trains on the "
                                    "pre-propagated features of PP_DIR")
