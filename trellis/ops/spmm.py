@@ -12,6 +12,7 @@ messages with ``index_select`` and scatters with ``index_add_`` / ``scatter_redu
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, overload
 
 import numpy as np
@@ -99,7 +100,11 @@ def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tens
         # cuSPARSE CSR x dense: no [E, F] message tensor on the GPU either.
         vals = coef.to(x.dtype) if coef is not None else _ones(graph, x)
         crow, col = graph.indptr.to(x.device), graph.indices.to(x.device)  # no-ops when already there
-        out = torch.sparse.mm(torch.sparse_csr_tensor(crow, col, vals, (n, x.shape[0])), x)
+        with warnings.catch_warnings():  # torch >= 2.11 warns, once per process, that CSR support is "beta"
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+            # the CSR comes from a validated store: torch's O(E) invariant check would only cost time
+            a = torch.sparse_csr_tensor(crow, col, vals, (n, x.shape[0]), check_invariants=False)
+        out = torch.sparse.mm(a, x)
     else:
         msg = x.index_select(0, graph.indices)
         if coef is not None:

@@ -43,9 +43,9 @@ class MiniBatch(BatchStrategy):
         sampler = NeighborSampler(self.indptr, self.indices, fanouts, labor=cfg.labor)
         # The preparing thread keeps numba's thread count (all cores): measured against one thread beside the
         # trainer (benchmarks/ and docs/minibatch.md), two were faster per epoch even on a loaded 2-core machine.
-        return NeighborLoader(sampler, d.splits["train"].cpu().numpy(), cfg.batch_size, x=d.x, y=d.y,
-                              device=self.device, prefetch=cfg.prefetch, edge_weight=d.edge_weight,
-                              edge_feat=d.edge_feat)
+        y, ew, ef = self.loader_tensors()
+        return NeighborLoader(sampler, d.splits["train"].cpu().numpy(), cfg.batch_size, x=d.x, y=y,
+                              device=self.device, prefetch=cfg.prefetch, edge_weight=ew, edge_feat=ef)
 
 
 @register_strategy("cluster")
@@ -61,7 +61,7 @@ class ClusterBatch(BatchStrategy):
         """Cluster the graph once and load groups of clusters."""
         cfg, d = self.cfg, self.data
         parts = cluster_assignment(d.store, cfg.clusters, cfg.cluster_method, seed=cfg.seed)
+        y, ew, ef = self.loader_tensors()
         return ClusterLoader(self.indptr, self.indices, parts, cfg.clusters_per_batch, num_layers=cfg.layers,
-                             boundary_hops=cfg.boundary_hops, x=d.x, y=d.y,
-                             loss_nodes=d.splits["train"].cpu().numpy(), edge_weight=d.edge_weight,
-                             edge_feat=d.edge_feat, device=self.device, prefetch=cfg.prefetch)
+                             boundary_hops=cfg.boundary_hops, x=d.x, y=y, loss_nodes=d.splits["train"].cpu().numpy(),
+                             edge_weight=ew, edge_feat=ef, device=self.device, prefetch=cfg.prefetch)

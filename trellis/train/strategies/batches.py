@@ -47,6 +47,18 @@ class BatchStrategy(GraphStrategy):
         """The loader whose ``epoch(seed)`` yields this strategy's batches."""
         raise NotImplementedError
 
+    def loader_tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Labels, edge weights and edge features where the loader reads them.
+
+        On the training device, unless ``--samplers K`` builds batches in worker processes: those gather on
+        the CPU and the batch moves to the device whole when it arrives (these are ``O(N + E)`` copies; the
+        features are already a CPU source). Evaluation keeps reading the device's copies.
+        """
+        d = self.data
+        on_cpu = int(getattr(self.cfg, "samplers", 0) or 0) > 0
+        return tuple(t.cpu() if on_cpu and t is not None else t  # type: ignore[return-value]
+                     for t in (d.y, d.edge_weight, d.edge_feat))
+
     def _loss(self, model: nn.Module, batch: Batch, task: Task) -> tuple[Tensor | None, int]:
         logits = model(batch.graph, batch.x)
         y = batch.y
