@@ -6,8 +6,10 @@
 # 1. the CUDA tests (kernels on the GPU equal the CPU's, forward and gradients);
 # 2. one `trellis train --device cuda` per strategy (full, mini, cluster, pp) and a model-batched sweep on a
 #    generated graph, printing each summary line;
-# 3. the full-batch step benchmark against PyG on the same GPU (benchmarks/bench_fullbatch.py --device cuda).
-# CI never runs this (it has no GPU); the figures it printed are recorded in docs/benchmarks.md.
+# 3. what landed since: mini/cluster through the partition buffer, --samplers, partition-parallel full-batch on
+#    one rank (nccl) with --overlap --staleness, predict, tune, and the CPU-only --memory-budget refusal;
+# 4. the full-batch step benchmark against PyG on the same GPU (benchmarks/bench_fullbatch.py --device cuda).
+# DEV=cpu NODES=5000 BENCH=0 runs steps 2-3 on a machine without a GPU. CI never runs this (it has no GPU); the figures it printed are recorded in docs/benchmarks.md.
 set -uo pipefail
 OUT=${1:-gpu-out}
 mkdir -p "$OUT"
@@ -46,7 +48,7 @@ for args in "--model sage --strategy mini --parts-dir $W/parts8 --nproc 1 --buff
             "--model gcn --hidden 256 --parts-dir $W/parts1 --nproc 1" \
             "--model gcn --hidden 256 --parts-dir $W/parts1 --nproc 1 --overlap --staleness 1"; do
   echo "-- trellis train $args --device $DEV"
-  $T train "$W/g" $args --device $DEV --epochs 10 --no-progress --out "$W/run-$RANDOM" 2>&1 | tail -2
+  $T train "$W/g" $args --device $DEV --epochs 10 --no-progress --out "$W/run-$RANDOM" 2>&1 | tail -3
 done
 echo "-- trellis train --memory-budget 2G --device $DEV (refused: the out-of-core engine is CPU-only)"
 $T train "$W/g" --memory-budget 2G --device $DEV --epochs 2 --no-progress --out "$W/run-ooc" 2>&1 | tail -1
