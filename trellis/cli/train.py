@@ -131,11 +131,11 @@ def run_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     rank = None
-    if cfg.parts_dir is not None and cfg.strategy == "full":
+    if cfg.parts_dir is not None and cfg.strategy in ("full", "mini"):
         from trellis.distributed.comm import RankEnv
 
         env = RankEnv.from_environ()
-        if cfg.explain:
+        if cfg.explain and cfg.strategy == "full":
             from trellis.train.strategies.partitioned import explain_distributed
 
             text = explain_distributed(cfg, getattr(args, "model_factory", None))

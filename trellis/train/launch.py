@@ -35,6 +35,7 @@ from trellis.errors import TrellisUserError
 from trellis.train.config import TrainConfig
 from trellis.train.runs import default_run_dir
 from trellis.train.strategies import strategy_class
+from trellis.train.strategies.dist_mini import check_ranks
 from trellis.train.strategies.partitioned import check_layout
 from trellis.utils.memory import proc_status
 from trellis.utils.sizes import format_size, parse_size
@@ -57,9 +58,13 @@ def preflight(cfg: TrainConfig) -> int:
     cls = strategy_class(cfg.strategy).for_config(cfg)
     cls.check_options(cfg)
     store = GraphStore(str(cfg.store))
-    layout = check_layout(cfg, store, None)
-    nproc = cfg.nproc if cfg.nproc is not None else layout.num_parts
-    check_layout(cfg, store, nproc)
+    if cfg.strategy == "mini":  # data-parallel mini-batch: --nproc ranks share the layout's parts
+        nproc = int(cfg.nproc or 1)
+        check_ranks(cfg, store, nproc)
+    else:
+        layout = check_layout(cfg, store, None)
+        nproc = cfg.nproc if cfg.nproc is not None else layout.num_parts
+        check_layout(cfg, store, nproc)
     if cfg.memory_budget is not None:  # the exact minimum needs the rank's part and plan: each rank names it
         budget = parse_size(cfg.memory_budget, flag="--memory-budget")
         base = proc_status().get("RssAnon", 0)  # this process has imported what a rank imports
@@ -148,13 +153,17 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
 
 
 def needs_launch(cfg: TrainConfig) -> bool:
-    """Whether training ``cfg`` here starts ranks: full-batch ``--parts-dir`` outside a rank, unless ``--nproc 1``.
+    """Whether training ``cfg`` here starts ranks: ``--parts-dir`` outside a rank (full unless ``--nproc 1``).
 
-    A process started by ``torchrun`` (or by :func:`launch`) is a rank and trains its part itself; so is a
-    world of one, which needs no launcher.
+    Mini-batch starts ranks only when ``--nproc`` > 1 (one process trains every part through its buffer). A
+    process started by ``torchrun`` (or by :func:`launch`) is a rank and trains its part itself; so is a world
+    of one, which needs no launcher.
     """
-    return (cfg.parts_dir is not None and cfg.strategy == "full" and RankEnv.from_environ() is None
-            and (cfg.nproc or 0) != 1)
+    if cfg.parts_dir is None or RankEnv.from_environ() is not None:
+        return False
+    if cfg.strategy == "mini":  # one process trains every part through its buffer unless --nproc asks for more
+        return (cfg.nproc or 1) > 1
+    return cfg.strategy == "full" and (cfg.nproc or 0) != 1
 
 
 def train_ranks(cfg: TrainConfig, err: Any = None) -> dict[str, Any]:

@@ -18,12 +18,14 @@ checkpoints, so a resumed run draws the same epochs as one that was never interr
 
 from __future__ import annotations
 
+from trellis.distributed.comm import RankEnv
 from trellis.loader.blocks import parse_fanouts
 from trellis.loader.cluster import ClusterLoader, cluster_assignment
 from trellis.loader.sampler import NeighborLoader, NeighborSampler
 from trellis.train.config import TrainConfig
 from trellis.train.strategies.batches import BatchStrategy
 from trellis.train.strategies.buffered import BufferedCluster, BufferedMini
+from trellis.train.strategies.dist_mini import DistributedMini
 from trellis.train.strategy import Strategy, register_strategy
 
 
@@ -33,8 +35,15 @@ class MiniBatch(BatchStrategy):
 
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
-        """:class:`~trellis.train.strategies.buffered.BufferedMini` with ``--parts-dir``, else this class."""
-        return BufferedMini if cfg.parts_dir is not None else cls
+        """This class; with ``--parts-dir``, a partition buffer in one process or data-parallel ranks.
+
+        :class:`~trellis.train.strategies.dist_mini.DistributedMini` across ranks (``--nproc`` > 1, or a process
+        started as a rank), else :class:`~trellis.train.strategies.buffered.BufferedMini`.
+        """
+        if cfg.parts_dir is None:
+            return cls
+        ranked = RankEnv.from_environ() is not None or (cfg.nproc or 1) > 1
+        return DistributedMini if ranked else BufferedMini
 
     def make_loader(self) -> NeighborLoader:
         """A sampler over the memory-mapped CSR and a loader over the training ids."""

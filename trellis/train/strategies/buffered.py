@@ -81,6 +81,26 @@ def label_skew(node_part: np.ndarray, train_ids: np.ndarray, y: np.ndarray, num_
     return float((tv * sizes).sum() / max(1, int(sizes.sum())))
 
 
+def layout_feature_norm(cfg: TrainConfig, store: GraphStore, layout: PartitionedGraph) -> str:
+    """``--feature-norm`` resolved for features read from the layout (the store may hold none after a move)."""
+    norm = cfg.feature_norm
+    if norm == "auto":
+        norm = (store.preferred_feature_norm if store.has("x") else
+                feature_norm_of(np.load(layout.path / part_dir_name(0) / "x.npy", mmap_mode="r"))[0])
+    moved = store.moved_to("x")
+    if moved is not None and Path(moved).resolve() != Path(layout.path).resolve():
+        print(f"note: {cfg.store}'s features were moved to {moved}; reading them from --parts-dir "
+              f"{cfg.parts_dir}", file=sys.stderr)
+    return norm
+
+
+def store_edge_data(store: GraphStore, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The store's edge weights and edge features (float32, on ``device``), None where it has none."""
+    ew, ef = (None if a is None else torch.from_numpy(np.array(a, dtype=np.float32)).to(device)
+              for a in (store.edge_weight, store.edge_feat))
+    return ew, ef
+
+
 #: Label skew above which a buffer run with fewer parts resident than the layout has is warned about.
 SKEW_WARNING = 0.25
 
@@ -106,16 +126,8 @@ class BufferedMini(BatchStrategy):
         store = GraphStore(cfg.store)
         layout = open_layout_for(cfg, store)
         y, splits, task = load_labels(store, cfg.task, self.device, cfg.split_seed)
-        norm = cfg.feature_norm
-        if norm == "auto":
-            norm = (store.preferred_feature_norm if store.has("x") else
-                    feature_norm_of(np.load(layout.path / part_dir_name(0) / "x.npy", mmap_mode="r"))[0])
-        moved = store.moved_to("x")
-        if moved is not None and Path(moved).resolve() != Path(layout.path).resolve():
-            print(f"note: {cfg.store}'s features were moved to {moved}; reading them from --parts-dir "
-                  f"{cfg.parts_dir}", file=sys.stderr)
-        ew, ef = (None if a is None else torch.from_numpy(np.array(a, dtype=np.float32)).to(self.device)
-                  for a in (store.edge_weight, store.edge_feat))
+        norm = layout_feature_norm(cfg, store, layout)
+        ew, ef = store_edge_data(store, self.device)
         node_part = np.asarray(np.load(layout.path / "node_parts.npy"), dtype=np.int32)
         x = NormalizedRows(LayoutRows(layout.path, node_part), norm)
         self.data = d = GraphData(store=store, graph=None, x=x, y=y, splits=splits, task=task, feature_norm=norm,
@@ -276,4 +288,5 @@ class BufferedCluster(BufferedMini):
         return 0, int(part_rows * width * 4 * (self.cfg.prefetch + 2) * 1.5)
 
 
-__all__ = ["BufferedCluster", "BufferedMini", "label_skew", "open_layout_for"]
+__all__ = ["BufferedCluster", "BufferedMini", "label_skew", "layout_feature_norm", "open_layout_for",
+           "store_edge_data"]

@@ -1,0 +1,123 @@
+"""Data-parallel mini-batch across ranks (``--strategy mini --parts-dir PART_DIR --nproc P``).
+
+One rank equals ``--strategy mini`` bit for bit on Cora (bag-of-words rows, dropout on; read from
+TRELLIS_DATA_DIR: fails, never skips, when missing); two ranks launched by the CLI over an uneven layout run
+every training node exactly once per epoch, with different batch counts per rank, and learn; bad input is
+refused before any rank starts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trellis.cli.main import main
+from trellis.data.importers import import_graph
+from trellis.data.store import GraphStore
+from trellis.distributed.comm import free_port
+from trellis.partition import partition_graph
+from trellis.partition.base import PartitionBook
+from trellis.partition.layout import write_layout
+from trellis.train.config import TrainConfig
+from trellis.train.strategies import strategy_class
+from trellis.train.strategies.dist_mini import DistributedMini
+from trellis.train.trainer import Trainer
+
+KEYS = ("loss", "val_loss", "train_acc", "val_acc", "test_acc")
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def cora(dataset, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("dist-mini")
+    store = import_graph(dataset("cora"), root / "cora", format="planetoid", progress=False)
+    layout = write_layout(GraphStore(store), partition_graph(GraphStore(store), "metis", 2, measure=False),
+                          root / "cora-2")
+    return store, layout
+
+
+def test_one_rank_is_strategy_mini_bit_for_bit_on_cora(cora, tmp_path, monkeypatch):
+    store, layout = cora
+    threads = torch.get_num_threads()
+    common = dict(store=str(store), strategy="mini", model="sage", epochs=3, hidden=16, dropout=0.5, batch_size=64,
+                  fanouts="5,5", progress=False, checkpoint_every=0, device="cpu")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    try:
+        cfg = TrainConfig(**common, parts_dir=str(layout), out=str(tmp_path / "ranked"))
+        assert strategy_class("mini").for_config(cfg) is DistributedMini  # a process started as a rank
+        Trainer(cfg, err=io.StringIO()).fit()
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(k)
+        Trainer(TrainConfig(**common, out=str(tmp_path / "mini")), err=io.StringIO()).fit()
+    finally:
+        torch.set_num_threads(threads)
+    got, want = _records(tmp_path / "ranked"), _records(tmp_path / "mini")
+    assert len(got) == 3
+    assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+    n_train = int(GraphStore(store).split("train").shape[0])
+    assert all(r["targets"] == n_train and r["fetch_remote_rows"] == 0 for r in got)
+
+
+@pytest.fixture(scope="module")
+def uneven(sbm_store, tmp_path_factory) -> Path:
+    """3 parts for 2 ranks: rank 0 trains parts 0 and 2, rank 1 part 1, so their batch counts differ."""
+    store = GraphStore(sbm_store)
+    return write_layout(store, partition_graph(store, "metis", 3, measure=False),
+                        tmp_path_factory.mktemp("uneven") / "p3")
+
+
+def test_two_ranks_train_every_target_once_per_epoch_with_uneven_batches(sbm_store, uneven, tmp_path, capsys):
+    out = tmp_path / "two"
+    code = main(["train", str(sbm_store), "--strategy", "mini", "--model", "sage", "--parts-dir", str(uneven),
+                 "--nproc", "2", "--batch-size", "16", "--fanouts", "5,5", "--epochs", "6", "--device", "cpu",
+                 "--checkpoint-every", "0", "--no-progress", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    store = GraphStore(sbm_store)
+    n_train = int(store.split("train").shape[0])
+    assert summary["world_size"] == 2 and sum(summary["rank_targets"]) == n_train
+    batches = summary["rank_batches"]
+    assert batches[0] != batches[1]  # the uneven path: one rank runs out of batches first
+    records = _records(out)
+    for r in records:
+        assert r["targets"] == n_train and r["batches"] == max(batches)
+        assert r["fetch_remote_rows"] > 0 and len(r["fetch_recv_bytes_per_rank"]) == 2
+    losses = [r["loss"] for r in records]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert records[-1]["val_acc"] > 1.5 / store.num_classes
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nproc", "4"], "more ranks than the 3 parts"),
+    (["--nproc", "2", "--buffer-parts", "1"], "--buffer-parts with --nproc 2"),
+    (["--nproc", "2", "--norm", "batch"], "--norm batch across ranks"),
+])
+def test_bad_input_is_refused_before_any_rank_starts(sbm_store, uneven, tmp_path, capsys, args, message):
+    code = main(["train", str(sbm_store), "--strategy", "mini", "--parts-dir", str(uneven), *args, "--epochs", "1",
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_without_training_nodes_is_named(sbm_store, tmp_path, capsys):
+    store = GraphStore(sbm_store)
+    parts = np.zeros(store.num_nodes, dtype=np.int32)
+    others = np.setdiff1d(np.arange(store.num_nodes), np.asarray(store.split("train")))
+    parts[others[: others.shape[0] // 2]] = 1  # part 1 holds no training node
+    layout = write_layout(store, PartitionBook(parts, 2, "metis"), tmp_path / "skewed")
+    code = main(["train", str(sbm_store), "--strategy", "mini", "--parts-dir", str(layout), "--nproc", "2",
+                 "--epochs", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "rank 1 of 2 would train no target" in err and "--method random" in err

@@ -1,0 +1,296 @@
+"""Data-parallel mini-batch across ranks: ``--strategy mini --parts-dir PART_DIR --nproc P`` (or ``torchrun``).
+
+The layout's parts are dealt to the ranks (part ``p`` to rank ``p mod P``); a rank holds its parts' feature rows
+in memory and draws its targets from its parts' training nodes. Each step every rank samples its batch from
+the graph (the store's CSR, memory-mapped), fetches the input rows other ranks own
+(:class:`~trellis.distributed.rows.RowFetch`: three ``all_to_all`` calls, no RPC), trains, and the gradients are
+summed. One model, one run directory (rank 0's), the metrics of the whole graph. What makes it correct:
+
+* **every training node is a target exactly once per epoch**: a rank's targets are its own, and the epoch runs
+  as many steps as the rank with the most batches; a rank out of batches keeps serving its peers' fetches and
+  adds zero gradients, so uneven batch counts neither hang nor drop targets;
+* **the loss of a step** is the mean over every rank's targets in it: a rank's batch mean is scaled by its share
+  of the step's targets before the gradients are summed;
+* **one epoch seed** (rank 0's) shuffles every rank's targets (rank ``r`` mixes in ``r``), so the ranks agree
+  whatever their dropout draws did to their generators;
+* **one rank is one process**: with P = 1 the fetch is a local gather and every batch, loss and metric equals
+  ``--strategy mini``'s bit for bit.
+
+Evaluation is exact layer-wise inference on rank 0, reading input rows from the layout's memory maps, and the
+metrics are sent to every rank. Not built yet (docs/distributed.md): a rank that holds more parts than fit
+(the partition buffer per rank), sampler processes or ranks, a remote-feature cache, and resume that restores
+every rank's dropout generator (a resumed run continues from rank 0's).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trellis.data.store import GraphStore
+from trellis.distributed.comm import Comm, RankEnv, free_port, rank_threads
+from trellis.distributed.rows import RowFetch
+from trellis.errors import TrellisUserError
+from trellis.loader.blocks import parse_fanouts
+from trellis.loader.buffer import ArenaRows, LayoutRows
+from trellis.loader.features import NormalizedRows
+from trellis.loader.sampler import NeighborLoader, NeighborSampler
+from trellis.partition.layout import PartitionedGraph, part_dir_name
+from trellis.train.build import ModelSpec
+from trellis.train.config import TrainConfig
+from trellis.train.data import GraphData, load_labels
+from trellis.train.options import DEFAULT_TIMEOUT_S
+from trellis.train.strategies.batches import BatchStrategy, _epoch_seed
+from trellis.train.strategies.buffered import BufferedMini, layout_feature_norm, open_layout_for, store_edge_data
+from trellis.train.strategy import Prediction, PredictRequest
+from trellis.train.tasks import Task
+from trellis.utils.memory import PeakMemory, trim_heap
+
+#: Options of the single-process partition buffer that ranks do not take yet.
+BUFFER_ONLY = ("buffer_parts", "memory_budget", "buffer_cache", "buffer_replay", "spill_dir")
+
+
+def rank_of_part(num_parts: int, world: int) -> np.ndarray:
+    """``[num_parts]`` rank that trains each part: part ``p`` goes to rank ``p mod world``."""
+    return np.arange(num_parts, dtype=np.int64) % world
+
+
+def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedGraph:
+    """Refuse what ranks cannot train, before any rank trains: one line naming the flag and the fix.
+
+    Raises:
+        TrellisUserError: A buffer option, more ranks than parts, or a rank whose parts hold no training node.
+    """
+    opts = cfg.options
+    for name in BUFFER_ONLY:
+        if opts.given(name):
+            flag = "--" + name.replace("_", "-")
+            raise TrellisUserError(f"{flag} with --nproc {world}: each rank keeps its parts in memory (a partition "
+                                   f"buffer per rank is not built yet); drop {flag}, or train with --nproc 1")
+    if cfg.norm == "batch":
+        raise TrellisUserError("--norm batch across ranks would normalize each rank's batch by its own statistics; "
+                               "use --norm layer")
+    layout = open_layout_for(cfg, store)
+    if world > layout.num_parts:
+        raise TrellisUserError(f"--nproc {world} is more ranks than the {layout.num_parts} parts of {cfg.parts_dir}; "
+                               f"pass --nproc {layout.num_parts} or fewer, or re-partition with `trellis partition "
+                               f"{cfg.store} --parts {world}`")
+    counts = rank_targets(layout, store, world)
+    empty = [r for r, c in enumerate(counts) if c == 0]
+    if empty:
+        raise TrellisUserError(f"rank {empty[0]} of {world} would train no target: its parts of {cfg.parts_dir} "
+                               "hold no training node; re-partition with `--method random` (which spreads training "
+                               "nodes evenly) or use fewer ranks")
+    return layout
+
+
+def rank_targets(layout: PartitionedGraph, store: GraphStore, world: int) -> list[int]:
+    """Training nodes each rank draws its targets from."""
+    node_part = np.load(layout.path / "node_parts.npy", mmap_mode="r")
+    train = np.asarray(store.split("train"), dtype=np.int64)
+    ranks = rank_of_part(layout.num_parts, world)[np.asarray(node_part[train], dtype=np.int64)]
+    return np.bincount(ranks, minlength=world).tolist()
+
+
+class DistributedMini(BatchStrategy):
+    """Neighbour-sampled mini-batches, data-parallel over ranks (see the module docstring)."""
+
+    name = "mini"
+
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        super().__init__(cfg, device)
+        self.comm: Comm | None = None
+        self.meter = PeakMemory()
+        self._epoch: dict[str, Any] = {}
+
+    # ---- data -----------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Join the job, load this rank's parts' rows and targets, and build its sampler and fetch."""
+        cfg = self.cfg
+        env = RankEnv.from_environ()
+        if env is None:  # one process, no launcher: a world of one
+            env = RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
+        else:
+            torch.set_num_threads(rank_threads(env.local_world_size))
+        assert cfg.store is not None
+        store = GraphStore(cfg.store)
+        layout = check_ranks(cfg, store, env.world_size)
+        if self.device.type == "cuda":  # one GPU per rank
+            torch.cuda.set_device(env.local_rank)
+            self.device = torch.device("cuda", env.local_rank)
+        self.comm = comm = Comm(env, self.device, float(getattr(cfg, "timeout", DEFAULT_TIMEOUT_S)))
+        self.world = comm
+        y, splits, task = load_labels(store, cfg.task, self.device, cfg.split_seed)
+        norm = layout_feature_norm(cfg, store, layout)
+        ew, ef = store_edge_data(store, self.device)
+        node_part = np.asarray(np.load(layout.path / "node_parts.npy"), dtype=np.int64)
+        part_rank = rank_of_part(layout.num_parts, comm.world_size)
+        self.my_parts = [int(p) for p in np.flatnonzero(part_rank == comm.rank)]
+        owner = part_rank[node_part]
+        local_rows = NormalizedRows(self._own_rows(layout, node_part), norm)
+        self.fetch = RowFetch(comm, owner, local_rows.gather, local_rows.dim, local_rows.dtype)
+        # evaluation (rank 0) reads every part's rows from the layout's memory maps
+        x_all = NormalizedRows(LayoutRows(layout.path, node_part.astype(np.int32)), norm)
+        self.data = d = GraphData(store=store, graph=None, x=x_all, y=y, splits=splits, task=task, feature_norm=norm,
+                                  edge_weight=ew, edge_feat=ef)
+        self.store, self.task, self.feature_norm, self.layout = store, task, norm, layout
+        self.spec = ModelSpec(d.in_dim, task.num_outputs, d.edge_dim, store.num_nodes, 0)
+        self.indptr = np.asarray(store.indptr)
+        self.indices = np.asarray(store.indices)
+        train = splits["train"].cpu().numpy()
+        self.targets = train[owner[train] == comm.rank]  # the store's order, so one rank is --strategy mini
+        self.last_epoch = {}
+        self.loader = self.make_loader()
+        counts = torch.cat(comm.all_gather_rows(torch.tensor([[len(self.loader), self.targets.shape[0]]])))
+        self.rank_batches = [int(v) for v in counts[:, 0]]
+        self.rank_targets = [int(v) for v in counts[:, 1]]
+        self.steps = max(self.rank_batches)
+        self.meter.start()
+
+    def _own_rows(self, layout: PartitionedGraph, node_part: np.ndarray) -> ArenaRows:
+        """This rank's parts' raw feature rows, read whole into memory, addressed by global id."""
+        slot_of = np.full(node_part.shape[0], -1, dtype=np.int64)
+        blocks, at = [], 0
+        for p in self.my_parts:
+            rows = np.load(layout.path / part_dir_name(p) / "x.npy")
+            rows = rows.reshape(rows.shape[0], -1)
+            members = np.flatnonzero(node_part == p)  # a part's rows are its nodes in id order
+            slot_of[members] = np.arange(at, at + members.shape[0])
+            blocks.append(rows)
+            at += members.shape[0]
+        arena = np.ascontiguousarray(np.concatenate(blocks)) if len(blocks) > 1 else blocks[0]
+        return ArenaRows(arena, slot_of)
+
+    def make_loader(self) -> NeighborLoader:
+        """Blocks, labels and edge data of this rank's targets (input rows come from the fetch)."""
+        cfg, d = self.cfg, self.data
+        assert self.comm is not None
+        sampler = NeighborSampler(self.indptr, self.indices, parse_fanouts(cfg.fanouts, cfg.layers), labor=cfg.labor)
+        y, ew, ef = (None if t is None else t.cpu() for t in (d.y, d.edge_weight, d.edge_feat))
+        return NeighborLoader(sampler, self.targets, cfg.batch_size, y=y, seed=self.comm.rank, prefetch=cfg.prefetch,
+                              edge_weight=ew, edge_feat=ef)
+
+    # ---- training -------------------------------------------------------------------------------
+    def _shared_seed(self) -> int:
+        """Rank 0's epoch seed on every rank (each draws one, so every rank's generator advances the same)."""
+        seed = _epoch_seed()
+        assert self.comm is not None
+        if self.comm.world_size == 1:
+            return seed
+        t = torch.tensor([seed], dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self.comm.control)
+        return int(t.item())
+
+    def train_step(self, model: nn.Module, optimizer: Any, task: Task, epoch: int) -> Tensor:
+        """One epoch: ``max`` over ranks of their batch counts in lockstep; the mean loss over every target."""
+        comm = self.comm
+        assert comm is not None
+        model.train()
+        t0 = time.perf_counter()
+        batches = self.loader.epoch(self._shared_seed())
+        params: list[Tensor] = [p for p in model.parameters() if p.requires_grad]
+        total, count, steps, fetch_s = 0.0, 0, 0, 0.0
+        for step in range(self.steps):
+            batch = next(batches) if step < len(self.loader) else None
+            f0 = time.perf_counter()
+            ids = batch.node_ids.numpy() if batch is not None else np.empty(0, dtype=np.int64)
+            x = self.fetch.fetch(ids)
+            fetch_s += time.perf_counter() - f0
+            optimizer.zero_grad(set_to_none=True)
+            loss: Tensor | None = None
+            n = 0
+            if batch is not None:
+                batch.x = x
+                if self.device.type != "cpu":
+                    batch = batch.to(self.device, non_blocking=True)
+                loss, n = self._loss(model, batch, task)
+            step_n = int(comm.sum([float(n)])[0]) if comm.world_size > 1 else n
+            if step_n == 0:
+                continue  # no rank had a loss-carrying target: no step anywhere
+            if loss is not None:
+                (loss if n == step_n else loss * (n / step_n)).backward()
+                total += float(loss.detach().to(torch.float64)) * n
+            if comm.world_size > 1:
+                for p in params:  # a rank without a batch adds zeros, so every rank sums the same buffer
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                comm.all_reduce_grads(params)
+            optimizer.step()
+            steps += 1
+            count += n
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+        total, count_all, fetch_max = (comm.sum([total, float(count)]) + [fetch_s]) if comm.world_size > 1 \
+            else (total, float(count), fetch_s)
+        self._epoch = {"batches": steps, "targets": int(count_all), "epoch_s": time.perf_counter() - t0,
+                       "fetch_s": fetch_max, **self._job_fetch()}
+        trim_heap()
+        return torch.tensor(total / max(count_all, 1.0), dtype=torch.float32)
+
+    def _job_fetch(self) -> dict[str, Any]:
+        """The epoch's fetched rows and bytes summed over the ranks, and each rank's bytes."""
+        assert self.comm is not None
+        mine = self.fetch.stats.take()
+        keys = sorted(mine)
+        row = torch.tensor([[float(mine[k]) for k in keys]], dtype=torch.float64)
+        per_rank = torch.cat(self.comm.all_gather_rows(row))
+        out: dict[str, Any] = {k: int(per_rank[:, i].sum()) for i, k in enumerate(keys)}
+        out["fetch_recv_bytes_per_rank"] = [int(v) for v in per_rank[:, keys.index("fetch_recv_bytes")].tolist()]
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
+        """Exact layer-wise inference on rank 0 (rows from the layout), its metrics sent to every rank."""
+        comm = self.comm
+        assert comm is not None
+        metrics = super().evaluate(model, task) if comm.rank == 0 else None
+        if comm.world_size > 1:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=0, group=comm.control)
+            metrics = box[0]
+        assert metrics is not None
+        return metrics
+
+    # ---- reporting and teardown -----------------------------------------------------------------
+    def banner(self) -> str:
+        """Ranks, parts and targets."""
+        assert self.comm is not None
+        return (f"distributed mini-batch: {self.comm.world_size} rank(s) over {self.cfg.parts_dir} "
+                f"({self.comm.backend}); targets per rank {self.rank_targets}, {self.steps} steps per epoch")
+
+    def epoch_info(self) -> dict[str, Any]:
+        """Steps, targets and the feature fetch of the epoch."""
+        return dict(self._epoch)
+
+    def summary_info(self) -> dict[str, Any]:
+        """Ranks, their parts, targets, batches and peak memory (RssAnon, MiB)."""
+        assert self.comm is not None
+        self.meter.sample()
+        mine = torch.tensor([[float(self.meter.peak_anon) / 2**20]], dtype=torch.float64)
+        peaks = torch.cat(self.comm.all_gather_rows(mine))[:, 0].tolist()
+        return {"world_size": self.comm.world_size, "parts_dir": str(self.cfg.parts_dir),
+                "backend": self.comm.backend, "rank_targets": self.rank_targets, "rank_batches": self.rank_batches,
+                "rank_peak_rss_anon_mb": peaks}
+
+    def close(self) -> None:
+        """Leave the job."""
+        self.meter.stop()
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        super().close()
+
+    @classmethod
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+        """Prediction runs in one process over the run's layout (the partition buffer's exact inference)."""
+        return BufferedMini.predict_saved(req, embeddings_to)
+
+
+__all__ = ["DistributedMini", "check_ranks", "rank_of_part", "rank_targets"]
