@@ -150,11 +150,13 @@ class _Parts(StrategyOptions):
     parts_dir: str | None = opt(None, "full: train partition-parallel on the partitioned layout PART_DIR (from "
                                       "`trellis partition STORE --parts P --out PART_DIR`), one rank per part; "
                                       "the result is the single process's. mini/cluster (with --nproc 1): train "
-                                      "from the layout through a partition buffer, K parts resident at a time "
-                                      "(default: none)", metavar="PART_DIR")
+                                      "from the layout through a partition buffer, K parts resident at a time. "
+                                      "mini with --nproc P > 1: data-parallel ranks, each training the targets "
+                                      "of its parts (default: none)", metavar="PART_DIR")
     nproc: int | None = opt(None, "with --parts-dir: ranks to start on this machine (127.0.0.1, gloo; nccl with "
-                                  "--device cuda); full: must equal the layout's parts; mini/cluster: 1; under "
-                                  "torchrun the launcher's ranks are used instead (default: the number of parts)")
+                                  "--device cuda); full: must equal the layout's parts (default: the number of "
+                                  "parts); mini: 1 (a partition buffer, the default) up to the parts; cluster: 1; "
+                                  "under torchrun the launcher's ranks are used instead")
 
     def validate(self, cfg: TrainConfig) -> None:
         _at_least("nproc", self.nproc, 1)

@@ -9,8 +9,10 @@ summed. One model, one run directory (rank 0's), the metrics of the whole graph.
 * **every training node is a target exactly once per epoch**: a rank's targets are its own, and the epoch runs
   as many steps as the rank with the most batches; a rank out of batches keeps serving its peers' fetches and
   adds zero gradients, so uneven batch counts neither hang nor drop targets;
-* **the loss of a step** is the mean over every rank's targets in it: a rank's batch mean is scaled by its share
-  of the step's targets before the gradients are summed;
+* **a step is the same at any rank count**: ``--batch-size`` is the step's, and each rank's batch is its share of
+  it (in proportion to its targets), so an epoch takes about as many steps as one process's; the loss of a
+  step is the mean over every rank's targets in it (a rank's batch mean is scaled by its share of the step's
+  targets before the gradients are summed);
 * **one epoch seed** (rank 0's) shuffles every rank's targets (rank ``r`` mixes in ``r``), so the ranks agree
   whatever their dropout draws did to their generators;
 * **one rank is one process**: with P = 1 the fetch is a local gather and every batch, loss and metric equals
@@ -146,10 +148,15 @@ class DistributedMini(BatchStrategy):
         train = splits["train"].cpu().numpy()
         self.targets = train[owner[train] == comm.rank]  # the store's order, so one rank is --strategy mini
         self.last_epoch = {}
+        counts = torch.cat(comm.all_gather_rows(torch.tensor([self.targets.shape[0]])))
+        self.rank_targets = [int(v) for v in counts]
+        # --batch-size is the step's: each rank takes its share, so a step trains about as many targets, and an
+        # epoch takes about as many steps, at any rank count (and one rank is --strategy mini)
+        total = max(1, sum(self.rank_targets))
+        self.rank_batch = max(1, -(-cfg.batch_size * self.rank_targets[comm.rank] // total))
         self.loader = self.make_loader()
-        counts = torch.cat(comm.all_gather_rows(torch.tensor([[len(self.loader), self.targets.shape[0]]])))
-        self.rank_batches = [int(v) for v in counts[:, 0]]
-        self.rank_targets = [int(v) for v in counts[:, 1]]
+        counts = torch.cat(comm.all_gather_rows(torch.tensor([len(self.loader)])))
+        self.rank_batches = [int(v) for v in counts]
         self.steps = max(self.rank_batches)
         self.meter.start()
 
@@ -173,7 +180,7 @@ class DistributedMini(BatchStrategy):
         assert self.comm is not None
         sampler = NeighborSampler(self.indptr, self.indices, parse_fanouts(cfg.fanouts, cfg.layers), labor=cfg.labor)
         y, ew, ef = (None if t is None else t.cpu() for t in (d.y, d.edge_weight, d.edge_feat))
-        return NeighborLoader(sampler, self.targets, cfg.batch_size, y=y, seed=self.comm.rank, prefetch=cfg.prefetch,
+        return NeighborLoader(sampler, self.targets, self.rank_batch, y=y, seed=self.comm.rank, prefetch=cfg.prefetch,
                               edge_weight=ew, edge_feat=ef)
 
     # ---- training -------------------------------------------------------------------------------
@@ -263,7 +270,8 @@ class DistributedMini(BatchStrategy):
         """Ranks, parts and targets."""
         assert self.comm is not None
         return (f"distributed mini-batch: {self.comm.world_size} rank(s) over {self.cfg.parts_dir} "
-                f"({self.comm.backend}); targets per rank {self.rank_targets}, {self.steps} steps per epoch")
+                f"({self.comm.backend}); targets per rank {self.rank_targets}, batch per rank "
+                f"{self.rank_batch} here, {self.steps} steps per epoch")
 
     def epoch_info(self) -> dict[str, Any]:
         """Steps, targets and the feature fetch of the epoch."""
@@ -277,6 +285,7 @@ class DistributedMini(BatchStrategy):
         peaks = torch.cat(self.comm.all_gather_rows(mine))[:, 0].tolist()
         return {"world_size": self.comm.world_size, "parts_dir": str(self.cfg.parts_dir),
                 "backend": self.comm.backend, "rank_targets": self.rank_targets, "rank_batches": self.rank_batches,
+                "rank_batch_size": self.rank_batch,
                 "rank_peak_rss_anon_mb": peaks}
 
     def close(self) -> None:
