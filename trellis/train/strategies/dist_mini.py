@@ -19,9 +19,10 @@ summed. One model, one run directory (rank 0's), the metrics of the whole graph.
   ``--strategy mini``'s bit for bit.
 
 Evaluation is exact layer-wise inference on rank 0, reading input rows from the layout's memory maps, and the
-metrics are sent to every rank. Not built yet (docs/distributed.md): a rank that holds more parts than fit
-(the partition buffer per rank), sampler processes or ranks, a remote-feature cache, and resume that restores
-every rank's dropout generator (a resumed run continues from rank 0's).
+metrics are sent to every rank. Resume is exact: with more than one rank, each epoch reseeds every rank's
+generator from (epoch seed, rank), so rank 0's checkpointed generator decides every rank's next epoch. Not
+built yet (docs/distributed.md): a rank that holds more parts than fit (the partition buffer per rank),
+sampler processes or ranks, and a remote-feature cache.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
 from trellis.loader.buffer import ArenaRows, LayoutRows
 from trellis.loader.features import NormalizedRows
-from trellis.loader.sampler import NeighborLoader, NeighborSampler
+from trellis.loader.sampler import NeighborLoader, NeighborSampler, mix64
 from trellis.partition.layout import PartitionedGraph, part_dir_name
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
@@ -200,7 +201,12 @@ class DistributedMini(BatchStrategy):
         assert comm is not None
         model.train()
         t0 = time.perf_counter()
-        batches = self.loader.epoch(self._shared_seed())
+        seed = self._shared_seed()
+        if comm.world_size > 1:
+            # Each rank's dropout draws start from (epoch seed, rank): a resumed run restores rank 0's generator
+            # only, and this makes every rank's epoch the uninterrupted run's all the same.
+            torch.manual_seed(mix64(seed, comm.rank, 0xD209) >> 1)
+        batches = self.loader.epoch(seed)
         params: list[Tensor] = [p for p in model.parameters() if p.requires_grad]
         total, count, steps, fetch_s = 0.0, 0, 0, 0.0
         for step in range(self.steps):
