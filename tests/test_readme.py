@@ -50,5 +50,6 @@ def test_readme_tour_runs_in_order(tmp_path, data_dir):
                                   f"{proc.stderr.strip().splitlines()[-5:]}")
     assert last == len(commands) - 1
     for made in ("stores/cora", "runs/cora-gcn/summary.json", "preds.npy", "runs/sbm-ranks/summary.json",
-                 "runs/sbm-buffer/summary.json", "tunes/cora-gcn/best/config.json", "compare.png"):
+                 "runs/sbm-buffer/summary.json", "runs/sbm-mini-ranks/summary.json",
+                 "tunes/cora-gcn/best/config.json", "compare.png"):
         assert (tmp_path / made).exists(), made

@@ -34,6 +34,16 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         stats = fetch.stats.take()
         remote = sum(int((owner[ids] != rank).sum()) for ids in asks)
         ok = ok and stats["fetch_remote_rows"] == remote and stats["fetch_recv_bytes"] == remote * (F * 4 + 8)
+        # a cache of some remote rows: the same rows come back, the cached ones without a fetch
+        held = fetch.fill_cache(np.arange(0, N, 2))
+        cached = (np.arange(0, N, 2) % world != rank).sum()
+        ok = ok and held == cached * F * 4 and fetch.stats.take()["fetch_remote_rows"] == 0
+        ids = rng.integers(0, N, 30)
+        ok = ok and torch.equal(fetch.fetch(ids), table[torch.from_numpy(ids)])
+        stats = fetch.stats.take()
+        away = owner[ids] != rank
+        ok = ok and stats["fetch_cache_rows"] == int((away & (ids % 2 == 0)).sum())
+        ok = ok and stats["fetch_remote_rows"] == int((away & (ids % 2 == 1)).sum())
         np.save(f"{out}-{rank}.npy", np.array([ok]))
     finally:
         comm.close()
@@ -52,6 +62,7 @@ def test_a_world_of_one_is_a_local_gather():
         fetch = RowFetch(comm, np.zeros(N, np.int64), lambda ids: table[torch.from_numpy(ids)], F)
         ids = np.array([4, 4, 0, 49])
         assert torch.equal(fetch.fetch(ids), table[torch.from_numpy(ids)])
-        assert fetch.stats.take() == {"fetch_remote_rows": 0, "fetch_local_rows": 4, "fetch_recv_bytes": 0}
+        assert fetch.stats.take() == {"fetch_remote_rows": 0, "fetch_local_rows": 4, "fetch_cache_rows": 0,
+                                      "fetch_recv_bytes": 0}
     finally:
         comm.close()

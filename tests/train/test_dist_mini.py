@@ -104,6 +104,8 @@ def test_ranks_train_every_target_once_per_epoch_with_uneven_batches(sbm_store, 
     (["--nproc", "4"], "more ranks than the 3 parts"),
     (["--nproc", "2", "--buffer-parts", "1"], "--buffer-parts with --nproc 2"),
     (["--nproc", "2", "--norm", "batch"], "--norm batch across ranks"),
+    (["--nproc", "1", "--feature-cache", "1M"], "--feature-cache caches other ranks' rows"),
+    (["--nproc", "2", "--feature-cache", "lots"], "--feature-cache"),
 ])
 def test_bad_input_is_refused_before_any_rank_starts(sbm_store, layouts, tmp_path, capsys, args, message):
     code = main(["train", str(sbm_store), "--strategy", "mini", "--parts-dir", str(layouts[3]), *args, "--epochs", "1",
@@ -142,3 +144,26 @@ def test_an_interrupted_two_rank_run_resumes_to_the_uninterrupted_metrics(sbm_st
     got, want = _records(tmp_path / "cut"), _records(tmp_path / "whole")
     assert len(got) == len(want) == 4
     assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+
+
+def test_a_feature_cache_and_sampler_processes_change_the_traffic_not_the_result(sbm_store, layouts, tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.distributed.test_parallel import _worker
+
+    kw = dict(store=str(sbm_store), strategy="mini", model="sage", epochs=3, hidden=16, dropout=0.5, batch_size=8,
+              fanouts="5,5", progress=False, checkpoint_every=0, device="cpu", parts_dir=str(layouts[3]), nproc=2)
+    plain = TrainConfig(**kw, out=str(tmp_path / "plain"))
+    cached = TrainConfig(**kw, feature_cache="4K", out=str(tmp_path / "cached"))  # 64 rows of 16 floats
+    sampled = TrainConfig(**kw, samplers=1, out=str(tmp_path / "sampled"))
+    mp.spawn(_worker, args=(2, free_port(), [c.to_dict(session=True) for c in (plain, cached, sampled)]),
+             nprocs=2, join=True)
+    got, want = _records(tmp_path / "cached"), _records(tmp_path / "plain")
+    assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+    assert [[r[k] for k in KEYS] for r in _records(tmp_path / "sampled")] == [[r[k] for k in KEYS] for r in want]
+    for g, w in zip(got, want):
+        assert g["fetch_cache_rows"] > 0 and 0 < g["fetch_cache_hit_rate"] < 1
+        assert g["fetch_remote_rows"] + g["fetch_cache_rows"] == w["fetch_remote_rows"]
+        assert g["fetch_recv_bytes"] < w["fetch_recv_bytes"]
+    held = json.loads((tmp_path / "cached" / "summary.json").read_text())["feature_cache_bytes"]
+    assert 0 < held <= 64 * 16 * 4 and held % (16 * 4) == 0  # whole rows, within the size (rows never sampled: out)

@@ -3,7 +3,8 @@
 Why a collective and not RPC: every rank takes part in every fetch (a rank without a batch in a step asks
 for nothing and still serves its peers), so a fetch is three ``all_to_all_single`` calls in the same order
 on every rank — the counts, the ids, the rows — with no server thread, no RPC agent and nothing that can
-hang on a peer that has finished its batches early. Rows this rank owns are read locally and never sent.
+hang on a peer that has finished its batches early. Rows this rank owns are read locally and never sent, and so
+are the remote rows of its cache (:meth:`RowFetch.fill_cache`: fetched once, ranked by the caller).
 In a world of one, the fetch is a local gather, so one rank's batches equal one process's bit for bit.
 """
 
@@ -26,13 +27,14 @@ class FetchStats:
 
     remote_rows: int = 0
     local_rows: int = 0
+    cache_rows: int = 0
     recv_bytes: int = 0
 
     def take(self) -> dict[str, int]:
         """The counters as metrics; then reset."""
         out = {"fetch_remote_rows": self.remote_rows, "fetch_local_rows": self.local_rows,
-               "fetch_recv_bytes": self.recv_bytes}
-        self.remote_rows = self.local_rows = self.recv_bytes = 0
+               "fetch_cache_rows": self.cache_rows, "fetch_recv_bytes": self.recv_bytes}
+        self.remote_rows = self.local_rows = self.cache_rows = self.recv_bytes = 0
         return out
 
 
@@ -55,6 +57,22 @@ class RowFetch:
         self.dim = int(dim)
         self.dtype = dtype
         self.stats = FetchStats()
+        self._slot: np.ndarray | None = None  # [N] row of a cached remote node in _cache, -1 if not cached
+        self._cache = torch.empty((0, self.dim), dtype=dtype)
+
+    def fill_cache(self, ids: np.ndarray) -> int:
+        """Fetch the rows of remote nodes ``ids`` once and serve them locally from then on (collective).
+
+        Every rank calls this together (with its own ids, possibly none). Returns the bytes the cache holds.
+        """
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        ids = ids[self.owner[ids] != self.comm.rank]
+        rows = self.fetch(ids)
+        self.stats = FetchStats()  # filling is not an epoch's traffic
+        slot = np.full(self.owner.shape[0], -1, dtype=np.int64)
+        slot[ids] = np.arange(ids.shape[0])
+        self._slot, self._cache = slot, rows
+        return int(rows.numel() * rows.element_size())
 
     def fetch(self, ids: np.ndarray) -> Tensor:
         """``[len(ids), F]`` rows of ``ids`` (any order, repeats allowed), in ``ids``' order."""
@@ -64,8 +82,11 @@ class RowFetch:
             self.stats.local_rows += int(ids.shape[0])
             return self.serve(ids)
         owners = self.owner[ids].astype(np.int64, copy=False)
-        remote = np.flatnonzero(owners != me)
-        local = np.flatnonzero(owners == me)
+        slot = self._slot[ids] if self._slot is not None else None
+        away = owners != me
+        cached = np.flatnonzero(away & (slot >= 0)) if slot is not None else np.empty(0, dtype=np.int64)
+        remote = np.flatnonzero(away & (slot < 0)) if slot is not None else np.flatnonzero(away)
+        local = np.flatnonzero(~away)
         order = remote[np.argsort(owners[remote], kind="stable")]
         send_counts = np.bincount(owners[order], minlength=world).astype(np.int64)
         group = self.comm.control
@@ -81,10 +102,14 @@ class RowFetch:
         out = torch.empty((ids.shape[0], self.dim), dtype=self.dtype)
         if local.shape[0]:
             out[torch.from_numpy(local)] = self.serve(ids[local])
+        if cached.shape[0]:
+            assert slot is not None
+            out[torch.from_numpy(cached)] = self._cache[torch.from_numpy(slot[cached])]
         if order.shape[0]:
             out[torch.from_numpy(order)] = got
         self.stats.remote_rows += int(order.shape[0])
         self.stats.local_rows += int(local.shape[0])
+        self.stats.cache_rows += int(cached.shape[0])
         self.stats.recv_bytes += int(got.numel() * got.element_size() + 8 * order.shape[0])
         return out
 

@@ -359,6 +359,16 @@ def inclusion_probability(pieces: Callable[[], Iterator[PartRows]], num_nodes: i
     return 1.0 - miss
 
 
+def vip(indptr: np.ndarray, indices: np.ndarray, targets: np.ndarray, fanouts: Sequence[int],
+        batch_size: int) -> np.ndarray:
+    """:func:`inclusion_probability` over a whole in-edge CSR (one piece): each node's chance of being sampled."""
+    indptr_np, indices_np = np.asarray(indptr, dtype=np.int64), np.asarray(indices, dtype=np.int64)
+    n = indptr_np.shape[0] - 1
+    whole = PartRows(0, np.arange(n, dtype=np.int64), indptr_np, indices_np, np.empty(0, dtype=np.int64))
+    return inclusion_probability(lambda: iter([whole]), n, np.diff(indptr_np), np.asarray(targets, dtype=np.int64),
+                                 fanouts, batch_size)
+
+
 # ---- the buffer ----------------------------------------------------------------------------------------
 @dataclass
 class BufferStats:

@@ -41,6 +41,11 @@ CLUSTER_METHODS = ("metis", "grem", "hash")
 
 #: Seconds a distributed rank waits for its peers by default (``--timeout``).
 DEFAULT_TIMEOUT_S = 300.0
+#: ``--samplers`` with the single-process partition buffer.
+NO_BUFFER_SAMPLERS = ("--samplers with --parts-dir and one process: the partition buffer prepares its batches in "
+                      "this process so far; drop --samplers (ranks, --nproc P > 1, take it)")
+#: ``--feature-cache`` without ranks to cache rows of.
+NO_RANKS_CACHE = "--feature-cache caches other ranks' rows: it applies with --nproc P > 1; drop it"
 
 
 _BUDGET_HELP = ("full: cap on the process's peak memory (RssAnon), e.g. 3G; the graph is trained out of core in row "
@@ -105,7 +110,8 @@ class _Loader(StrategyOptions):
 
     prefetch: int = opt(2, "mini/cluster: batches prepared ahead on a background thread, 0 = none (default: 2)")
     samplers: int = opt(0, "mini/cluster: prepare batches in K worker processes (passed back through shared "
-                           "memory; the same batches as in-process preparation), 0 = in this process (default: 0)",
+                           "memory; the same batches as in-process preparation), 0 = in this process; with "
+                           "--parts-dir --nproc P > 1, K per rank (default: 0)",
                         metavar="K")
 
     def validate(self, cfg: TrainConfig) -> None:
@@ -188,9 +194,8 @@ class _Buffer(_Parts, _Budget, _Loader):
         _Parts.validate(self, cfg)
         _at_least("buffer_parts", self.buffer_parts, 1)
         self._needs_parts(["memory_budget", "spill_dir", "buffer_parts", "buffer_cache", "buffer_replay"])
-        if self.samplers > 0 and self.parts_dir is not None:
-            raise TrellisUserError("--samplers with --parts-dir: the partition buffer prepares its batches in this "
-                                   "process so far; drop --samplers")
+        if self.samplers > 0 and self.parts_dir is not None and (self.nproc or 1) == 1:
+            raise TrellisUserError(NO_BUFFER_SAMPLERS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +259,11 @@ class MiniOptions(_Buffer, _Batched):
                                 "whose parts hold few classes do not skew the model; 0 = off (default: 0)",
                              metavar="R")
 
+    feature_cache: str | None = opt(None, "mini with --parts-dir --nproc P > 1: memory per rank for a cache of "
+                                          "other ranks' feature rows, those most likely to be sampled (SALIENT++'s "
+                                          "VIP ranking), fetched once at the start, e.g. 256M (default: none)",
+                                    metavar="SIZE")
+
     def __post_init__(self) -> None:
         if isinstance(self.fanouts, (list, tuple)):  # the library may pass [15, 10]
             object.__setattr__(self, "fanouts", ",".join(str(int(f)) for f in self.fanouts))
@@ -266,6 +276,11 @@ class MiniOptions(_Buffer, _Batched):
         parse_fanouts(self.fanouts or "", cfg.layers)
         if self.buffer_cache is not None:
             parse_size(self.buffer_cache, flag="--buffer-cache")
+        if self.feature_cache is not None:
+            parse_size(self.feature_cache, flag="--feature-cache")
+            self._needs_parts(["feature_cache"])
+            if self.nproc == 1:
+                raise TrellisUserError(NO_RANKS_CACHE)
 
 
 @dataclass(frozen=True, kw_only=True)

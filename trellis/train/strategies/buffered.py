@@ -35,6 +35,7 @@ from trellis.plan.residency import BufferCosts, BufferPlan, plan_buffer
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_labels
+from trellis.train.options import NO_BUFFER_SAMPLERS, NO_RANKS_CACHE
 from trellis.train.strategies.batches import BatchStrategy
 from trellis.train.strategies.outofcore import budget_and_baseline
 from trellis.train.strategy import Prediction, PredictRequest, saved_model
@@ -115,6 +116,10 @@ class BufferedMini(BatchStrategy):
             raise TrellisUserError(f"--strategy {cfg.strategy} --nproc {cfg.nproc}: {cfg.strategy}-batch training "
                                    "across ranks is not built yet; use --nproc 1 (one process trains every part "
                                    "through its buffer)")
+        if cfg.feature_cache is not None:
+            raise TrellisUserError(NO_RANKS_CACHE)
+        if cfg.samplers > 0:
+            raise TrellisUserError(NO_BUFFER_SAMPLERS)
         if cfg.features != "store":
             raise TrellisUserError(f"--features {cfg.features} with --parts-dir: the partition buffer trains on the "
                                    "layout's node features; drop --features or --parts-dir")

@@ -22,7 +22,9 @@ Evaluation is exact layer-wise inference on rank 0, reading input rows from the 
 metrics are sent to every rank. Resume is exact: with more than one rank, each epoch reseeds every rank's
 generator from (epoch seed, rank), so rank 0's checkpointed generator decides every rank's next epoch. Not
 built yet (docs/distributed.md): a rank that holds more parts than fit (the partition buffer per rank),
-sampler processes or ranks, and a remote-feature cache.
+sampler ranks, and mini-batch grouping. ``--samplers K`` samples a rank's batches in K processes (the same
+batches). ``--feature-cache SIZE`` keeps the other ranks' rows
+most likely to be sampled (SALIENT++'s VIP ranking), fetched once at the start.
 """
 
 from __future__ import annotations
@@ -41,19 +43,20 @@ from trellis.distributed.comm import Comm, RankEnv, free_port, rank_threads
 from trellis.distributed.rows import RowFetch
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
-from trellis.loader.buffer import ArenaRows, LayoutRows
+from trellis.loader.buffer import ArenaRows, LayoutRows, vip
 from trellis.loader.features import NormalizedRows
 from trellis.loader.sampler import NeighborLoader, NeighborSampler, mix64
 from trellis.partition.layout import PartitionedGraph, part_dir_name
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_labels
-from trellis.train.options import DEFAULT_TIMEOUT_S
+from trellis.train.options import DEFAULT_TIMEOUT_S, NO_RANKS_CACHE
 from trellis.train.strategies.batches import BatchStrategy, _epoch_seed
 from trellis.train.strategies.buffered import BufferedMini, layout_feature_norm, open_layout_for, store_edge_data
 from trellis.train.strategy import Prediction, PredictRequest
 from trellis.train.tasks import Task
 from trellis.utils.memory import PeakMemory, trim_heap
+from trellis.utils.sizes import parse_size
 
 #: Options of the single-process partition buffer that ranks do not take yet.
 BUFFER_ONLY = ("buffer_parts", "memory_budget", "buffer_cache", "buffer_replay", "spill_dir")
@@ -71,6 +74,8 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
         TrellisUserError: A buffer option, more ranks than parts, or a rank whose parts hold no training node.
     """
     opts = cfg.options
+    if world == 1 and cfg.feature_cache is not None:
+        raise TrellisUserError(NO_RANKS_CACHE)
     for name in BUFFER_ONLY:
         if opts.given(name):
             flag = "--" + name.replace("_", "-")
@@ -156,10 +161,26 @@ class DistributedMini(BatchStrategy):
         total = max(1, sum(self.rank_targets))
         self.rank_batch = max(1, -(-cfg.batch_size * self.rank_targets[comm.rank] // total))
         self.loader = self.make_loader()
+        self.cache_bytes = self._fill_cache(owner)
         counts = torch.cat(comm.all_gather_rows(torch.tensor([len(self.loader)])))
         self.rank_batches = [int(v) for v in counts]
         self.steps = max(self.rank_batches)
         self.meter.start()
+
+    def _fill_cache(self, owner: np.ndarray) -> int:
+        """``--feature-cache``: fetch the other ranks' rows this rank's batches most likely sample, once.
+
+        Ranked by SALIENT++'s analytical inclusion probability (:func:`~trellis.loader.buffer.vip`) for this
+        rank's targets, fanouts and batch size; as many rows as the size holds. Returns the cache's bytes.
+        """
+        cfg = self.cfg
+        if cfg.feature_cache is None:
+            return 0
+        rows = parse_size(cfg.feature_cache, flag="--feature-cache") // max(1, self.fetch.dim * 4)
+        prob = vip(self.indptr, self.indices, self.targets, parse_fanouts(cfg.fanouts, cfg.layers), self.rank_batch)
+        remote = np.flatnonzero((owner != self.fetch.comm.rank) & (prob > 0))
+        best = remote[np.argsort(-prob[remote], kind="stable")[:rows]]
+        return self.fetch.fill_cache(best)
 
     def _own_rows(self, layout: PartitionedGraph, node_part: np.ndarray) -> ArenaRows:
         """This rank's parts' raw feature rows, read whole into memory, addressed by global id."""
@@ -206,7 +227,7 @@ class DistributedMini(BatchStrategy):
             # Each rank's dropout draws start from (epoch seed, rank): a resumed run restores rank 0's generator
             # only, and this makes every rank's epoch the uninterrupted run's all the same.
             torch.manual_seed(mix64(seed, comm.rank, 0xD209) >> 1)
-        batches = self.loader.epoch(seed)
+        batches = self._epoch_batches(seed)  # on a thread, or from --samplers K processes
         params: list[Tensor] = [p for p in model.parameters() if p.requires_grad]
         total, count, steps, fetch_s = 0.0, 0, 0, 0.0
         for step in range(self.steps):
@@ -243,7 +264,7 @@ class DistributedMini(BatchStrategy):
         total, count_all, fetch_max = (comm.sum([total, float(count)]) + [fetch_s]) if comm.world_size > 1 \
             else (total, float(count), fetch_s)
         self._epoch = {"batches": steps, "targets": int(count_all), "epoch_s": time.perf_counter() - t0,
-                       "fetch_s": fetch_max, **self._job_fetch()}
+                       "fetch_s": fetch_max, "wait_s": float(getattr(batches, "wait_s", 0.0)), **self._job_fetch()}
         trim_heap()
         return torch.tensor(total / max(count_all, 1.0), dtype=torch.float32)
 
@@ -256,6 +277,9 @@ class DistributedMini(BatchStrategy):
         per_rank = torch.cat(self.comm.all_gather_rows(row))
         out: dict[str, Any] = {k: int(per_rank[:, i].sum()) for i, k in enumerate(keys)}
         out["fetch_recv_bytes_per_rank"] = [int(v) for v in per_rank[:, keys.index("fetch_recv_bytes")].tolist()]
+        if self.cfg.feature_cache is not None:
+            away = out["fetch_cache_rows"] + out["fetch_remote_rows"]
+            out["fetch_cache_hit_rate"] = out["fetch_cache_rows"] / max(1, away)
         return out
 
     @torch.no_grad()
@@ -291,7 +315,7 @@ class DistributedMini(BatchStrategy):
         peaks = torch.cat(self.comm.all_gather_rows(mine))[:, 0].tolist()
         return {"world_size": self.comm.world_size, "parts_dir": str(self.cfg.parts_dir),
                 "backend": self.comm.backend, "rank_targets": self.rank_targets, "rank_batches": self.rank_batches,
-                "rank_batch_size": self.rank_batch,
+                "rank_batch_size": self.rank_batch, "feature_cache_bytes": self.cache_bytes,
                 "rank_peak_rss_anon_mb": peaks}
 
     def close(self) -> None:
