@@ -112,3 +112,20 @@ def test_bench_sampler_cli(sbm, capsys):
     assert main(["bench", "sampler", sbm, "--fanouts", "5,5", "--batches", "2", "--labor", "--workers", "2"]) == 0
     assert "sampling + feature gather" in capsys.readouterr().out
     assert main(["bench", "sampler", sbm, "--batch-size", "0"]) == 2
+
+
+def test_sampler_processes_get_cores_of_their_own_on_four_cores_or_more():
+    import torch
+
+    from trellis.train.strategies.batches import leave_cores
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert leave_cores(1) is None and torch.get_num_threads() == 2  # 2 cores: all threads stay
+        torch.set_num_threads(8)
+        kept = leave_cores(2)
+        assert kept is not None and kept[0] == 8 and torch.get_num_threads() == 6
+        assert leave_cores(0) is None and torch.get_num_threads() == 6
+    finally:
+        torch.set_num_threads(before)

@@ -19,11 +19,31 @@ from trellis.train.build import ModelSpec
 from trellis.train.data import load_graph_data
 from trellis.train.strategies.full import GraphStrategy
 from trellis.train.tasks import Task, split_metrics
+from trellis.utils.numba import get_num_threads, set_num_threads
 
 
 def _epoch_seed() -> int:
     """One draw from torch's global generator (saved in checkpoints) that seeds an epoch's batches."""
     return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def leave_cores(busy: int) -> tuple[int, int] | None:
+    """Train on ``busy`` fewer threads (torch and numba) while sampler processes run, on 4 cores or more.
+
+    Why: a parallel region waits for its slowest thread, and a trainer that keeps one thread per core beside
+    running samplers has a thread sharing a core with a sampler at every region. Measured on the 1M graph with
+    one sampler process (docs/benchmarks.md): the epoch was 1.51x the training alone on 16 cores as on 2, and
+    with exclusive cores (one trainer thread, numba's too, and the sampler on 2 cores) 1.03x the trainer's
+    time alone. On fewer than 4 cores every thread with the sampler beside them is still faster, so nothing
+    changes there. Returns the previous ``(torch, numba)`` threads to restore, or None when unchanged.
+    """
+    have = torch.get_num_threads()
+    if busy <= 0 or have - busy < 3:
+        return None
+    before = (have, get_num_threads())
+    torch.set_num_threads(have - busy)
+    set_num_threads(max(1, min(before[1], have - busy)))
+    return before
 
 
 class BatchStrategy(GraphStrategy):
@@ -105,6 +125,7 @@ class BatchStrategy(GraphStrategy):
         return (total / max(count, 1)).to(torch.float32)
 
     _producer: BatchProducer[Any] | None = None
+    _threads: tuple[int, int] | None = None
 
     def _epoch_batches(self, epoch_seed: int) -> Any:
         """The epoch's batches: from the loader's own threads, or from ``--samplers K`` worker processes.
@@ -118,6 +139,7 @@ class BatchStrategy(GraphStrategy):
         if self._producer is None:
             opts = ProducerOptions.from_flags(samplers, prefetch=self.cfg.prefetch)
             self._producer = BatchProducer(self.loader, opts).start()
+            self._threads = leave_cores(samplers * opts.threads_per_worker)
         return self._producer.epoch(epoch_seed)
 
     def close(self) -> None:
@@ -125,6 +147,10 @@ class BatchStrategy(GraphStrategy):
         if self._producer is not None:
             self._producer.close()
             self._producer = None
+        if self._threads is not None:  # the caller's thread counts again
+            torch.set_num_threads(self._threads[0])
+            set_num_threads(self._threads[1])
+            self._threads = None
         super().close()
 
     def _infer(self, model: nn.Module, rows: np.ndarray | None = None) -> Tensor:
