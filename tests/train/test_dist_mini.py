@@ -167,3 +167,37 @@ def test_a_feature_cache_and_sampler_processes_change_the_traffic_not_the_result
         assert g["fetch_recv_bytes"] < w["fetch_recv_bytes"]
     held = json.loads((tmp_path / "cached" / "summary.json").read_text())["feature_cache_bytes"]
     assert 0 < held <= 64 * 16 * 4 and held % (16 * 4) == 0  # whole rows, within the size (rows never sampled: out)
+
+
+def test_a_killed_rank_is_named_every_process_exits_and_resume_finishes_the_run(sbm_store, layouts, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.distributed.test_launch import ENV, _kill_rank, _ranks
+    from tests.train.helpers import wait_for_epochs
+
+    def train(out: Path) -> list[str]:
+        return [sys.executable, "-m", "trellis.cli", "train", str(sbm_store), "--strategy", "mini", "--model", "sage",
+                "--parts-dir", str(layouts[3]), "--nproc", "2", "--batch-size", "8", "--fanouts", "5,5", "--epochs",
+                "30", "--checkpoint-every", "2", "--timeout", "30", "--device", "cpu", "--no-progress", "--out",
+                str(out)]
+
+    whole = subprocess.run(train(tmp_path / "whole"), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr.decode()[-2000:]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(train(cut), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_epochs(cut, proc, 5)
+    pid = _kill_rank(1)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30 and proc.returncode != 0
+    assert f"rank 1 (pid {pid}) died: killed by SIGKILL" in err.decode()
+    assert not _ranks() and not (cut / "summary.json").exists()
+    rc = subprocess.run([sys.executable, "-m", "trellis.cli", "train", "--resume", str(cut), "--no-progress"],
+                        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    assert rc.returncode == 0, rc.stderr.decode()[-2000:]
+    got, want = _records(cut), _records(tmp_path / "whole")
+    assert len(got) == len(want) == 30
+    assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]

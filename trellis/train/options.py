@@ -163,6 +163,9 @@ class _Parts(StrategyOptions):
                                   "--device cuda); full: must equal the layout's parts (default: the number of "
                                   "parts); mini: 1 (a partition buffer, the default) up to the parts; cluster: 1; "
                                   "under torchrun the launcher's ranks are used instead")
+    timeout: float = opt(DEFAULT_TIMEOUT_S, "ranks (--parts-dir, full or mini with --nproc P > 1): seconds a "
+                                            "rank waits for its peers (rendezvous, exchanges, barriers) before it "
+                                            "fails (default: 300)")
 
     def validate(self, cfg: TrainConfig) -> None:
         _at_least("nproc", self.nproc, 1)
@@ -203,8 +206,6 @@ class FullOptions(_Parts, _Budget):
     """``--strategy full``: in memory, out of core (``memory_budget``) or partition-parallel (``parts_dir``)."""
 
     strategy: ClassVar[str] = "full"
-    timeout: float = opt(DEFAULT_TIMEOUT_S, "full with --parts-dir: seconds a rank waits for its peers "
-                                            "(rendezvous, exchanges, barriers) before it fails (default: 300)")
     overlap: bool = opt(False, "full with --parts-dir: start each layer's halo exchange asynchronously and "
                                "aggregate the interior edges (local sources) while the rows travel, then the "
                                "boundary edges; the result equals the blocking schedule's (to float rounding) "
