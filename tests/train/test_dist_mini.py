@@ -98,6 +98,14 @@ def test_ranks_train_every_target_once_per_epoch_with_uneven_batches(sbm_store, 
     losses = [r["loss"] for r in records]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert records[-1]["val_acc"] > 1.5 / store.num_classes
+    # the ranks' split evaluation equals one process's exact inference of the same weights (trellis predict)
+    assert main(["predict", str(out), str(sbm_store), "--out", str(tmp_path / "p.npy"), "--proba"]) == 0
+    proba = torch.from_numpy(np.load(tmp_path / "p.npy"))
+    best = records[summary["best_epoch"][0]]
+    val = torch.from_numpy(np.array(store.split("val"), dtype=np.int64))
+    y = torch.from_numpy(np.array(store.y, dtype=np.int64))[val]
+    assert abs(float((proba[val].argmax(1) == y).double().mean()) - best["val_acc"]) < 1e-9
+    assert abs(float(torch.nn.functional.nll_loss(proba[val].log(), y)) - best["val_loss"]) < 1e-5
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -74,17 +74,25 @@ class RowFetch:
         self._slot, self._cache = slot, rows
         return int(rows.numel() * rows.element_size())
 
-    def fetch(self, ids: np.ndarray) -> Tensor:
-        """``[len(ids), F]`` rows of ``ids`` (any order, repeats allowed), in ``ids``' order."""
+    def fetch(self, ids: np.ndarray, serve: Callable[[np.ndarray], Tensor] | None = None, dim: int | None = None,
+              *, cached: bool = True) -> Tensor:
+        """``[len(ids), F]`` rows of ``ids`` (any order, repeats allowed), in ``ids``' order.
+
+        ``serve`` and ``dim`` replace the constructor's for this call (every rank passes its own, of the same
+        width: e.g. a layer's outputs during layer-wise inference); ``cached=False`` ignores the cache, whose
+        rows are the constructor's.
+        """
         ids = np.asarray(ids, dtype=np.int64)
+        serve = self.serve if serve is None else serve
+        width = self.dim if dim is None else int(dim)
         world, me = self.comm.world_size, self.comm.rank
         if world == 1:
             self.stats.local_rows += int(ids.shape[0])
-            return self.serve(ids)
+            return serve(ids)
         owners = self.owner[ids].astype(np.int64, copy=False)
-        slot = self._slot[ids] if self._slot is not None else None
+        slot = self._slot[ids] if self._slot is not None and cached else None
         away = owners != me
-        cached = np.flatnonzero(away & (slot >= 0)) if slot is not None else np.empty(0, dtype=np.int64)
+        hits = np.flatnonzero(away & (slot >= 0)) if slot is not None else np.empty(0, dtype=np.int64)
         remote = np.flatnonzero(away & (slot < 0)) if slot is not None else np.flatnonzero(away)
         local = np.flatnonzero(~away)
         order = remote[np.argsort(owners[remote], kind="stable")]
@@ -95,21 +103,21 @@ class RowFetch:
         asked = torch.empty(int(counts_in.sum()), dtype=torch.int64)
         dist.all_to_all_single(asked, torch.from_numpy(ids[order]), output_split_sizes=counts_in.tolist(),
                                input_split_sizes=send_counts.tolist(), group=group)
-        served = self.serve(asked.numpy()) if asked.numel() else torch.empty((0, self.dim), dtype=self.dtype)
-        got = torch.empty((order.shape[0], self.dim), dtype=self.dtype)
+        served = serve(asked.numpy()).cpu() if asked.numel() else torch.empty((0, width), dtype=self.dtype)
+        got = torch.empty((order.shape[0], width), dtype=self.dtype)
         dist.all_to_all_single(got, served.contiguous(), output_split_sizes=send_counts.tolist(),
                                input_split_sizes=counts_in.tolist(), group=group)
-        out = torch.empty((ids.shape[0], self.dim), dtype=self.dtype)
+        out = torch.empty((ids.shape[0], width), dtype=self.dtype)
         if local.shape[0]:
-            out[torch.from_numpy(local)] = self.serve(ids[local])
-        if cached.shape[0]:
+            out[torch.from_numpy(local)] = serve(ids[local]).cpu()
+        if hits.shape[0]:
             assert slot is not None
-            out[torch.from_numpy(cached)] = self._cache[torch.from_numpy(slot[cached])]
+            out[torch.from_numpy(hits)] = self._cache[torch.from_numpy(slot[hits])]
         if order.shape[0]:
             out[torch.from_numpy(order)] = got
         self.stats.remote_rows += int(order.shape[0])
         self.stats.local_rows += int(local.shape[0])
-        self.stats.cache_rows += int(cached.shape[0])
+        self.stats.cache_rows += int(hits.shape[0])
         self.stats.recv_bytes += int(got.numel() * got.element_size() + 8 * order.shape[0])
         return out
 

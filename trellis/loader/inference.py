@@ -159,3 +159,78 @@ def _rowwise(model: nn.Module, x: Tensor | FeatureSource, rows: np.ndarray | Non
         rows_x = x.gather(sel) if isinstance(x, FeatureSource) else x.index_select(0, sel.to(x.device))
         outs.append(model(g, rows_x.to(device)))
     return torch.cat(outs) if outs else torch.empty(0, device=device)
+
+
+@torch.no_grad()
+def ranked_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.ndarray | Tensor, owned: np.ndarray,
+                     gather: Callable[[np.ndarray, Tensor | None], Tensor], agree: Callable[[int], int], *,
+                     rows: np.ndarray | None = None, chunk_edges: int = DEFAULT_CHUNK_EDGES,
+                     edge_weight: Tensor | None = None, edge_feat: Tensor | None = None,
+                     device: torch.device | str = "cpu") -> Tensor:
+    """:func:`layerwise_inference` split over ranks: each computes its own nodes' rows of every layer.
+
+    Why: one process holding a ``[N, width]`` matrix per layer is what stops exact evaluation on a graph split
+    over ranks; here a rank holds its ``owned`` rows of each layer and asks their owners for the rest.
+
+    Args:
+        model: A layer stack (as :func:`layerwise_inference`).
+        indptr: ``int64 [N+1]`` in-edge CSR of the whole graph (every rank reads its own rows' in-edges).
+        indices: ``int64 [E]`` sources.
+        owned: Sorted global ids of this rank's nodes.
+        gather: ``gather(ids, served)``: rows of ``ids`` (any rank's) of the previous layer, where ``served`` is
+            this rank's previous layer aligned with ``owned`` (None: the model's inputs). Collective: every rank
+            calls it the same number of times.
+        agree: ``agree(k)``: the largest ``k`` over the ranks (how many chunk rounds a layer takes).
+        rows: Sorted subset of ``owned`` whose final outputs are returned (None: all of ``owned``).
+        chunk_edges: In-edges per chunk of destination rows.
+        edge_weight: ``[E]`` edge weights (None = none).
+        edge_feat: ``[E, D]`` edge features (None = none).
+        device: Where layers run.
+
+    Returns:
+        ``[len(rows), out_dim]`` on ``device``.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        dev = torch.device(device)
+        indptr_np, indices_np = np_int64(indptr), np_int64(indices)
+        sampler = NeighborSampler(indptr_np, indices_np, [-1])
+        stack = _layers(model)
+        if stack is None:
+            raise ValueError("ranked inference needs a message-passing layer stack")
+        convs, post = stack
+        jk = getattr(model, "jk", "none") != "none"
+        rows_np = owned if rows is None else np_int64(rows)
+        at_rows = torch.from_numpy(np.searchsorted(owned, rows_np))
+        served: Tensor | None = None
+        outs: list[Tensor] = []
+        for li, conv in enumerate(convs):
+            last = li == len(convs) - 1
+            seeds = rows_np if last else owned
+            costs = np.concatenate([[0], np.cumsum(indptr_np[seeds + 1] - indptr_np[seeds])])
+            bounds = chunk_bounds(costs, chunk_edges)
+            mine = bounds.shape[0] - 1 if seeds.shape[0] else 0
+            out: Tensor | None = None
+            for c in range(agree(mine)):
+                if c >= mine:  # this rank is done with the layer: it still serves its peers' rows
+                    gather(np.empty(0, dtype=np.int64), served)
+                    continue
+                a, b = int(bounds[c]), int(bounds[c + 1])
+                batch = sampler.sample(seeds[a:b], 0)
+                block = batch.blocks[0]
+                attach_edge_data([block], edge_weight, edge_feat)
+                h_in = gather(batch.node_ids.numpy(), served).to(dev)
+                y = post(li, h_in, conv(block.to(dev), h_in))
+                if out is None:
+                    out = torch.empty((seeds.shape[0], *y.shape[1:]), dtype=y.dtype, device=dev)
+                out[a:b] = y
+            if out is None:  # no rows here (a rank without scored rows at the last layer)
+                out = torch.empty((0, 0), device=dev)
+            if jk:
+                outs.append(out if last else out.index_select(0, at_rows.to(dev)))
+            served = out
+        assert served is not None
+        return model.readout(outs) if jk else served  # type: ignore[operator]
+    finally:
+        model.train(was_training)

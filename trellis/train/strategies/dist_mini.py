@@ -18,13 +18,13 @@ summed. One model, one run directory (rank 0's), the metrics of the whole graph.
 * **one rank is one process**: with P = 1 the fetch is a local gather and every batch, loss and metric equals
   ``--strategy mini``'s bit for bit.
 
-Evaluation is exact layer-wise inference on rank 0, reading input rows from the layout's memory maps, and the
-metrics are sent to every rank. Resume is exact: with more than one rank, each epoch reseeds every rank's
-generator from (epoch seed, rank), so rank 0's checkpointed generator decides every rank's next epoch. Not
-built yet (docs/distributed.md): a rank that holds more parts than fit (the partition buffer per rank),
-sampler ranks, and mini-batch grouping. ``--samplers K`` samples a rank's batches in K processes (the same
-batches). ``--feature-cache SIZE`` keeps the other ranks' rows
-most likely to be sampled (SALIENT++'s VIP ranking), fetched once at the start.
+Evaluation is exact layer-wise inference split over the ranks: each computes its own nodes' rows of every
+layer and fetches the rest from their owners, so no rank holds a whole layer. Resume is exact: with more
+than one rank, each epoch reseeds every rank's generator from (epoch seed, rank), so rank 0's checkpointed
+generator decides every rank's next epoch. ``--samplers K`` samples a rank's batches in K processes (the same
+batches); ``--feature-cache SIZE`` keeps the other ranks' rows most likely to be sampled (SALIENT++'s VIP
+ranking), fetched once at the start. Not built yet (docs/distributed.md): a rank that holds more parts than
+fit (the partition buffer per rank), sampler ranks, and mini-batch grouping.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
 from trellis.loader.buffer import ArenaRows, LayoutRows, vip
 from trellis.loader.features import NormalizedRows
+from trellis.loader.inference import ranked_inference
 from trellis.loader.sampler import NeighborLoader, NeighborSampler, mix64
 from trellis.partition.layout import PartitionedGraph, part_dir_name
 from trellis.train.build import ModelSpec
@@ -140,10 +141,10 @@ class DistributedMini(BatchStrategy):
         node_part = np.asarray(np.load(layout.path / "node_parts.npy"), dtype=np.int64)
         part_rank = rank_of_part(layout.num_parts, comm.world_size)
         self.my_parts = [int(p) for p in np.flatnonzero(part_rank == comm.rank)]
-        owner = part_rank[node_part]
+        self.owner = owner = part_rank[node_part]
         local_rows = NormalizedRows(self._own_rows(layout, node_part), norm)
         self.fetch = RowFetch(comm, owner, local_rows.gather, local_rows.dim, local_rows.dtype)
-        # evaluation (rank 0) reads every part's rows from the layout's memory maps
+        # a world of one evaluates as --strategy mini does, reading every part's rows from the layout's maps
         x_all = NormalizedRows(LayoutRows(layout.path, node_part.astype(np.int32)), norm)
         self.data = d = GraphData(store=store, graph=None, x=x_all, y=y, splits=splits, task=task, feature_norm=norm,
                                   edge_weight=ew, edge_feat=ef)
@@ -282,18 +283,44 @@ class DistributedMini(BatchStrategy):
             out["fetch_cache_hit_rate"] = out["fetch_cache_rows"] / max(1, away)
         return out
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:
-        """Exact layer-wise inference on rank 0 (rows from the layout), its metrics sent to every rank."""
+    def _infer(self, model: nn.Module, rows: np.ndarray | None = None) -> Tensor:
+        """Exact layer-wise outputs of ``rows`` (sorted; None: every node), on every rank.
+
+        One rank: :class:`BatchStrategy`'s inference, so a world of one is ``--strategy mini``. More: each rank
+        computes its own nodes' rows of every layer and fetches the rest from their owners
+        (:func:`~trellis.loader.inference.ranked_inference`), then the ranks exchange the requested outputs.
+        """
         comm = self.comm
         assert comm is not None
-        metrics = super().evaluate(model, task) if comm.rank == 0 else None
-        if comm.world_size > 1:
-            box = [metrics]
-            dist.broadcast_object_list(box, src=0, group=comm.control)
-            metrics = box[0]
-        assert metrics is not None
-        return metrics
+        if comm.world_size == 1:
+            return super()._infer(model, rows)
+        rank = comm.rank
+        owned = np.flatnonzero(self.owner == rank)
+        wanted = np.arange(self.owner.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+        mine = wanted[self.owner[wanted] == rank]
+
+        def gather(ids: np.ndarray, served: Tensor | None) -> Tensor:
+            if served is None:  # the inputs: this rank's rows and cache, the rest fetched
+                return self.fetch.fetch(ids)
+            flat = served.reshape(served.shape[0], -1)
+
+            def serve(q: np.ndarray) -> Tensor:
+                return flat.index_select(0, torch.from_numpy(np.searchsorted(owned, q)).to(flat.device))
+
+            got = self.fetch.fetch(ids, serve, int(flat.shape[1]), cached=False)
+            return got.view(ids.shape[0], *served.shape[1:])
+
+        def agree(k: int) -> int:
+            return int(max(comm.all_gather_rows(torch.tensor([k]))).item())
+
+        d = self.data
+        logits = ranked_inference(model, self.indptr, self.indices, owned, gather, agree, rows=mine,
+                                  edge_weight=d.edge_weight, edge_feat=d.edge_feat, device=self.device)
+        self.fetch.stats.take()  # evaluation's fetches are not the epoch's traffic
+        got = torch.cat(comm.all_gather_rows(logits.cpu()))
+        ids = torch.cat(comm.all_gather_rows(torch.from_numpy(mine))).numpy()
+        order = np.argsort(ids, kind="stable")  # every rank's rows in id order: ``wanted``'s order
+        return got[torch.from_numpy(order)].to(self.device)
 
     # ---- reporting and teardown -----------------------------------------------------------------
     def banner(self) -> str:
