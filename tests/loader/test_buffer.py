@@ -84,7 +84,7 @@ def test_all_parts_resident_gives_the_mini_batches(layout, sbm_store):
     store = GraphStore(sbm_store)
     train = np.asarray(store.split("train"), dtype=np.int64)
     degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
-    y = torch.from_numpy(np.asarray(store.y, dtype=np.int64))
+    y = torch.from_numpy(np.array(store.y, dtype=np.int64))
     buf = PartitionBuffer(layout, 4, [4, 3], train, 32, y=y, degree=degree, seed=0, prefetch=0)
     loader = NeighborLoader(NeighborSampler(store.indptr, store.indices, [4, 3]), train, 32, x=np.asarray(store.x),
                             y=y, seed=0, prefetch=0)

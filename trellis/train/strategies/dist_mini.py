@@ -267,10 +267,10 @@ class DistributedMini(BatchStrategy):
         close = getattr(batches, "close", None)
         if close is not None:
             close()
-        total, count_all, fetch_max = (comm.sum([total, float(count)]) + [fetch_s]) if comm.world_size > 1 \
-            else (total, float(count), fetch_s)
+        total, count_all = comm.sum([total, float(count)]) if comm.world_size > 1 else (total, float(count))
+        # times are this rank's (rank 0 writes the record); counts and bytes are the job's
         self._epoch = {"batches": steps, "targets": int(count_all), "epoch_s": time.perf_counter() - t0,
-                       "fetch_s": fetch_max, "wait_s": float(getattr(batches, "wait_s", 0.0)), **self._job_fetch()}
+                       "fetch_s": fetch_s, "wait_s": float(getattr(batches, "wait_s", 0.0)), **self._job_fetch()}
         trim_heap()
         return torch.tensor(total / max(count_all, 1.0), dtype=torch.float32)
 
