@@ -33,3 +33,44 @@ def test_enforce_cap_moves_surplus_nodes():
 def test_run_metis_without_edges_deals_round_robin():
     parts = run_metis(np.zeros(5, dtype=np.int64), np.zeros(0, dtype=np.int64), None, 2, imbalance=0.0, seed=0)
     assert np.bincount(parts).tolist() == [2, 2]
+
+
+def _two_communities(tmp_path):
+    """Two dense 200-node communities joined by a few edges; every training node is in the first."""
+    from trellis.data.convert import from_arrays
+
+    rng = np.random.default_rng(0)
+    src, dst = [], []
+    for base in (0, 200):
+        s = rng.integers(0, 200, 3000) + base
+        d = rng.integers(0, 200, 3000) + base
+        src.append(s)
+        dst.append(d)
+    src.append(rng.integers(0, 200, 10))
+    dst.append(rng.integers(200, 400, 10))
+    train = np.arange(0, 200, 2)  # 100 training nodes, all in the first community
+    return from_arrays(np.concatenate(src), np.concatenate(dst), 400, out=tmp_path / "two",
+                       y=np.zeros(400, dtype=np.int64), splits={"train": train, "val": [201], "test": [202]},
+                       remove_self_loops=True)
+
+
+def test_balance_train_gives_every_part_its_share_of_training_nodes(tmp_path):
+    from trellis.data.store import GraphStore
+    from trellis.partition import partition_graph
+
+    store = GraphStore(_two_communities(tmp_path))
+    train = np.asarray(store.split("train"))
+    plain = partition_graph(store, "metis", 2, measure=False).node_parts
+    balanced = partition_graph(store, "metis", 2, measure=False, balance="train")
+    assert sorted(np.bincount(plain[train], minlength=2).tolist()) == [0, 100]  # the cut follows the communities
+    counts = np.bincount(balanced.node_parts[train], minlength=2)
+    assert counts.max() <= 100 / 2 * 1.1 and np.bincount(balanced.node_parts).max() <= 400 / 2 * 1.06
+    assert balanced.params["balance"] == "train"
+
+
+def test_balance_is_refused_where_it_cannot_apply(tmp_path, sbm_store, capsys):
+    from trellis.cli.main import main
+
+    assert main(["partition", str(sbm_store), "--parts", "2", "--method", "grem", "--balance", "train",
+                 "--no-layout"]) == 2
+    assert "--balance does not apply to --method grem" in capsys.readouterr().err

@@ -132,7 +132,7 @@ def test_a_rank_without_training_nodes_is_named(sbm_store, tmp_path, capsys):
     code = main(["train", str(sbm_store), "--strategy", "mini", "--parts-dir", str(layout), "--nproc", "2",
                  "--epochs", "1", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert code == 2 and "rank 1 of 2 would train no target" in err and "--method random" in err
+    assert code == 2 and "rank 1 of 2 would train no target" in err and "--balance train" in err
 
 
 def test_an_interrupted_two_rank_run_resumes_to_the_uninterrupted_metrics(sbm_store, layouts, tmp_path):

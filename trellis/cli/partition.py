@@ -45,6 +45,9 @@ def register(subparsers: Any) -> None:
                    help="allowed imbalance: parts hold at most (1 + x) * N / P nodes (default: 0.05)")
     p.add_argument("--width", type=int, default=256,
                    help="feature width F for the exchange estimate (default: 256)")
+    p.add_argument("--balance", choices=("nodes", "train"),
+                   help="metis: what every part gets an equal share of: nodes, or train = training nodes as well "
+                        "(equal targets and batch counts for the ranks that train the parts) (default: nodes)")
     p.add_argument("--no-layout", action="store_true", help="only partition and report; write no layout")
     p.add_argument("--overwrite", action="store_true", help="replace an existing PART_DIR")
     p.add_argument("--move-features", action="store_true",
@@ -56,7 +59,7 @@ def register(subparsers: Any) -> None:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """Method options the user actually gave (so a flag that does not apply can be reported)."""
     opts: dict[str, Any] = {"seed": args.seed, "imbalance": args.imbalance}
-    for name in ("chunk_frac", "chunk_edges", "seed_method", "passes"):
+    for name in ("chunk_frac", "chunk_edges", "seed_method", "passes", "balance"):
         if getattr(args, name) is not None:
             opts[name] = getattr(args, name)
     if args.no_refine:
