@@ -209,3 +209,11 @@ def test_a_killed_rank_is_named_every_process_exits_and_resume_finishes_the_run(
     got, want = _records(cut), _records(tmp_path / "whole")
     assert len(got) == len(want) == 30
     assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+
+
+def test_explain_names_every_rank_and_trains_nothing(sbm_store, layouts, tmp_path, capsys):
+    code = main(["train", str(sbm_store), "--strategy", "mini", "--model", "sage", "--parts-dir", str(layouts[3]),
+                 "--nproc", "2", "--explain", "--device", "cpu", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0 and "rank 0: parts [0, 2]" in out and "rank 1: parts [1]" in out and "sage:" in out
+    assert not (tmp_path / "run").exists()

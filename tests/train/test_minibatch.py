@@ -129,3 +129,13 @@ def test_sampler_processes_get_cores_of_their_own_on_four_cores_or_more():
         assert leave_cores(0) is None and torch.get_num_threads() == 6
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("strategy", ["mini", "cluster"])
+def test_explain_describes_the_batches_and_the_model_plan(sbm_store, capsys, strategy):
+    from trellis.cli.main import main
+
+    assert main(["train", str(sbm_store), "--strategy", strategy, "--model", "gcn", "--explain", "--device",
+                 "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"{strategy}: " in out and "batches per epoch" in out and "gcn: pushdown=" in out

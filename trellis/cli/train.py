@@ -145,7 +145,7 @@ def run_train(args: argparse.Namespace) -> int:
             return 0
         from trellis.train.launch import launch, needs_launch
 
-        if needs_launch(cfg):
+        if needs_launch(cfg) and not cfg.explain:  # --explain describes the ranks from here, starting none
             return launch(cfg)
         if env is not None:
             rank = env.rank

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from trellis.loader.blocks import Batch
 from trellis.loader.inference import layerwise_inference
 from trellis.loader.producer import BatchProducer, ProducerOptions
+from trellis.ops.graph import CSRGraph
 from trellis.train.build import ModelSpec
 from trellis.train.data import load_graph_data
 from trellis.train.strategies.full import GraphStrategy
@@ -171,6 +172,18 @@ class BatchStrategy(GraphStrategy):
         ends = np.cumsum([idx.shape[0] for idx in splits.values()])
         where = {s: inv[end - idx.shape[0]:end] for (s, idx), end in zip(splits.items(), ends)}
         return split_metrics(task, lambda s: logits.index_select(0, where[s]), d.y, splits)
+
+    def explain_graph(self) -> CSRGraph:
+        """The whole graph's structure: the plan of a full neighbourhood (a sampled block is a part of it)."""
+        return CSRGraph.from_store(self.store)
+
+    def explain(self, model: nn.Module) -> str:
+        """The epoch's batches, then the model's plan."""
+        cfg = self.cfg
+        head = f"{cfg.strategy}: {len(self.loader)} batches per epoch"
+        if cfg.strategy == "mini":
+            head += f" of {cfg.batch_size} targets, fanouts {cfg.fanouts}"
+        return head + "\n" + super().explain(model)
 
     @torch.no_grad()
     def predict(self, model: nn.Module) -> Tensor:

@@ -328,6 +328,21 @@ class DistributedMini(BatchStrategy):
         order = np.argsort(ids, kind="stable")  # every rank's rows in id order: ``wanted``'s order
         return got[torch.from_numpy(order)].to(self.device)
 
+    def explain(self, model: nn.Module) -> str:
+        """The ranks' parts, targets and batch shares, then the mini-batch plan."""
+        assert self.comm is not None
+        world = self.cfg.nproc or self.comm.world_size
+        counts = rank_targets(self.layout, self.store, world)
+        total = max(1, sum(counts))
+        shares = [max(1, -(-self.cfg.batch_size * c // total)) for c in counts]
+        part_rank = rank_of_part(self.layout.num_parts, world)
+        lines = [f"distributed mini-batch: {world} rank(s) over {self.cfg.parts_dir}; remote rows fetched by "
+                 "all_to_all each step" + (f", a cache of {self.cfg.feature_cache} per rank"
+                                           if self.cfg.feature_cache else "")]
+        lines += [f"  rank {r}: parts {np.flatnonzero(part_rank == r).tolist()}, {c:,} targets, {b} per step"
+                  for r, (c, b) in enumerate(zip(counts, shares))]
+        return "\n".join(lines) + "\n" + super().explain(model)
+
     # ---- reporting and teardown -----------------------------------------------------------------
     def banner(self) -> str:
         """Ranks, parts and targets."""
