@@ -1,8 +1,8 @@
-"""Training-node balance of METIS parts with and without ``--balance train``, on the real graphs.
+"""Training-node balance of partitions with and without ``--balance train``, on the real graphs.
 
-    python -m benchmarks.bench_balance [--datasets amazon-computers,coauthor-cs] [--parts 4,8]
+    python -m benchmarks.bench_balance [--datasets amazon-computers,coauthor-cs] [--parts 4,8] [--methods metis,grem]
 
-Imports each data set from ``TRELLIS_DATA_DIR``, partitions it with METIS per part count, once balancing
+Imports each data set from ``TRELLIS_DATA_DIR``, partitions it per method and part count, once balancing
 nodes only (the default) and once training nodes too, and prints the edge cut, the training nodes per part
 and the node balance (max over mean).
 """
@@ -27,24 +27,26 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--datasets", default="amazon-computers,coauthor-cs")
     p.add_argument("--parts", default="4,8")
+    p.add_argument("--methods", default="metis,grem")
     a = p.parse_args(argv)
     data = Path(os.environ.get("TRELLIS_DATA_DIR", ROOT.parent / "shared" / "data"))
-    print("| graph | P | balance | edge cut | training nodes per part | node max/mean |")
-    print("|---|---|---|---|---|---|")
+    print("| graph | method | P | balance | edge cut | training nodes per part | node max/mean |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="trellis-bench-balance-") as tmp:
         for name in a.datasets.split(","):
             if not (data / name).exists():
                 raise SystemExit(f"{data / name}: not found; set TRELLIS_DATA_DIR")
             store = GraphStore(import_graph(data / name, Path(tmp) / name, progress=False))
             train = np.asarray(store.split("train"))
-            for parts in (int(v) for v in a.parts.split(",")):
-                for balance in ("nodes", "train"):
-                    book = partition_graph(store, "metis", parts, measure=False, balance=balance)
-                    cut = evaluate(store, book, width=16).edge_cut_frac
-                    t = np.bincount(book.node_parts[train], minlength=parts)
-                    n = np.bincount(book.node_parts, minlength=parts)
-                    print(f"| {name} | {parts} | {balance} | {cut:.1%} | {t.min()}–{t.max()} (max/mean "
-                          f"{t.max() / t.mean():.2f}) | {n.max() / n.mean():.3f} |", flush=True)
+            for method in a.methods.split(","):
+                for parts in (int(v) for v in a.parts.split(",")):
+                    for balance in ("nodes", "train"):
+                        book = partition_graph(store, method, parts, measure=False, balance=balance)
+                        cut = evaluate(store, book, width=16).edge_cut_frac
+                        t = np.bincount(book.node_parts[train], minlength=parts)
+                        n = np.bincount(book.node_parts, minlength=parts)
+                        print(f"| {name} | {method} | {parts} | {balance} | {cut:.1%} | {t.min()}–{t.max()} "
+                              f"(max/mean {t.max() / t.mean():.2f}) | {n.max() / n.mean():.3f} |", flush=True)
 
 
 if __name__ == "__main__":

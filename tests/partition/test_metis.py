@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from trellis.partition import part_cap, partition_graph
 from trellis.partition.metis import enforce_cap, run_metis, symmetric_adjacency
@@ -54,23 +55,24 @@ def _two_communities(tmp_path):
                        remove_self_loops=True)
 
 
-def test_balance_train_gives_every_part_its_share_of_training_nodes(tmp_path):
+@pytest.mark.parametrize("method", ["metis", "grem"])
+def test_balance_train_gives_every_part_its_share_of_training_nodes(tmp_path, method):
     from trellis.data.store import GraphStore
     from trellis.partition import partition_graph
 
     store = GraphStore(_two_communities(tmp_path))
     train = np.asarray(store.split("train"))
-    plain = partition_graph(store, "metis", 2, measure=False).node_parts
-    balanced = partition_graph(store, "metis", 2, measure=False, balance="train")
-    assert sorted(np.bincount(plain[train], minlength=2).tolist()) == [0, 100]  # the cut follows the communities
+    plain = partition_graph(store, method, 2, measure=False).node_parts
+    balanced = partition_graph(store, method, 2, measure=False, balance="train")
+    assert np.bincount(plain[train], minlength=2).max() >= 90  # the cut follows the communities
     counts = np.bincount(balanced.node_parts[train], minlength=2)
     assert counts.max() <= 100 / 2 * 1.1 and np.bincount(balanced.node_parts).max() <= 400 / 2 * 1.06
-    assert balanced.params["balance"] == "train"
+    assert balanced.params["balance"] == "train" and balanced.params["rebalanced_train"] > 0
 
 
-def test_balance_is_refused_where_it_cannot_apply(tmp_path, sbm_store, capsys):
+def test_balance_is_refused_where_it_cannot_apply(sbm_store, capsys):
     from trellis.cli.main import main
 
-    assert main(["partition", str(sbm_store), "--parts", "2", "--method", "grem", "--balance", "train",
+    assert main(["partition", str(sbm_store), "--parts", "2", "--method", "hash", "--balance", "train",
                  "--no-layout"]) == 2
-    assert "--balance does not apply to --method grem" in capsys.readouterr().err
+    assert "--balance train moves nodes between parts of a destination-owned layout" in capsys.readouterr().err

@@ -46,8 +46,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--width", type=int, default=256,
                    help="feature width F for the exchange estimate (default: 256)")
     p.add_argument("--balance", choices=("nodes", "train"),
-                   help="metis: what every part gets an equal share of: nodes, or train = training nodes as well "
-                        "(equal targets and batch counts for the ranks that train the parts) (default: nodes)")
+                   help="what every part gets an equal share of: nodes, or train = training nodes as well (equal "
+                        "targets and batch counts for the ranks that train the parts; destination-owned methods) "
+                        "(default: nodes)")
     p.add_argument("--no-layout", action="store_true", help="only partition and report; write no layout")
     p.add_argument("--overwrite", action="store_true", help="replace an existing PART_DIR")
     p.add_argument("--move-features", action="store_true",

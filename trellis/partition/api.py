@@ -48,7 +48,8 @@ def partition(store: str | os.PathLike[str] | GraphStore, parts: int, *, method:
     if move_features and out is None:
         raise TrellisUserError("--move-features needs a layout to move the features into; pass --out PART_DIR")
     opts = {"seed": seed, "imbalance": imbalance, **options}
-    create_partitioner(method, parts, **opts)  # rejects unknown methods and bad options now
+    # rejects unknown methods and bad options now (``balance`` is applied after any method: partition_graph)
+    create_partitioner(method, parts, **{k: v for k, v in opts.items() if k != "balance"})
     if out is not None:
         check_out_dir(out, overwrite=overwrite)
     graph = store if isinstance(store, GraphStore) else open_store(store)

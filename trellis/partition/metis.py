@@ -17,9 +17,8 @@ import numpy as np
 import pymetis
 
 from trellis.data.store import GraphStore
-from trellis.errors import TrellisUserError
+from trellis.partition.balance import enforce_cap
 from trellis.partition.base import Partitioner, register
-from trellis.utils.numba import njit
 
 
 def symmetric_adjacency(indptr: np.ndarray, indices: np.ndarray, num_nodes: int
@@ -62,73 +61,6 @@ def run_metis(xadj: np.ndarray, adjncy: np.ndarray, weights: np.ndarray | None, 
     return np.asarray(membership, dtype=np.int32)
 
 
-@njit(cache=True, nogil=True)
-def _enforce_cap(xadj: np.ndarray, adjncy: np.ndarray, parts: np.ndarray, caps: np.ndarray,
-                 order: np.ndarray, weight: np.ndarray) -> int:
-    num_parts = caps.shape[0]
-    sizes = np.zeros(num_parts, dtype=np.int64)
-    for v in range(parts.shape[0]):
-        sizes[parts[v]] += weight[v]
-    cnt = np.zeros(num_parts, dtype=np.int64)
-    moved = 0
-    for v in order:
-        p = parts[v]
-        if sizes[p] <= caps[p]:
-            continue
-        for k in range(xadj[v], xadj[v + 1]):
-            cnt[parts[adjncy[k]]] += 1
-        best = -1
-        for q in range(num_parts):
-            if sizes[q] < caps[q] and (best < 0 or cnt[q] > cnt[best]
-                                       or (cnt[q] == cnt[best] and sizes[q] < sizes[best])):
-                best = q
-        for q in range(num_parts):
-            cnt[q] = 0
-        if best >= 0:
-            parts[v] = best
-            sizes[p] -= weight[v]
-            sizes[best] += weight[v]
-            moved += 1
-    return moved
-
-
-def enforce_cap(xadj: np.ndarray, adjncy: np.ndarray, parts: np.ndarray, caps: np.ndarray, seed: int,
-                movable: np.ndarray | None = None, counted: np.ndarray | None = None) -> int:
-    """Move nodes out of parts above ``caps[p]`` into parts with room; returns how many moved.
-
-    Visits nodes in a seeded random order and sends each surplus node to the part with room that holds
-    most of its neighbours, so the cut grows as little as a single greedy pass allows. ``movable`` and
-    ``counted`` (boolean masks, default: every node) restrict which nodes may move and which count towards a
-    part's size.
-    """
-    caps = np.asarray(caps, dtype=np.int64)
-    weight = np.ones(parts.shape[0], dtype=np.int64) if counted is None else counted.astype(np.int64)
-    if np.all(np.bincount(parts, weights=weight, minlength=caps.shape[0]) <= caps):
-        return 0
-    order = np.random.default_rng(seed).permutation(parts.shape[0])
-    if movable is not None:
-        order = order[movable[order]]
-    return int(_enforce_cap(xadj, adjncy, parts, caps, order, weight))
-
-
-#: ``--balance`` choices: what every part gets an equal share of (within ``--imbalance``).
-BALANCES = ("nodes", "train")
-
-
-def train_mask(store: GraphStore) -> np.ndarray:
-    """``bool [N]``: the store's training nodes.
-
-    Raises:
-        TrellisUserError: The store has no training split.
-    """
-    train = store.split("train")
-    if train is None or len(train) == 0:
-        raise TrellisUserError(f"--balance train: {store.path} has no training split to balance; use --balance nodes")
-    mask = np.zeros(store.num_nodes, dtype=bool)
-    mask[np.asarray(train, dtype=np.int64)] = True
-    return mask
-
-
 @register("metis")
 class MetisPartitioner(Partitioner):
     """METIS (pymetis) on the symmetrised graph; the whole graph is held in memory.
@@ -142,25 +74,18 @@ class MetisPartitioner(Partitioner):
             recursive up to 8 parts and k-way above (default: None). k-way cuts a little less on
             community graphs; recursive bisection cuts far less on R-MAT-like graphs with many
             isolated nodes.
-        balance: What every part gets an equal share of: ``nodes``, or ``train`` (training nodes as well as
-            nodes, so ranks training the parts get equal target and batch counts). pymetis has no
-            multi-constraint partitioning, so ``train`` moves surplus training nodes, then surplus other
-            nodes, greedily to the parts with room that hold most of their neighbours (default: ``nodes``).
     """
 
     ownership = "dst"
 
     def __init__(self, num_parts: int, *, seed: int = 0, imbalance: float = 0.05, progress: bool = False,
-                 recursive: bool | None = None, balance: str = "nodes") -> None:
+                 recursive: bool | None = None) -> None:
         super().__init__(num_parts, seed=seed, imbalance=imbalance, progress=progress)
-        if balance not in BALANCES:
-            raise TrellisUserError(f"--balance {balance!r}: choose one of {', '.join(BALANCES)}")
         self.recursive = recursive
-        self.balance = balance
 
     def options(self) -> dict[str, Any]:
-        """Base options plus ``recursive`` (bisection vs k-way) and ``balance``, recorded in the book."""
-        return {**super().options(), "recursive": self.recursive, "balance": self.balance}
+        """Base options plus ``recursive`` (bisection vs k-way), recorded in the book."""
+        return {**super().options(), "recursive": self.recursive}
 
     def assign(self, store: GraphStore) -> tuple[np.ndarray, dict[str, Any]]:
         """METIS on the symmetrised graph, then :func:`enforce_cap`; extra params report ``rebalanced_nodes``."""
@@ -168,13 +93,5 @@ class MetisPartitioner(Partitioner):
         xadj, adjncy, w = symmetric_adjacency(store.indptr, store.indices, n)
         parts = run_metis(xadj, adjncy, w, self.num_parts, imbalance=self.imbalance, seed=self.seed,
                           recursive=self.recursive)
-        extra: dict[str, Any] = {}
-        if self.balance == "train":  # training nodes first, then the other nodes (so they stay put)
-            train = train_mask(store)
-            cap = int(np.ceil(int(train.sum()) / self.num_parts * (1.0 + self.imbalance)))
-            extra["rebalanced_train"] = enforce_cap(xadj, adjncy, parts, np.full(self.num_parts, cap), self.seed,
-                                                    movable=train, counted=train)
-            moved = enforce_cap(xadj, adjncy, parts, np.full(self.num_parts, self.cap(n)), self.seed, movable=~train)
-        else:
-            moved = enforce_cap(xadj, adjncy, parts, np.full(self.num_parts, self.cap(n)), self.seed)
-        return parts, {"rebalanced_nodes": moved, **extra}
+        moved = enforce_cap(xadj, adjncy, parts, np.full(self.num_parts, self.cap(n)), self.seed)
+        return parts, {"rebalanced_nodes": moved}
