@@ -99,8 +99,8 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
     empty = [r for r, c in enumerate(counts) if c == 0]
     if empty:
         raise TrellisUserError(f"rank {empty[0]} of {world} would train no target: its parts of {cfg.parts_dir} "
-                               "hold no training node; re-partition with `trellis partition --balance train` (every part "
-                               "gets its share of training nodes) or use fewer ranks")
+                               "hold no training node; re-partition with `trellis partition --balance train` (every "
+                               "part gets its share of training nodes) or use fewer ranks")
     return layout
 
 
