@@ -49,7 +49,7 @@ def test_minibatch_gradient_with_all_neighbors_equals_full_batch(sbm):
     g = CSRGraph.from_store(store)
     x = torch.from_numpy(np.array(store.x))
     y = torch.from_numpy(np.array(store.y))
-    targets = np.asarray(store.split("train"))[:64]
+    targets = np.array(store.split("train"))[:64]
     for name in ("gcn", "sage"):
         torch.manual_seed(0)
         model = build_model(name, x.shape[1], 4, hidden=8, layers=2, dropout=0.0)
