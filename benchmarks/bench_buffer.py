@@ -1,7 +1,7 @@
 """Mini-batch training beyond memory: the partition buffer against the same training in memory and a memory map.
 
     python -m benchmarks.bench_buffer beyond --store STORE --parts PART_DIR [--cap 3G --budget 2400M]
-    python -m benchmarks.bench_buffer producer --store STORE       # --samplers 1: epoch vs its two halves
+    python -m benchmarks.bench_buffer producer --store STORE [--trainer-threads T]  # --samplers 1: epoch vs its halves
 
 Runs, one after another (never two at once: this machine has 2 cores):
 
@@ -175,6 +175,11 @@ def producer(a: argparse.Namespace) -> None:
     from trellis.train.config import TrainConfig
     from trellis.train.strategies import strategy_class
 
+    if a.trainer_threads:  # torch's and numba's: one core each for the trainer and the sampler on 2 cores
+        from trellis.utils.numba import set_num_threads
+
+        torch.set_num_threads(a.trainer_threads)
+        set_num_threads(a.trainer_threads)
     cfg = TrainConfig(store=a.store, strategy="mini", model="sage", hidden=a.hidden, fanouts=a.fanouts,
                       batch_size=a.batch_size, epochs=1, progress=False, device="cpu", prefetch=2, samplers=1)
     strategy = strategy_class("mini").for_config(cfg)(cfg, torch.device("cpu"))
@@ -265,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mmap-batches", type=int, default=5)
     p.add_argument("--batches", type=int, default=5)
     p.add_argument("--mode", default="buffer")
+    p.add_argument("--trainer-threads", type=int, default=0,
+                   help="producer: the trainer's torch and numba threads (default: 0 = as they are)")
     a = p.parse_args(argv)
     {"beyond": beyond, "producer": producer, "_epoch": child_epoch, "_prep": child_prep}[a.cmd](a)
 

@@ -6,8 +6,8 @@ Per seed, one after another (never two at once): ``trellis train STORE --strateg
 ``trellis train STORE --strategy mini --parts-dir PART_DIR --nproc R``, both GraphSAGE with the same fanouts,
 batch size (the step's: each rank takes its share) and seed, exact layer-wise evaluation. Reports test accuracy
 at the best validation epoch (mean ± std over seeds and the difference), the median epoch time of epochs >= 1,
-the rows and bytes the ranks fetched from each other per epoch, and each rank's peak ``RssAnon`` (sampled by
-the rank itself) beside the single process's.
+the rows and bytes the ranks fetched from each other per epoch, and each rank's peak ``RssAnon`` (sampled from
+outside every 10 ms, as ``benchmarks.scaling`` does) beside the single process's.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.scaling import _run_sampled
 
 
 def _train(store: str, out: Path, seed: int, a: argparse.Namespace, extra: list[str]) -> dict:
@@ -26,11 +27,12 @@ def _train(store: str, out: Path, seed: int, a: argparse.Namespace, extra: list[
            "--hidden", str(a.hidden), "--fanouts", a.fanouts, "--batch-size", str(a.batch_size), "--epochs",
            str(a.epochs), "--seed", str(seed), "--device", "cpu", "--checkpoint-every", "0", "--no-progress",
            "--out", str(out), *extra]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    _, peaks = _run_sampled(cmd, 3600.0, launcher=bool(extra))  # each training process's peak, from outside
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     epoch = statistics.median(r["step_time_s"] for r in records[1:]) if len(records) > 1 else records[0]["step_time_s"]
-    return {"test": float(summary["test_acc_mean"]) * 100, "epoch_s": epoch, "records": records, "summary": summary}
+    return {"test": float(summary["test_acc_mean"]) * 100, "epoch_s": epoch, "records": records, "summary": summary,
+            "peaks": peaks}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,8 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         last = runs[0]["records"][-1]
         remote = last.get("fetch_remote_rows", 0)
         mib = last.get("fetch_recv_bytes", 0) / 2**20
-        s = runs[0]["summary"]
-        peak = s.get("rank_peak_rss_anon_mb") or [s.get("peak_rss_anon_mb", 0.0)]
+        peak = runs[0]["peaks"]
         peaks = ", ".join(f"{v:,.0f}" for v in peak)
         print(f"| {name} | {mean:.2f} ± {sd:.2f} | {mean - base:+.2f} | {epoch:.2f} | {epoch / base_epoch:.2f}× | "
               f"{remote:,} | {mib:,.1f} | {peaks} |")

@@ -34,7 +34,7 @@ def leave_cores(busy: int) -> tuple[int, int] | None:
     Why: a parallel region waits for its slowest thread, and a trainer that keeps one thread per core beside
     running samplers has a thread sharing a core with a sampler at every region. Measured on the 1M graph with
     one sampler process (docs/benchmarks.md): the epoch was 1.51x the training alone on 16 cores as on 2, and
-    with exclusive cores (one trainer thread, numba's too, and the sampler on 2 cores) 1.03x the trainer's
+    with exclusive cores (one trainer thread, numba's too, and the sampler on 2 cores) 0.99x the trainer's
     time alone. On fewer than 4 cores every thread with the sampler beside them is still faster, so nothing
     changes there. Returns the previous ``(torch, numba)`` threads to restore, or None when unchanged.
     """
@@ -68,15 +68,16 @@ class BatchStrategy(GraphStrategy):
         """The loader whose ``epoch(seed)`` yields this strategy's batches."""
         raise NotImplementedError
 
-    def loader_tensors(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    def loader_tensors(self, on_cpu: bool | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Labels, edge weights and edge features where the loader reads them.
 
-        On the training device, unless ``--samplers K`` builds batches in worker processes: those gather on
-        the CPU and the batch moves to the device whole when it arrives (these are ``O(N + E)`` copies; the
-        features are already a CPU source). Evaluation keeps reading the device's copies.
+        On the training device, unless ``on_cpu`` (default: whether ``--samplers K`` builds batches in worker
+        processes): those gather on the CPU and the batch moves to the device whole when it arrives (these are
+        ``O(N + E)`` copies; the features are already a CPU source). Evaluation keeps reading the device's copies.
         """
         d = self.data
-        on_cpu = int(getattr(self.cfg, "samplers", 0) or 0) > 0
+        if on_cpu is None:
+            on_cpu = int(getattr(self.cfg, "samplers", 0) or 0) > 0
         return tuple(t.cpu() if on_cpu and t is not None else t  # type: ignore[return-value]
                      for t in (d.y, d.edge_weight, d.edge_feat))
 

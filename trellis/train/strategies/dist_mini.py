@@ -204,10 +204,10 @@ class DistributedMini(BatchStrategy):
 
     def make_loader(self) -> NeighborLoader:
         """Blocks, labels and edge data of this rank's targets (input rows come from the fetch)."""
-        cfg, d = self.cfg, self.data
+        cfg = self.cfg
         assert self.comm is not None
         sampler = NeighborSampler(self.indptr, self.indices, parse_fanouts(cfg.fanouts, cfg.layers), labor=cfg.labor)
-        y, ew, ef = (None if t is None else t.cpu() for t in (d.y, d.edge_weight, d.edge_feat))
+        y, ew, ef = self.loader_tensors(on_cpu=True)  # a batch's input rows are fetched on the CPU too
         return NeighborLoader(sampler, self.targets, self.rank_batch, y=y, seed=self.comm.rank, prefetch=cfg.prefetch,
                               edge_weight=ew, edge_feat=ef)
 
