@@ -70,10 +70,10 @@ def weights(store):
     return torch.from_numpy(np.random.default_rng(3).random(store.indices.shape[0]).astype(np.float32))
 
 
-def neighbor(store, weights, *, labor: bool = False, **kw) -> NeighborLoader:
+def neighbor(store, weights, *, labor: bool = False, batch_size: int = 97, **kw) -> NeighborLoader:
     """A loader over the store's memory maps (CSR, features), labels in memory and edge weights as a tensor."""
     sampler = NeighborSampler.from_store(store, [5, 3], labor=labor)
-    return NeighborLoader(sampler, np.arange(store.num_nodes), 97, x=store.x, y=np.array(store.y), seed=3,
+    return NeighborLoader(sampler, np.arange(store.num_nodes), batch_size, x=store.x, y=np.array(store.y), seed=3,
                           edge_weight=weights, **kw)
 
 
@@ -84,10 +84,10 @@ def cluster(store, weights, hops: int, **kw) -> ClusterLoader:
                          edge_weight=weights, seed=5, **kw)
 
 
-def check_epochs(make, workers: int, seeds=(4, 5)) -> None:
+def check_epochs(make, workers: int, seeds=(4, 5), recycle: bool = False) -> None:
     """Processes (one pool over two epochs) == threads == sequential ``get`` on separate loader objects."""
     ref, thr = make(prefetch=0), make()
-    with BatchProducer(make(), ProducerOptions("processes", workers, prefetch=2)) as prod:
+    with BatchProducer(make(), ProducerOptions("processes", workers, prefetch=2, recycle=recycle)) as prod:
         for seed in seeds:
             plan = ref.plan(seed)
             batches = prod.epoch(seed)
@@ -107,6 +107,25 @@ def check_epochs(make, workers: int, seeds=(4, 5)) -> None:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_neighbor_batches_from_processes_equal_threads_and_sequential(store, weights, labor, workers):
     check_epochs(lambda **kw: neighbor(store, weights, labor=labor, **kw), workers)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_recycled_buffers_give_the_same_batches_in_few_slots(store, weights, workers):
+    """``recycle``: batches taken one at a time equal threads' and sequential ``get``'s, epoch after epoch
+    (also after an epoch closed early), while each worker reuses a handful of shared buffers."""
+    check_epochs(lambda **kw: neighbor(store, weights, **kw), workers, seeds=(4, 5, 6), recycle=True)
+    ld, ref = neighbor(store, weights, batch_size=20), neighbor(store, weights, batch_size=20, prefetch=0)
+    with BatchProducer(ld, ProducerOptions("processes", workers, prefetch=2, recycle=True)) as prod:
+        for seed in (1, 2, 3):
+            with prod.epoch(seed) as batches:  # taken two, the rest dropped: their buffers go back
+                for i, b in zip(range(2), batches):
+                    same_batch(b, ref.get(ref.plan(seed), i))
+        plan = ref.plan(9)
+        for i, b in enumerate(prod.epoch(9)):
+            same_batch(b, ref.get(plan, i))
+        in_flight = prod.options.in_flight
+        slots = [len(w.maps) for w in prod._pool.workers]
+        assert len(plan) > 3 * in_flight and 1 <= max(slots) <= in_flight + 2, slots
 
 
 @pytest.mark.parametrize("hops", [0, 1])

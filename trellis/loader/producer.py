@@ -65,7 +65,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -108,6 +108,13 @@ class ProducerOptions:
         timeout_s: Seconds a live worker may stay silent while the consumer waits for its batch before it is
             declared hung (None = wait as long as it lives). The first batch of a worker includes loading its
             compiled kernels.
+        recycle: Reuse each worker's shared-memory buffers: a batch's memory goes back to its worker when the
+            consumer asks for the next batch, the contract of the loaders' rotating feature buffers (a consumer
+            holds one batch at a time; copy what it keeps). Default off: every batch gets its own memory.
+            Why: a fresh buffer per batch is tens of MB of pages allocated by a worker, faulted in by the
+            trainer's threads and freed by the consumer. On 16 cores that capped the producer at about 20
+            batches per second whatever the number of workers, and training on such memory took 1.8x as long
+            (docs/benchmarks.md). Training loops turn it on.
     """
 
     mode: str = "threads"
@@ -116,6 +123,7 @@ class ProducerOptions:
     threads_per_worker: int = 1
     start_method: str = "forkserver"
     timeout_s: float | None = 600.0
+    recycle: bool = False
 
     def __post_init__(self) -> None:
         """Validate, naming the flag a user would change."""
@@ -144,7 +152,7 @@ class ProducerOptions:
 
     @classmethod
     def from_flags(cls, samplers: int = 0, *, prefetch: int = 2, workers: int = 1,
-                   threads_per_worker: int = 1) -> ProducerOptions:
+                   threads_per_worker: int = 1, recycle: bool = False) -> ProducerOptions:
         """Options from command-line flags: ``--samplers K`` > 0 selects K worker processes, 0 threads.
 
         Raises:
@@ -154,8 +162,8 @@ class ProducerOptions:
             raise TrellisUserError(f"--samplers {samplers}: give the number of sampler processes (1 or more), or 0 "
                                    "to prepare batches on threads")
         if int(samplers) > 0:
-            return cls("processes", int(samplers), int(prefetch), int(threads_per_worker))
-        return cls("threads", int(workers), int(prefetch), int(threads_per_worker))
+            return cls("processes", int(samplers), int(prefetch), int(threads_per_worker), recycle=recycle)
+        return cls("threads", int(workers), int(prefetch), int(threads_per_worker), recycle=recycle)
 
     @property
     def in_flight(self) -> int:
@@ -623,7 +631,48 @@ def _exc_message(exc: BaseException) -> tuple[bytes, str]:
     return data, tb
 
 
-def _worker_main(rank: int, conn: Connection, threads: int) -> None:
+class _Slots:
+    """A worker's shared-memory buffers: one per batch, or (``recycle``) reused once the consumer frees them."""
+
+    def __init__(self, recycle: bool) -> None:
+        self.recycle = recycle
+        self.buffers: dict[int, tuple[int, Tensor]] = {}  # slot -> (descriptor, mapping)
+        self.free: list[int] = []
+        self.next_id = 0
+
+    def take(self, size: int) -> tuple[int, Tensor, bool]:
+        """``(slot, buffer of exactly size bytes, whether the slot's descriptor is new to the consumer)``."""
+        if not self.recycle:
+            fd, buf = _shared_buffer(size)
+            self.buffers[-1] = (fd, buf)
+            return -1, buf, True
+        fits = [k for k in self.free if self.buffers[k][1].numel() >= size]
+        if fits:
+            k = min(fits, key=lambda k: self.buffers[k][1].numel())
+            self.free.remove(k)
+            return k, self.buffers[k][1][:size], False
+        if self.free:  # too small: a larger buffer under the same slot (the consumer replaces its mapping)
+            k = self.free.pop()
+            self.drop(k)
+        else:
+            k, self.next_id = self.next_id, self.next_id + 1
+        cap = -(-int(size * 1.25) // 4096) * 4096  # room for the next batches' growth
+        self.buffers[k] = _shared_buffer(cap)
+        return k, self.buffers[k][1][:size], True
+
+    def give(self, slot: int) -> None:
+        """The consumer is done with ``slot`` (``-1``: the batch's own buffer, closed here)."""
+        if slot < 0:
+            self.drop(slot)
+        elif slot in self.buffers and slot not in self.free:
+            self.free.append(slot)
+
+    def drop(self, slot: int) -> None:
+        fd, _ = self.buffers.pop(slot)
+        os.close(fd)
+
+
+def _worker_main(rank: int, conn: Connection, threads: int, recycle: bool = False) -> None:
     """A worker process: load the source, then build the batches it is asked for until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle; it stops us
     parent = os.getppid()
@@ -643,12 +692,17 @@ def _worker_main(rank: int, conn: Connection, threads: int) -> None:
     plan: Any = None
     plan_id = -1
     plan_error: BaseException | None = None
+    slots = _Slots(recycle)
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             return  # the consumer is gone
         kind = msg[0]
+        if kind == "free":
+            for k in msg[1]:
+                slots.give(int(k))
+            continue
         if kind == "plan":
             plan, plan_error = None, None  # drop the previous plan's shared memory first
             plan_id = msg[1]
@@ -658,11 +712,11 @@ def _worker_main(rank: int, conn: Connection, threads: int) -> None:
                 plan_error = exc
             continue
         _, epoch_id, i = msg
-        fds: list[int] = []
+        took: list[tuple[int, bool]] = []
 
-        def alloc(size: int, fds: list[int] = fds) -> Tensor:
-            fd, buf = _shared_buffer(size)
-            fds.append(fd)
+        def alloc(size: int, took: list[tuple[int, bool]] = took) -> Tensor:
+            k, buf, new = slots.take(size)
+            took.append((k, new))
             return buf
 
         try:
@@ -676,15 +730,20 @@ def _worker_main(rank: int, conn: Connection, threads: int) -> None:
                 nbytes = int(message.payload.numel())
                 del message  # unmaps the buffer here; the descriptor keeps it for the consumer
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                for k, _ in took:
+                    slots.give(k)
                 conn.send(("error", epoch_id, i, *_exc_message(exc), _read_bytes() - io0))
             else:
-                conn.send(("batch", epoch_id, i, header, nbytes, _read_bytes() - io0))
-                send_handle(conn, fds[0], parent)
+                k, new = took[0]
+                cap = int(slots.buffers[k][1].numel())
+                conn.send(("batch", epoch_id, i, header, nbytes, k, cap, new, _read_bytes() - io0))
+                if new:
+                    send_handle(conn, slots.buffers[k][0], parent)
         except OSError:
             return  # the pipe broke: the consumer is gone
         finally:
-            for fd in fds:
-                os.close(fd)
+            if -1 in slots.buffers:  # a batch's own buffer: the consumer's mapping holds it from here
+                slots.drop(-1)
 
 
 # ---- the pool ------------------------------------------------------------------------------------------
@@ -728,6 +787,7 @@ class _Worker:
     read_bytes: int = 0  # since the worker loaded the source
     last_heard: float = 0.0
     stopped: bool = False
+    maps: dict[int, Tensor] = field(default_factory=dict)  # recycled slot -> its mapping here
 
     def describe(self, count: int) -> str:
         return f"sampler worker {self.rank} of {count} (pid {self.pid})"
@@ -795,7 +855,8 @@ class _Pool:
         try:
             for rank in range(options.workers):
                 here, there = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_worker_main, args=(rank, there, options.threads_per_worker),
+                proc = ctx.Process(target=_worker_main,
+                                   args=(rank, there, options.threads_per_worker, options.recycle),
                                    name=f"trellis-sampler-{rank}", daemon=True)
                 try:
                     proc.start()
@@ -830,6 +891,14 @@ class _Pool:
                                     "before it received the epoch's plan") from exc
         finally:
             shared.close()
+
+    def release(self, w: _Worker, slots: list[int]) -> None:
+        """Hand ``slots`` back to ``w`` (``recycle``); a worker that is gone needs nothing back."""
+        if slots and self.options.recycle and not w.conn.closed:
+            try:
+                w.conn.send(("free", slots))
+            except OSError:
+                pass  # its death is reported by the next poll
 
     def request(self, w: _Worker, epoch_id: int, i: int) -> None:
         if w.outstanding == 0:
@@ -882,15 +951,21 @@ class _Pool:
         w.outstanding -= 1
         w.read_bytes = int(msg[-1])
         if kind == "batch":
-            try:
-                fd = recv_handle(w.conn)
-            except RuntimeError as exc:  # the descriptor never came: the worker died between the two sends
-                raise EOFError(str(exc)) from exc
-            try:
-                payload = _map_fd(fd, int(msg[4]))
-            finally:
-                os.close(fd)
-            return w, msg, payload
+            nbytes, slot, cap, new = int(msg[4]), int(msg[5]), int(msg[6]), bool(msg[7])
+            if new:
+                try:
+                    fd = recv_handle(w.conn)
+                except RuntimeError as exc:  # the descriptor never came: the worker died between the two sends
+                    raise EOFError(str(exc)) from exc
+                try:
+                    mapped = _map_fd(fd, cap)
+                finally:
+                    os.close(fd)
+                if slot >= 0:
+                    w.maps[slot] = mapped
+            else:
+                mapped = w.maps[slot]
+            return w, msg, mapped if cap == nbytes else mapped[:nbytes]
         return w, msg, None
 
     def close(self) -> None:
@@ -973,6 +1048,8 @@ class _ProcessEpoch(EpochBatches[T]):
         self._ready: dict[int, T] = {}
         self._errors: dict[int, BaseException] = {}
         self._owner_of: dict[int, _Worker] = {}
+        self._slot_of: dict[int, tuple[_Worker, int]] = {}  # recycled slot of each batch received
+        self._held: tuple[_Worker, int] | None = None  # the slot of the batch the consumer holds
         self._io0 = [w.read_bytes for w in pool.workers]
         self._closed = False
         self.wait_s = 0.0
@@ -1000,6 +1077,8 @@ class _ProcessEpoch(EpochBatches[T]):
         i = int(msg[2])
         if msg[0] == "batch":
             assert payload is not None
+            if int(msg[5]) >= 0:
+                self._slot_of[i] = (w, int(msg[5]))
             header = torch.frombuffer(bytearray(msg[3]), dtype=torch.int64)
             item = decode_batch(BatchMessage(header, payload))
             device = self._producer.device
@@ -1009,7 +1088,15 @@ class _ProcessEpoch(EpochBatches[T]):
         elif msg[0] == "error":
             self._errors[i] = _remote_exception(msg[3], msg[4])
 
+    def _release_held(self) -> None:
+        """The consumer asked for the next batch: the one it held goes back to its worker (``recycle``)."""
+        if self._held is not None:
+            w, k = self._held
+            self._held = None
+            self._pool.release(w, [k])
+
     def __next__(self) -> T:
+        self._release_held()
         if self._closed or self._next >= self._n:
             self.close()
             raise StopIteration
@@ -1035,6 +1122,7 @@ class _ProcessEpoch(EpochBatches[T]):
         self._next += 1
         item = self._ready.pop(i)
         self._owner_of.pop(i, None)
+        self._held = self._slot_of.pop(i, None)
         try:
             self._fill()  # the consumer has taken batch i, so batch i + in_flight may start now
         except BaseException:
@@ -1047,6 +1135,10 @@ class _ProcessEpoch(EpochBatches[T]):
         if not self._closed:
             self._closed = True
             self._ready.clear()
+            self._release_held()
+            for w, k in self._slot_of.values():  # received but never taken
+                self._pool.release(w, [k])
+            self._slot_of.clear()
             self._producer._epoch_closed(self)
         if self.own_producer:
             self._producer.close()
@@ -1137,6 +1229,8 @@ class BatchProducer(Generic[T]):
         for w, msg, payload in messages:
             if msg[0] in ("batch", "error") and self._epoch is not None and msg[1] == self._epoch._id:
                 self._epoch.accept(w, msg, payload)
+            elif msg[0] == "batch" and int(msg[5]) >= 0 and self._pool is not None:
+                self._pool.release(w, [int(msg[5])])  # a batch of an epoch closed early: its slot goes back
             # else: a worker's "ready", or a batch of an epoch closed early: dropped (its memory with it)
         if self._epoch is not None:
             self.read_bytes = self._epoch.read_bytes

@@ -102,6 +102,7 @@ def prim_spmm_sum(graph: CSRGraph, x: Tensor, w: Tensor | None = None, eid: Tens
         crow, col = graph.indptr.to(x.device), graph.indices.to(x.device)  # no-ops when already there
         with warnings.catch_warnings():  # torch >= 2.11 warns, once per process, that CSR support is "beta"
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+            warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
             # the CSR comes from a validated store: torch's O(E) invariant check would only cost time
             a = torch.sparse_csr_tensor(crow, col, vals, (n, x.shape[0]), check_invariants=False)
         out = torch.sparse.mm(a, x)

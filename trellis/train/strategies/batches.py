@@ -139,7 +139,7 @@ class BatchStrategy(GraphStrategy):
         if samplers <= 0:
             return self.loader.epoch(epoch_seed)
         if self._producer is None:
-            opts = ProducerOptions.from_flags(samplers, prefetch=self.cfg.prefetch)
+            opts = ProducerOptions.from_flags(samplers, prefetch=self.cfg.prefetch, recycle=True)
             self._producer = BatchProducer(self.loader, opts).start()
             self._threads = leave_cores(samplers * opts.threads_per_worker)
         return self._producer.epoch(epoch_seed)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Mini-batch scaling tables for a machine with many cores (and a GPU): what 2 cores cannot show.
+#
+#   bash benchmarks/gpu_scaling.sh [OUT_DIR]      # NODES=1000000 by default; DEV=cpu for a machine without a GPU
+#
+# On the 1M-node planted graph of docs/benchmarks.md (SBM, avg degree 10, 128 features, 16 classes, 5% train),
+# GraphSAGE 15,10, batch 1024:
+# 1. trainer throughput as sampler processes are added, trainer on the CPU (`--samplers K` leaves K cores to the
+#    samplers), `python -m benchmarks.bench_samplers`;
+# 2. data-parallel mini-batch on 2, 4 and 8 trainer ranks (8 GREM parts) against one process,
+#    `python -m benchmarks.bench_dist_mini --ranks 2,4,8 --seeds 1 --epochs 2`;
+# 3. the samplers table with the trainer on the GPU (Armada Fig. 8).
+# Each step has its own timeout so one slow table leaves the others. CI never runs this.
+set -uo pipefail
+OUT=${1:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+T="$PY -m trellis.cli.main"
+W=$(mktemp -d)
+DEV=${DEV:-cuda}
+nproc; $PY -c 'import torch; print("torch", torch.__version__, torch.get_num_threads(), "threads")'
+s=$SECONDS
+$T data generate sbm --nodes "${NODES:-1000000}" --avg-degree 10 --features 128 --classes 16 --seed 1 \
+  --homophily 0.8 --train-frac 0.05 --val-frac 0.05 --out "$W/g" | tail -1
+$T partition "$W/g" --parts 8 --out "$W/p8" --json | tail -c 200; echo
+echo "data ready in $((SECONDS - s)) s"
+echo "== samplers, trainer on cpu"
+timeout "${T1:-110}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4 --device cpu \
+  2>&1 | tee "$OUT/samplers_cpu.txt"
+echo "== trainer ranks (cpu)"
+timeout "${T2:-220}" $PY -m benchmarks.bench_dist_mini --store "$W/g" --layout "$W/p8" --ranks 2,4,8 --seeds 1 \
+  --epochs 2 2>&1 | tee "$OUT/ranks.txt"
+if [ "$DEV" != cpu ]; then
+  echo "== samplers, trainer on $DEV"
+  timeout "${T3:-100}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4,8 --device "$DEV" \
+    2>&1 | tee "$OUT/samplers_$DEV.txt"
+fi
+echo "total $((SECONDS - s)) s"
+rm -rf "$W"
