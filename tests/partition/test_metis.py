@@ -26,9 +26,9 @@ def test_enforce_cap_moves_surplus_nodes():
     indptr, indices = csr_from_edges(6, np.array([0, 1, 2, 3, 4]), np.array([1, 2, 3, 4, 5]))
     xadj, adjncy, _ = symmetric_adjacency(indptr, indices, 6)
     parts = np.zeros(6, dtype=np.int32)
-    moved = enforce_cap(xadj, adjncy, parts, np.array([3, 3]), seed=0)
+    moved = enforce_cap(xadj, adjncy, parts, 2, 3, seed=0)  # the empty part gets the surplus
     assert moved == 3 and np.bincount(parts, minlength=2).tolist() == [3, 3]
-    assert enforce_cap(xadj, adjncy, parts, np.array([3, 3]), seed=0) == 0
+    assert enforce_cap(xadj, adjncy, parts, 2, 3, seed=0) == 0
 
 
 def test_run_metis_without_edges_deals_round_robin():
@@ -67,7 +67,40 @@ def test_balance_train_gives_every_part_its_share_of_training_nodes(tmp_path, me
     assert np.bincount(plain[train], minlength=2).max() >= 90  # the cut follows the communities
     counts = np.bincount(balanced.node_parts[train], minlength=2)
     assert counts.max() <= 100 / 2 * 1.1 and np.bincount(balanced.node_parts).max() <= 400 / 2 * 1.06
-    assert balanced.params["balance"] == "train" and balanced.params["rebalanced_train"] > 0
+    assert balanced.params["balance"] == "train" and balanced.params["rebalanced"] > 0
+    assert balanced.params["balance_train"] <= 1.1
+
+
+@pytest.mark.parametrize("method", ["metis", "grem"])
+def test_balance_edges_evens_in_edges_as_well_as_nodes_and_training_nodes(tmp_path, method):
+    """On a power-law graph a node-balanced min cut leaves one part with 2-3x the mean in-edges."""
+    from trellis.data.generate import generate_rmat
+    from trellis.data.store import GraphStore
+    from trellis.partition import partition_graph
+
+    store = GraphStore(generate_rmat(tmp_path / "r", nodes=2000, avg_degree=8, features=4, classes=4, seed=0,
+                                     progress=False))
+    deg = np.diff(np.asarray(store.indptr))
+    train = np.asarray(store.split("train"))
+
+    def ratio(parts: np.ndarray, w: np.ndarray | None = None, rows: np.ndarray | None = None) -> float:
+        per = np.bincount(parts if rows is None else parts[rows], weights=w, minlength=4)
+        return float(per.max() / per.mean())
+
+    plain = partition_graph(store, method, 4, measure=False).node_parts
+    both = partition_graph(store, method, 4, measure=False, balance="train,edges")
+    assert ratio(plain, deg) > 2.0
+    assert ratio(both.node_parts, deg) <= 1.05 + 1e-9 and ratio(both.node_parts) <= 1.05 + 1e-9
+    assert ratio(both.node_parts, rows=train) <= 1.06  # (ceil of 200/4 * 1.05 = 53 of a mean of 50)
+    assert both.params["balance"] == "train,edges"
+    assert both.params["balance_edges"] == pytest.approx(ratio(both.node_parts, deg))
+
+
+def test_balance_names_are_checked(sbm_store, capsys):
+    from trellis.cli.main import main
+
+    assert main(["partition", str(sbm_store), "--parts", "2", "--balance", "train,degree", "--no-layout"]) == 2
+    assert "--balance 'train,degree': give one or more of nodes, train, edges" in capsys.readouterr().err
 
 
 def test_balance_is_refused_where_it_cannot_apply(sbm_store, capsys):

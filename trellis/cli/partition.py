@@ -45,9 +45,10 @@ def register(subparsers: Any) -> None:
                    help="allowed imbalance: parts hold at most (1 + x) * N / P nodes (default: 0.05)")
     p.add_argument("--width", type=int, default=256,
                    help="feature width F for the exchange estimate (default: 256)")
-    p.add_argument("--balance", choices=("nodes", "train"),
-                   help="what every part gets an equal share of: nodes, or train = training nodes as well (equal "
-                        "targets and batch counts for the ranks that train the parts; destination-owned methods) "
+    p.add_argument("--balance", metavar="WHAT",
+                   help="what every part gets an equal share of besides nodes, comma-separated: train = training "
+                        "nodes (equal targets and batch counts for the ranks that train the parts), edges = "
+                        "in-edges (equal aggregation work); e.g. train,edges. Destination-owned methods "
                         "(default: nodes)")
     p.add_argument("--no-layout", action="store_true", help="only partition and report; write no layout")
     p.add_argument("--overwrite", action="store_true", help="replace an existing PART_DIR")

@@ -13,6 +13,7 @@ from typing import Any
 
 from trellis.data.store import GraphStore, open_store
 from trellis.errors import TrellisUserError
+from trellis.partition.balance import parse_balance
 from trellis.partition.base import check_out_dir, create_partitioner, partition_graph
 from trellis.partition.layout import write_layout
 from trellis.partition.quality import PartitionQuality, evaluate
@@ -48,6 +49,10 @@ def partition(store: str | os.PathLike[str] | GraphStore, parts: int, *, method:
     if move_features and out is None:
         raise TrellisUserError("--move-features needs a layout to move the features into; pass --out PART_DIR")
     opts = {"seed": seed, "imbalance": imbalance, **options}
+    if opts.get("balance") is not None:
+        parse_balance(str(opts["balance"]))  # a bad --balance fails before anything is read
+    else:
+        opts.pop("balance", None)
     # rejects unknown methods and bad options now (``balance`` is applied after any method: partition_graph)
     create_partitioner(method, parts, **{k: v for k, v in opts.items() if k != "balance"})
     if out is not None:

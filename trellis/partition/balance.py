@@ -1,11 +1,13 @@
-"""Part-size caps after a partitioner ran: nodes, and with ``--balance train`` training nodes too.
+"""Part-size caps after a partitioner ran: nodes always, and with ``--balance`` training nodes and in-edges too.
 
 Why a pass of its own: a min-cut partition of a homophilous graph follows its classes, and a training split
 drawn per class (Shchur et al.'s protocol) then lands unevenly on the parts, so data-parallel ranks training
-them get unequal targets and batch counts. pymetis has no multi-constraint partitioning and the streaming
-methods balance node counts only, so every destination-owned method gets the same greedy repair: surplus
-training nodes move first, then surplus other nodes (which leaves the training counts as they are), each to
-the part with room that holds most of its neighbours.
+them get unequal targets and batch counts; and a part of equal nodes but more in-edges aggregates more, so its
+rank is the one every step waits for. pymetis has no multi-constraint partitioning and the streaming methods
+balance node counts only, so every destination-owned method gets the same greedy multi-constraint repair
+(METIS-style constraints, repaired after the method): a node in a part above some cap on which it carries
+weight moves to the part that holds most of its neighbours among those with room for it under every cap.
+Training nodes are visited first, then the rest, in a seeded random order, for a few rounds.
 """
 
 from __future__ import annotations
@@ -18,8 +20,22 @@ from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.utils.numba import njit
 
-#: ``--balance`` choices: what every part gets an equal share of (within ``--imbalance``).
-BALANCES = ("nodes", "train")
+#: ``--balance`` constraints besides node counts (combine with a comma: ``train,edges``).
+BALANCES = ("nodes", "train", "edges")
+
+
+def parse_balance(spec: str) -> tuple[str, ...]:
+    """The constraints of a ``--balance`` value besides nodes: ``"train,edges"`` -> ``("train", "edges")``.
+
+    Raises:
+        TrellisUserError: An unknown name.
+    """
+    names = [n.strip() for n in str(spec).split(",") if n.strip()]
+    bad = [n for n in names if n not in BALANCES]
+    if bad or not names:
+        raise TrellisUserError(f"--balance {spec!r}: give one or more of {', '.join(BALANCES)}, comma-separated "
+                               "(e.g. --balance train,edges)")
+    return tuple(n for n in BALANCES[1:] if n in names)
 
 
 def train_mask(store: GraphStore) -> np.ndarray:
@@ -37,64 +53,112 @@ def train_mask(store: GraphStore) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def _enforce_cap(xadj: np.ndarray, adjncy: np.ndarray, parts: np.ndarray, caps: np.ndarray,
-                 order: np.ndarray, weight: np.ndarray) -> int:
-    num_parts = caps.shape[0]
-    sizes = np.zeros(num_parts, dtype=np.int64)
+def _enforce_caps(xadj: np.ndarray, adjncy: np.ndarray, parts: np.ndarray, caps: np.ndarray, order: np.ndarray,
+                  weight: np.ndarray, num_parts: int, trigger: int, check: np.ndarray, target: int) -> int:
+    num_c = caps.shape[0]
+    sizes = np.zeros((num_parts, num_c), dtype=np.int64)
     for v in range(parts.shape[0]):
-        sizes[parts[v]] += weight[v]
+        for c in range(num_c):
+            sizes[parts[v], c] += weight[v, c]
     cnt = np.zeros(num_parts, dtype=np.int64)
     moved = 0
     for v in order:
         p = parts[v]
-        if sizes[p] <= caps[p]:
+        if weight[v, trigger] == 0 or sizes[p, trigger] <= target:
             continue
         for k in range(xadj[v], xadj[v + 1]):
             cnt[parts[adjncy[k]]] += 1
         best = -1
         for q in range(num_parts):
-            if sizes[q] < caps[q] and (best < 0 or cnt[q] > cnt[best]
-                                       or (cnt[q] == cnt[best] and sizes[q] < sizes[best])):
+            if q == p:
+                continue
+            fits = True
+            for c in range(num_c):
+                if check[c] and sizes[q, c] + weight[v, c] > caps[c]:
+                    fits = False
+            if fits and (best < 0 or cnt[q] > cnt[best] or (cnt[q] == cnt[best] and sizes[q, 0] < sizes[best, 0])):
                 best = q
         for q in range(num_parts):
             cnt[q] = 0
         if best >= 0:
             parts[v] = best
-            sizes[p] -= weight[v]
-            sizes[best] += weight[v]
+            for c in range(num_c):
+                sizes[p, c] -= weight[v, c]
+                sizes[best, c] += weight[v, c]
             moved += 1
     return moved
 
 
-def enforce_cap(xadj: np.ndarray, adjncy: np.ndarray, parts: np.ndarray, caps: np.ndarray, seed: int,
-                movable: np.ndarray | None = None, counted: np.ndarray | None = None) -> int:
-    """Move nodes out of parts above ``caps[p]`` into parts with room; returns how many moved.
+def enforce_cap(xadj: np.ndarray, adjncy: np.ndarray, parts: np.ndarray, num_parts: int, cap: int,
+                seed: int) -> int:
+    """Move nodes out of parts above ``cap`` nodes into parts with room; returns how many moved.
 
     Visits nodes in a seeded random order and sends each surplus node to the part with room that holds
-    most of its neighbours, so the cut grows as little as a single greedy pass allows. ``movable`` and
-    ``counted`` (boolean masks, default: every node) restrict which nodes may move and which count towards a
-    part's size.
+    most of its neighbours, so the cut grows as little as a single greedy pass allows.
     """
-    caps = np.asarray(caps, dtype=np.int64)
-    weight = np.ones(parts.shape[0], dtype=np.int64) if counted is None else counted.astype(np.int64)
-    if np.all(np.bincount(parts, weights=weight, minlength=caps.shape[0]) <= caps):
+    if np.bincount(parts, minlength=num_parts).max(initial=0) <= cap:
         return 0
     order = np.random.default_rng(seed).permutation(parts.shape[0])
-    if movable is not None:
-        order = order[movable[order]]
-    return int(_enforce_cap(xadj, adjncy, parts, caps, order, weight))
+    weight = np.ones((parts.shape[0], 1), dtype=np.int64)
+    return int(_enforce_caps(xadj, adjncy, parts, np.array([cap], dtype=np.int64), order, weight, num_parts, 0,
+                             np.ones(1, dtype=np.bool_), int(cap)))
 
 
-def balance_train(store: GraphStore, parts: np.ndarray, num_parts: int, imbalance: float, seed: int,
-                  node_cap: int) -> dict[str, Any]:
-    """Give every part at most its share of training nodes (and of nodes), moving nodes in place in ``parts``.
+#: Rounds of the multi-constraint repair (a node that found no room in one round may in the next).
+ROUNDS = 4
 
-    Neighbour counts come from the store's in-edge CSR (memory-mapped, so a streaming partitioner's memory
-    stays flat). Returns what moved, for the book's ``params``.
+
+def rebalance(store: GraphStore, parts: np.ndarray, num_parts: int, constraints: tuple[str, ...],
+              imbalance: float, seed: int, node_cap: int) -> dict[str, Any]:
+    """Give every part at most its share of nodes and of each of ``constraints``, moving nodes in ``parts``.
+
+    ``train``: training nodes; ``edges``: in-edges, the aggregation work. Neighbour counts come from the
+    store's in-edge CSR (memory-mapped, so a streaming partitioner's memory stays flat). Returns what moved
+    and how balanced each constraint ends (max part over mean), for the book's ``params``.
     """
-    train = train_mask(store)
-    cap = int(np.ceil(int(train.sum()) / num_parts * (1.0 + imbalance)))
     indptr, indices = np.asarray(store.indptr), np.asarray(store.indices)
-    moved_train = enforce_cap(indptr, indices, parts, np.full(num_parts, cap), seed, movable=train, counted=train)
-    moved = enforce_cap(indptr, indices, parts, np.full(num_parts, node_cap), seed, movable=~train)
-    return {"balance": "train", "rebalanced_train": moved_train, "rebalanced_other": moved}
+    n = int(store.num_nodes)
+    cols = [np.ones(n, dtype=np.int64)]
+    caps = [int(node_cap)]
+    train = train_mask(store) if "train" in constraints else np.zeros(n, dtype=bool)
+    for name in constraints:
+        col = train.astype(np.int64) if name == "train" else np.diff(indptr).astype(np.int64)
+        cols.append(col)
+        caps.append(max(int(np.ceil(int(col.sum()) / num_parts * (1.0 + imbalance))), int(col.max(initial=0))))
+    weight = np.ascontiguousarray(np.stack(cols, axis=1))
+    cap = np.asarray(caps, dtype=np.int64)
+    perm = np.random.default_rng(seed).permutation(n)
+    names = ("nodes", *constraints)
+    # Passes in priority order. Training nodes move first (room for training nodes is all they need: the
+    # passes after them make node room by moving other nodes, which leaves the training counts alone); then
+    # surplus in-edges, then surplus nodes, the last two moving no training node. The edge pass drains a part
+    # to half the slack above the mean, not to the cap, so the parts it fills keep room for the node pass,
+    # which must keep the edge cap (else a node pass could only undo it).
+    passes = []
+    if "train" in names:
+        passes.append((names.index("train"), perm[train[perm]], [names.index("train")], caps[names.index("train")]))
+    rest = perm[~train[perm]]
+    if "edges" in names:
+        e = names.index("edges")
+        mid = int(np.ceil(float(weight[:, e].sum()) / num_parts * (1.0 + imbalance / 2)))
+        passes.append((e, rest, [e], mid))
+    passes.append((0, rest, [0] + ([names.index("edges")] if "edges" in names else []), caps[0]))
+    moved = 0
+    for _ in range(ROUNDS):
+        sizes = np.stack([np.bincount(parts, weights=weight[:, c], minlength=num_parts) for c in range(len(caps))], 1)
+        if np.all(sizes <= cap):
+            break
+        step = 0
+        for trigger, order, checked, target in passes:
+            check = np.zeros(len(caps), dtype=np.bool_)
+            check[checked] = True
+            step += int(_enforce_caps(indptr, indices, parts, cap, order, weight, int(num_parts), trigger, check,
+                                      int(target)))
+        moved += step
+        if step == 0:
+            break
+    out: dict[str, Any] = {"balance": ",".join(constraints) or "nodes", "rebalanced": moved}
+    for c, name in enumerate(names):
+        per = np.bincount(parts, weights=weight[:, c], minlength=num_parts)
+        out[f"balance_{name}"] = float(per.max() / max(per.mean(), 1e-12))
+    return out

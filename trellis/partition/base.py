@@ -27,7 +27,7 @@ import numpy as np
 
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
-from trellis.partition.balance import BALANCES, balance_train
+from trellis.partition.balance import parse_balance, rebalance
 from trellis.partition.hashing import grid_edge_parts
 from trellis.partition.memory import PeakMemory
 from trellis.utils.atomic import MANIFEST, atomic_dir, check_output
@@ -285,22 +285,22 @@ def partition_graph(store: GraphStore, method: str, num_parts: int, *, measure: 
         measure: Sample peak ``RssAnon`` in a helper process (default: True); when False only wall time
             and the kernel's peak RSS are recorded.
         **options: Method options (``seed``, ``imbalance``, ``chunk_frac``, ...), and ``balance``
-            (``nodes``, or ``train``: :func:`~trellis.partition.balance.balance_train` after the method).
+            (``nodes``, or ``train``, ``edges`` or both comma-separated:
+            :func:`~trellis.partition.balance.rebalance` after the method).
     """
-    balance = options.pop("balance", "nodes")
-    if balance not in BALANCES:
-        raise TrellisUserError(f"--balance {balance!r}: choose one of {', '.join(BALANCES)}")
+    balance = str(options.pop("balance", "nodes"))
+    constraints = parse_balance(balance)
     partitioner = create_partitioner(method, num_parts, **options)
     partitioner.check_store(store)
-    if balance != "nodes" and partitioner.ownership != "dst":
+    if constraints and partitioner.ownership != "dst":
         raise TrellisUserError(f"--balance {balance} moves nodes between parts of a destination-owned layout; "
                                f"--method {method} is {partitioner.ownership}-owned: use grem, metis, ldg, fennel "
                                "or random")
     with PeakMemory(sample=measure) as mem:
         book = partitioner.partition(store)
-        if balance == "train":
-            book.params.update(balance_train(store, book.node_parts, num_parts, partitioner.imbalance,
-                                             partitioner.seed, partitioner.cap(store.num_nodes)))
+        if constraints:
+            book.params.update(rebalance(store, book.node_parts, num_parts, constraints, partitioner.imbalance,
+                                         partitioner.seed, partitioner.cap(store.num_nodes)))
     rep = mem.report
     book.stats.update(time_s=rep.time_s, peak_rss_mb=rep.peak_rss_mb, peak_rss_anon_mb=rep.peak_rss_anon_mb,
                       base_rss_anon_mb=rep.base_rss_anon_mb)

@@ -93,5 +93,5 @@ class MetisPartitioner(Partitioner):
         xadj, adjncy, w = symmetric_adjacency(store.indptr, store.indices, n)
         parts = run_metis(xadj, adjncy, w, self.num_parts, imbalance=self.imbalance, seed=self.seed,
                           recursive=self.recursive)
-        moved = enforce_cap(xadj, adjncy, parts, np.full(self.num_parts, self.cap(n)), self.seed)
+        moved = enforce_cap(xadj, adjncy, parts, self.num_parts, self.cap(n), self.seed)
         return parts, {"rebalanced_nodes": moved}
