@@ -68,6 +68,25 @@ RANK_CHUNK_EDGES = 250_000
 BUFFER_ONLY = ("buffer_parts", "memory_budget", "buffer_cache", "buffer_replay", "spill_dir")
 
 
+def rank_env() -> RankEnv:
+    """Who this process is: a rank of a launched job, or (no launcher) a world of one on a free port."""
+    env = RankEnv.from_environ()
+    if env is None:
+        return RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
+    torch.set_num_threads(rank_threads(env.local_world_size))
+    return env
+
+
+def join_job(cfg: TrainConfig, env: RankEnv, strategy: Any) -> Comm:
+    """Join the job's process groups as ``env`` (one GPU per rank on CUDA) and make them the strategy's world."""
+    if strategy.device.type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        strategy.device = torch.device("cuda", env.local_rank)
+    comm = Comm(env, strategy.device, float(getattr(cfg, "timeout", DEFAULT_TIMEOUT_S)))
+    strategy.world = comm
+    return comm
+
+
 def rank_of_part(num_parts: int, world: int) -> np.ndarray:
     """``[num_parts]`` rank that trains each part: part ``p`` goes to rank ``p mod world``."""
     return np.arange(num_parts, dtype=np.int64) % world
@@ -104,6 +123,34 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
     return layout
 
 
+def lockstep(comm: Comm, params: list[Tensor], optimizer: Any, loss: Tensor | None, n: int) -> int:
+    """One data-parallel step's part on this rank; returns the step's targets over every rank.
+
+    Backward of the rank's mean ``loss`` over its ``n`` targets, the gradients summed over the ranks, the
+    optimizer step. The loss is scaled by ``n / step_n``, so the summed gradient is that of the mean over all
+    the step's targets (one process's step over the same targets). A rank without a batch (``loss`` None) adds
+    zeros, so every rank sums the same buffers and uneven batch counts never hang; a step without any target
+    is skipped everywhere (0 returned).
+    """
+    step_n = int(comm.sum([float(n)])[0]) if comm.world_size > 1 else n
+    if step_n == 0:
+        return 0
+    if loss is not None:
+        (loss if n == step_n else loss * (n / step_n)).backward()
+    if comm.world_size > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        comm.all_reduce_grads(params)
+    optimizer.step()
+    return step_n
+
+
+def rank_share(batch_size: int, counts: list[int], rank: int) -> int:
+    """A rank's part of a step's ``batch_size``, in proportion to its share of the targets (at least 1)."""
+    return max(1, -(-int(batch_size) * int(counts[rank]) // max(1, sum(counts))))
+
+
 def rank_targets(layout: PartitionedGraph, store: GraphStore, world: int) -> list[int]:
     """Training nodes each rank draws its targets from."""
     node_part = np.load(layout.path / "node_parts.npy", mmap_mode="r")
@@ -127,19 +174,11 @@ class DistributedMini(BatchStrategy):
     def load(self) -> None:
         """Join the job, load this rank's parts' rows and targets, and build its sampler and fetch."""
         cfg = self.cfg
-        env = RankEnv.from_environ()
-        if env is None:  # one process, no launcher: a world of one
-            env = RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
-        else:
-            torch.set_num_threads(rank_threads(env.local_world_size))
+        env = rank_env()
         assert cfg.store is not None
         store = GraphStore(cfg.store)
         layout = check_ranks(cfg, store, env.world_size)
-        if self.device.type == "cuda":  # one GPU per rank
-            torch.cuda.set_device(env.local_rank)
-            self.device = torch.device("cuda", env.local_rank)
-        self.comm = comm = Comm(env, self.device, float(getattr(cfg, "timeout", DEFAULT_TIMEOUT_S)))
-        self.world = comm
+        self.comm = comm = join_job(cfg, env, self)
         y, splits, task = load_labels(store, cfg.task, self.device, cfg.split_seed)
         norm = layout_feature_norm(cfg, store, layout)
         ew, ef = store_edge_data(store, self.device)
@@ -164,8 +203,7 @@ class DistributedMini(BatchStrategy):
         self.rank_targets = [int(v) for v in counts]
         # --batch-size is the step's: each rank takes its share, so a step trains about as many targets, and an
         # epoch takes about as many steps, at any rank count (and one rank is --strategy mini)
-        total = max(1, sum(self.rank_targets))
-        self.rank_batch = max(1, -(-cfg.batch_size * self.rank_targets[comm.rank] // total))
+        self.rank_batch = rank_share(cfg.batch_size, self.rank_targets, comm.rank)
         self.loader = self.make_loader()
         self.cache_bytes = self._fill_cache(owner)
         counts = torch.cat(comm.all_gather_rows(torch.tensor([len(self.loader)])))
@@ -250,18 +288,10 @@ class DistributedMini(BatchStrategy):
                 if self.device.type != "cpu":
                     batch = batch.to(self.device, non_blocking=True)
                 loss, n = self._loss(model, batch, task)
-            step_n = int(comm.sum([float(n)])[0]) if comm.world_size > 1 else n
-            if step_n == 0:
+            if lockstep(comm, params, optimizer, loss, n) == 0:
                 continue  # no rank had a loss-carrying target: no step anywhere
             if loss is not None:
-                (loss if n == step_n else loss * (n / step_n)).backward()
                 total += float(loss.detach().to(torch.float64)) * n
-            if comm.world_size > 1:
-                for p in params:  # a rank without a batch adds zeros, so every rank sums the same buffer
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                comm.all_reduce_grads(params)
-            optimizer.step()
             steps += 1
             count += n
         close = getattr(batches, "close", None)
@@ -333,8 +363,7 @@ class DistributedMini(BatchStrategy):
         assert self.comm is not None
         world = self.cfg.nproc or self.comm.world_size
         counts = rank_targets(self.layout, self.store, world)
-        total = max(1, sum(counts))
-        shares = [max(1, -(-self.cfg.batch_size * c // total)) for c in counts]
+        shares = [rank_share(self.cfg.batch_size, counts, r) for r in range(len(counts))]
         part_rank = rank_of_part(self.layout.num_parts, world)
         lines = [f"distributed mini-batch: {world} rank(s) over {self.cfg.parts_dir}; remote rows fetched by "
                  "all_to_all each step" + (f", a cache of {self.cfg.feature_cache} per rank"
@@ -380,4 +409,5 @@ class DistributedMini(BatchStrategy):
         return BufferedMini.predict_saved(req, embeddings_to)
 
 
-__all__ = ["DistributedMini", "check_ranks", "rank_of_part", "rank_targets"]
+__all__ = ["DistributedMini", "check_ranks", "join_job", "lockstep", "rank_env", "rank_of_part", "rank_share",
+           "rank_targets"]
