@@ -219,6 +219,28 @@ class Comm:
             g.copy_(flat[at:at + g.numel()].view_as(g))
             at += g.numel()
 
+    def average_buffers(self, module: torch.nn.Module) -> None:
+        """Make every rank's buffers the same: floating ones averaged over the ranks, the others rank 0's.
+
+        Floating buffers are normalization statistics, the others batch counters. Why: each rank's batch
+        normalization tracks running statistics of its own batches, so replicas with equal weights would still
+        evaluate differently, and the model rank 0 saves would not be the one evaluated.
+        """
+        if self.world_size == 1:
+            return
+        floats = [b for b in module.buffers() if b.is_floating_point()]
+        if floats:
+            flat = torch.cat([b.detach().reshape(-1) for b in floats])
+            dist.all_reduce(flat, group=self.grads)
+            flat /= self.world_size
+            at = 0
+            for b in floats:
+                b.copy_(flat[at:at + b.numel()].view_as(b))
+                at += b.numel()
+        for b in module.buffers():
+            if not b.is_floating_point():
+                dist.broadcast(b, src=0, group=self.grads)
+
     def sum(self, values: list[float]) -> list[float]:
         """Elementwise sum of ``values`` over the ranks (float64, on the control group)."""
         t = torch.tensor(values, dtype=torch.float64)

@@ -36,6 +36,7 @@ from trellis.train.config import TrainConfig
 from trellis.train.runs import default_run_dir
 from trellis.train.strategies import strategy_class
 from trellis.train.strategies.dist_mini import check_ranks
+from trellis.train.strategies.dist_pp import check_pp_ranks
 from trellis.train.strategies.partitioned import check_layout
 from trellis.utils.memory import proc_status
 from trellis.utils.sizes import format_size, parse_size
@@ -61,6 +62,9 @@ def preflight(cfg: TrainConfig) -> int:
     if cfg.strategy == "mini":  # data-parallel mini-batch: --nproc ranks share the layout's parts
         nproc = int(cfg.nproc or 1)
         check_ranks(cfg, store, nproc)
+    elif cfg.strategy == "pp":  # data-parallel over the cache's training rows
+        nproc = int(cfg.nproc or 1)
+        check_pp_ranks(cfg, nproc)
     else:
         layout = check_layout(cfg, store, None)
         nproc = cfg.nproc if cfg.nproc is not None else layout.num_parts
@@ -155,11 +159,16 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
 def needs_launch(cfg: TrainConfig) -> bool:
     """Whether training ``cfg`` here starts ranks: ``--parts-dir`` outside a rank (full unless ``--nproc 1``).
 
-    Mini-batch starts ranks only when ``--nproc`` > 1 (one process trains every part through its buffer). A
+    Mini-batch starts ranks only when ``--nproc`` > 1 (one process trains every part through its buffer), and
+    pre-propagation (``--strategy pp --nproc P``, no layout: the ranks split the cache's rows) too. A
     process started by ``torchrun`` (or by :func:`launch`) is a rank and trains its part itself; so is a world
     of one, which needs no launcher.
     """
-    if cfg.parts_dir is None or RankEnv.from_environ() is not None:
+    if RankEnv.from_environ() is not None:
+        return False
+    if cfg.strategy == "pp":  # data-parallel over rows: no layout
+        return (cfg.nproc or 1) > 1
+    if cfg.parts_dir is None:
         return False
     if cfg.strategy == "mini":  # one process trains every part through its buffer unless --nproc asks for more
         return (cfg.nproc or 1) > 1

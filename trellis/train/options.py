@@ -150,7 +150,24 @@ class _Budget(_Memory):
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Parts(StrategyOptions):
+class _Ranks(StrategyOptions):
+    """Ranks started on this machine (or by torchrun) and how long they wait for each other."""
+
+    nproc: int | None = opt(None, "ranks to start on this machine (127.0.0.1, gloo; nccl with --device cuda). "
+                                  "With --parts-dir: full must equal the layout's parts (default: the number "
+                                  "of parts); mini: 1 (a partition buffer, the default) up to the parts; "
+                                  "cluster: 1. pp: data-parallel over the training rows (default: 1). Under "
+                                  "torchrun the launcher's ranks are used instead")
+    timeout: float = opt(DEFAULT_TIMEOUT_S, "ranks (--parts-dir, full or mini with --nproc P > 1; pp with --nproc "
+                                            "P > 1): seconds a rank waits for its peers (rendezvous, exchanges, "
+                                            "barriers) before it fails (default: 300)")
+
+    def validate(self, cfg: TrainConfig) -> None:
+        _at_least("nproc", self.nproc, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Parts(_Ranks):
     """A partitioned layout and the ranks that train it."""
 
     parts_dir: str | None = opt(None, "full: train partition-parallel on the partitioned layout PART_DIR (from "
@@ -159,16 +176,8 @@ class _Parts(StrategyOptions):
                                       "from the layout through a partition buffer, K parts resident at a time. "
                                       "mini with --nproc P > 1: data-parallel ranks, each training the targets "
                                       "of its parts (default: none)", metavar="PART_DIR")
-    nproc: int | None = opt(None, "with --parts-dir: ranks to start on this machine (127.0.0.1, gloo; nccl with "
-                                  "--device cuda); full: must equal the layout's parts (default: the number of "
-                                  "parts); mini: 1 (a partition buffer, the default) up to the parts; cluster: 1; "
-                                  "under torchrun the launcher's ranks are used instead")
-    timeout: float = opt(DEFAULT_TIMEOUT_S, "ranks (--parts-dir, full or mini with --nproc P > 1): seconds a "
-                                            "rank waits for its peers (rendezvous, exchanges, barriers) before it "
-                                            "fails (default: 300)")
-
     def validate(self, cfg: TrainConfig) -> None:
-        _at_least("nproc", self.nproc, 1)
+        _Ranks.validate(self, cfg)
         if self.nproc is not None and self.parts_dir is None:
             raise TrellisUserError("--nproc needs --parts-dir PART_DIR (ranks train the parts of a partitioned "
                                    "layout; make one with `trellis partition STORE --parts P --out PART_DIR`)")
@@ -314,7 +323,7 @@ class ClusterOptions(_Buffer):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PPOptions(_Memory, _Batched):
+class PPOptions(_Memory, _Batched, _Ranks):
     """``--strategy pp``: SGC/SIGN/HOGA on a pre-propagated cache."""
 
     strategy: ClassVar[str] = "pp"
@@ -337,6 +346,7 @@ class PPOptions(_Memory, _Batched):
                                    "STORE --out PP_DIR`)")
         _at_least("chunk_size", self.chunk_size, 1)
         _choice("pp_loader", self.pp_loader, PP_LOADERS)
+        _Ranks.validate(self, cfg)
 
 
 #: ``--strategy`` name -> its options (a strategy registered without options has none).

@@ -4,7 +4,7 @@ A new strategy is one module here with a :class:`~trellis.train.strategy.Strateg
 :func:`~trellis.train.strategy.register_strategy`, imported below.
 """
 
-from trellis.train.strategies import batch, full, pp
+from trellis.train.strategies import batch, dist_pp, full, pp
 from trellis.train.strategy import STRATEGIES, Strategy, register_strategy, strategy_class
 
-__all__ = ["STRATEGIES", "Strategy", "batch", "full", "pp", "register_strategy", "strategy_class"]
+__all__ = ["STRATEGIES", "Strategy", "batch", "dist_pp", "full", "pp", "register_strategy", "strategy_class"]

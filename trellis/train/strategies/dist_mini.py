@@ -297,6 +297,7 @@ class DistributedMini(BatchStrategy):
         close = getattr(batches, "close", None)
         if close is not None:
             close()
+        comm.average_buffers(model)  # one model: every rank's normalization statistics the same
         total, count_all = comm.sum([total, float(count)]) if comm.world_size > 1 else (total, float(count))
         # times are this rank's (rank 0 writes the record); counts and bytes are the job's
         self._epoch = {"batches": steps, "targets": int(count_all), "epoch_s": time.perf_counter() - t0,

@@ -13,15 +13,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from trellis.data.store import GraphStore, open_store
+from trellis.distributed.comm import RankEnv
 from trellis.errors import TrellisUserError
-from trellis.loader.pp import PPData, plan_placement
+from trellis.loader.pp import Placement, PPData, plan_placement
 from trellis.loader.ppcache import PPCache, open_pp
 from trellis.nn.init import init_parameters
 from trellis.nn.pp_models import build_pp_model, hops_used
@@ -99,8 +100,25 @@ class PrePropagation(Strategy):
                                         device=self.device)
         self._io0 = proc_io()
         t0 = time.perf_counter()
-        self.data = PPData(cache, self.hops, self.placement, cfg.batch_size, seed=cfg.seed)
+        self.data = self._make_data(cache, self.placement, cfg.seed)
         self.load_time_s = time.perf_counter() - t0
+
+    #: The data-parallel variant: :class:`~trellis.train.strategies.dist_pp.DistributedPP`, which sets this
+    #: when imported (it builds on this class; the strategies package imports it).
+    ranked: ClassVar[type[Strategy] | None] = None
+
+    @classmethod
+    def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
+        """This class in one process, the data-parallel variant across ranks.
+
+        Ranks: ``--nproc`` > 1, or a process started as a rank (``torchrun``).
+        """
+        ranked = RankEnv.from_environ() is not None or (cfg.nproc or 1) > 1
+        return PrePropagation.ranked if ranked and PrePropagation.ranked is not None else cls
+
+    def _make_data(self, cache: PPCache, placement: Placement, seed: int) -> PPData:
+        """The loaders this process trains and evaluates with."""
+        return PPData(cache, self.hops, placement, int(self.cfg.batch_size), seed=seed)
 
     def banner(self) -> str:
         """The placement decision, printed when the run starts."""
