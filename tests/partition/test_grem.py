@@ -6,7 +6,7 @@ import pytest
 from trellis.data.store import open_store, write_store
 from trellis.errors import TrellisUserError
 from trellis.partition import part_cap, partition_graph
-from trellis.partition.grem import GremPartitioner
+from trellis.partition.grem import WHOLE_GRAPH_EDGES, GremPartitioner
 
 from .conftest import cut_frac, planted_partition
 
@@ -55,9 +55,9 @@ def test_any_part_count_and_seed_method_respects_cap(planted_store, parts, seed_
 
 def test_deterministic_from_seed(planted_store):
     store, _ = planted_store
-    a = partition_graph(store, "grem", 4, seed=5, measure=False)
-    b = partition_graph(store, "grem", 4, seed=5, measure=False)
-    c = partition_graph(store, "grem", 4, seed=6, measure=False)
+    a = partition_graph(store, "grem", 4, seed=5, chunk_frac=0.1, measure=False)  # streaming: the seed orders it
+    b = partition_graph(store, "grem", 4, seed=5, chunk_frac=0.1, measure=False)
+    c = partition_graph(store, "grem", 4, seed=6, chunk_frac=0.1, measure=False)
     assert np.array_equal(a.node_parts, b.node_parts)
     assert not np.array_equal(a.node_parts, c.node_parts)
 
@@ -68,7 +68,9 @@ def test_chunk_options_validated():
                     ({"seed_method": "spectral"}, "seed-method"), ({"passes": 0}, "passes")):
         with pytest.raises(TrellisUserError, match=msg):
             GremPartitioner(2, **kw)
-    assert GremPartitioner(2).chunk_size(1000) == 100  # default 10%
+    assert GremPartitioner(2).chunk_size(1000) == 1000  # default: a graph METIS affords is seeded whole
+    big = WHOLE_GRAPH_EDGES + 10
+    assert GremPartitioner(2).chunk_size(big) == -(-big // 10)  # and a larger one streams in 10% chunks
     assert GremPartitioner(2, chunk_edges=77).chunk_size(10**9) == 77
 
 
