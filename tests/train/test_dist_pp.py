@@ -123,3 +123,12 @@ def test_bad_input_is_refused_before_any_rank_starts(cora_pp, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
+
+
+def test_explain_names_the_ranks_and_trains_nothing(cora_pp, tmp_path, capsys):
+    store, cache = cora_pp
+    code = main(["train", str(store), "--strategy", "pp", "--pp-dir", str(cache), "--model", "sign", "--nproc", "3",
+                 "--batch-size", "30", "--explain", "--out", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 0 and "over 3 rank(s): training rows per rank [46, 47, 47], batch per rank [10, 11, 11]" in out
+    assert not (tmp_path / "r").exists()

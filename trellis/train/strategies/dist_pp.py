@@ -184,6 +184,16 @@ class DistributedPP(PrePropagation):
             raise TrellisUserError(f"{self.cache.path}: the {split} split has no rows; --strategy pp needs them")
         return [torch.cat(comm.all_gather_rows(lg.cpu())).to(self.device) for lg in mine], every_y
 
+    def explain(self, model: nn.Module) -> str:
+        """The ranks' rows and batch shares (as ``--nproc`` would start them), then the model and placement."""
+        world = int(self.cfg.nproc or (self.comm.world_size if self.comm is not None else 1))
+        a, b = self.cache.split_range("train")
+        counts = [hi - lo for lo, hi in (rank_slice((a, b), r, world) for r in range(world))]
+        shares = [rank_share(int(self.cfg.batch_size), counts, r) for r in range(world)]
+        return (f"pre-propagation data-parallel over {world} rank(s): training rows per rank {counts}, batch per "
+                f"rank {shares} (the step's {self.cfg.batch_size}); each rank reads its slices of the validation "
+                "and test rows from storage to evaluate\n" + super().explain(model))
+
     def epoch_info(self) -> dict[str, Any]:
         """Steps and rows trained in the epoch (the job's)."""
         return dict(getattr(self, "_epoch", {}))
