@@ -217,3 +217,62 @@ def test_explain_names_every_rank_and_trains_nothing(sbm_store, layouts, tmp_pat
     out = capsys.readouterr().out
     assert code == 0 and "rank 0: parts [0, 2]" in out and "rank 1: parts [1]" in out and "sage:" in out
     assert not (tmp_path / "run").exists()
+
+
+def test_batches_from_the_trainer_sampler_processes_or_sampler_ranks_give_the_same_losses(sbm_store, layouts,
+                                                                                         tmp_path, capsys):
+    """The three producer modes (issue 25): in the trainer, --samplers 1, and --sampler-ranks 1 or 2 (one sampler
+    rank serving both trainers, whose batch counts differ, or one each): the same metrics bit for bit."""
+    runs = {}
+    for name, extra in (("trainer", []), ("processes", ["--samplers", "1"]), ("one sampler rank",
+                                                                             ["--sampler-ranks", "1"]),
+                        ("two sampler ranks", ["--sampler-ranks", "2"])):
+        out = tmp_path / name.replace(" ", "-")
+        code = main(["train", str(sbm_store), "--strategy", "mini", "--model", "sage", "--parts-dir",
+                     str(layouts[3]), "--nproc", "2", "--batch-size", "8", "--fanouts", "5,5", "--epochs", "3",
+                     "--dropout", "0.5", "--device", "cpu", "--checkpoint-every", "0", "--no-progress", "--out",
+                     str(out), *extra])
+        assert code == 0, capsys.readouterr().err
+        runs[name] = [[r[k] for k in KEYS] for r in _records(out)]
+    summary = json.loads((tmp_path / "one-sampler-rank" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and max(summary["rank_batches"]) > min(summary["rank_batches"])
+    assert len(runs["trainer"]) == 3
+    for name, got in runs.items():
+        assert got == runs["trainer"], name
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nproc", "2", "--sampler-ranks", "3"], "--sampler-ranks 3 is more than the 2 trainer ranks"),
+    (["--nproc", "2", "--sampler-ranks", "-1"], "--sampler-ranks"),
+    (["--nproc", "2", "--sampler-ranks", "1", "--samplers", "1"], "--samplers with --sampler-ranks"),
+    (["--nproc", "1", "--sampler-ranks", "1"], "--sampler-ranks 1 applies to data-parallel mini-batch"),
+])
+def test_bad_sampler_ranks_are_refused_before_any_rank_starts(sbm_store, layouts, tmp_path, capsys, args, message):
+    code = main(["train", str(sbm_store), "--strategy", "mini", "--parts-dir", str(layouts[3]), "--epochs", "1",
+                 "--no-progress", "--out", str(tmp_path / "r"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_killed_sampler_rank_is_named_and_every_process_exits(sbm_store, layouts, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.distributed.test_launch import ENV, _kill_rank, _ranks
+    from tests.train.helpers import wait_for_epochs
+
+    out = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(sbm_store), "--strategy", "mini",
+                             "--model", "sage", "--parts-dir", str(layouts[3]), "--nproc", "2", "--sampler-ranks",
+                             "1", "--batch-size", "8", "--fanouts", "5,5", "--epochs", "50", "--checkpoint-every", "2",
+                             "--timeout", "30", "--device", "cpu", "--no-progress", "--out", str(out)],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_epochs(out, proc, 3)
+    pid = _kill_rank(2)  # the sampler rank (the trainers are ranks 0 and 1)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=90)
+    assert time.monotonic() - t0 < 60 and proc.returncode != 0
+    assert f"rank 2 (pid {pid}) died: killed by SIGKILL" in err.decode()
+    assert not _ranks() and not (out / "summary.json").exists()

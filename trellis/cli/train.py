@@ -147,6 +147,10 @@ def run_train(args: argparse.Namespace) -> int:
 
         if needs_launch(cfg) and not cfg.explain:  # --explain describes the ranks from here, starting none
             return launch(cfg)
+        if env is not None and cfg.sampler_ranks and env.rank >= env.world_size - cfg.sampler_ranks:
+            from trellis.train.strategies.dist_mini import serve_batches
+
+            return serve_batches(cfg, env)  # a sampler rank: it builds batches and trains nothing
         if env is not None:
             rank = env.rank
             if env.restart_count and cfg.resume is None and cfg.out and Path(cfg.out, "config.json").is_file():

@@ -158,8 +158,12 @@ class Comm:
         control: Gloo group of barriers, metric gathers and agreement on stopping.
     """
 
-    def __init__(self, env: RankEnv, device: torch.device, timeout_s: float, link: Link | None = None) -> None:
+    def __init__(self, env: RankEnv, device: torch.device, timeout_s: float, link: Link | None = None,
+                 members: int | None = None) -> None:
         self.env = env
+        #: Ranks ``0..members-1`` form this object's groups (the trainers); the job's other ranks (sampler ranks)
+        #: create the same groups without joining them, and talk to the trainers point to point.
+        self.members = env.world_size if members is None else int(members)
         self.device = device
         #: The emulated link every exchange runs over (None: the transport as it is).
         self.link = link
@@ -173,9 +177,10 @@ class Comm:
         if self.owns_default:
             dist.init_process_group(self.backend, store=self._store(env), rank=env.rank,
                                     world_size=env.world_size, timeout=self.timeout)
-        self.halo = dist.new_group(backend=self.backend, timeout=self.timeout)
-        self.grads = dist.new_group(backend=self.backend, timeout=self.timeout)
-        self.control = dist.new_group(backend="gloo", timeout=self.timeout)
+        ranks = None if self.members == env.world_size else list(range(self.members))
+        self.halo = dist.new_group(ranks=ranks, backend=self.backend, timeout=self.timeout)
+        self.grads = dist.new_group(ranks=ranks, backend=self.backend, timeout=self.timeout)
+        self.control = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
 
     def _store(self, env: RankEnv) -> dist.Store:
         """The rendezvous store, its keys prefixed by the restart count.
@@ -197,8 +202,8 @@ class Comm:
 
     @property
     def world_size(self) -> int:
-        """Number of ranks."""
-        return self.env.world_size
+        """Number of ranks in this object's groups (the trainers)."""
+        return self.members
 
     def barrier(self, what: str) -> None:
         """Wait for every rank; a rank that does not arrive within the timeout is named in the error."""

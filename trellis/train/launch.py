@@ -129,10 +129,11 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
     values = cfg.to_dict(session=True)
     values["nproc"] = nproc
     cfg_file.write_text(json.dumps(values))
-    threads = rank_threads(nproc)
+    total = nproc + int(getattr(cfg, "sampler_ranks", 0) or 0)  # trainers first, then the sampler ranks
+    threads = rank_threads(total)
     procs: list[subprocess.Popen[bytes]] = []
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(total),
+            "LOCAL_WORLD_SIZE": str(total), "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
     stopping: list[int] = []
 
     def forward(signum: int, frame: Any) -> None:
@@ -143,7 +144,7 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for r in range(nproc):
+        for r in range(total):
             env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
             # Own session: a terminal's Ctrl-C reaches only the launcher, which passes it on once (two
             # SIGINTs would make a rank abort without its checkpoint); ranks die with the launcher.

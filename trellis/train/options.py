@@ -269,6 +269,10 @@ class MiniOptions(_Buffer, _Batched):
                                 "whose parts hold few classes do not skew the model; 0 = off (default: 0)",
                              metavar="R")
 
+    sampler_ranks: int = opt(0, "mini with --parts-dir --nproc P > 1: K more ranks of the job that only sample "
+                                "(batches sent to the trainer ranks over torch.distributed, the same batches as "
+                                "in-trainer preparation), K <= P, each serving the trainers t with t mod K = its "
+                                "index; under torchrun the last K ranks (default: 0)", metavar="K")
     feature_cache: str | None = opt(None, "mini with --parts-dir --nproc P > 1: memory per rank for a cache of "
                                           "other ranks' feature rows, those most likely to be sampled (SALIENT++'s "
                                           "VIP ranking), fetched once at the start, e.g. 256M (default: none)",
@@ -286,6 +290,18 @@ class MiniOptions(_Buffer, _Batched):
         parse_fanouts(self.fanouts or "", cfg.layers)
         if self.buffer_cache is not None:
             parse_size(self.buffer_cache, flag="--buffer-cache")
+        _at_least("sampler_ranks", self.sampler_ranks, 0)
+        if self.sampler_ranks:
+            if self.parts_dir is None or (self.nproc or 1) < 2 and self.nproc is not None:
+                raise TrellisUserError(f"--sampler-ranks {self.sampler_ranks} applies to data-parallel mini-batch "
+                                       "(--parts-dir PART_DIR --nproc P > 1); add them or drop --sampler-ranks")
+            if self.nproc is not None and self.sampler_ranks > self.nproc:
+                raise TrellisUserError(f"--sampler-ranks {self.sampler_ranks} is more than the {self.nproc} trainer "
+                                       f"ranks: each sampler rank serves at least one trainer; use --sampler-ranks "
+                                       f"{self.nproc} or fewer")
+            if self.samplers:
+                raise TrellisUserError("--samplers with --sampler-ranks: batches come from the sampler ranks; "
+                                       "drop one of them")
         if self.feature_cache is not None:
             parse_size(self.feature_cache, flag="--feature-cache")
             self._needs_parts(["feature_cache"])

@@ -21,10 +21,12 @@ summed. One model, one run directory (rank 0's), the metrics of the whole graph.
 Evaluation is exact layer-wise inference split over the ranks: each computes its own nodes' rows of every
 layer and fetches the rest from their owners, so no rank holds a whole layer. Resume is exact: with more
 than one rank, each epoch reseeds every rank's generator from (epoch seed, rank), so rank 0's checkpointed
-generator decides every rank's next epoch. ``--samplers K`` samples a rank's batches in K processes (the same
-batches); ``--feature-cache SIZE`` keeps the other ranks' rows most likely to be sampled (SALIENT++'s VIP
-ranking), fetched once at the start. Not built yet (docs/distributed.md): a rank that holds more parts than
-fit (the partition buffer per rank), sampler ranks, and mini-batch grouping.
+generator decides every rank's next epoch. ``--samplers K`` samples a rank's batches in K processes, and
+``--sampler-ranks K`` in K more ranks of the job that send them as flat messages over torch.distributed
+(:func:`serve_batches`; the same batches in every mode); ``--feature-cache SIZE`` keeps the other ranks' rows
+most likely to be sampled (SALIENT++'s VIP ranking), fetched once at the start. Not built yet
+(docs/distributed.md): a rank that holds more parts than fit (the partition buffer per rank), and mini-batch
+grouping.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from trellis.loader.blocks import parse_fanouts
 from trellis.loader.buffer import ArenaRows, LayoutRows, vip
 from trellis.loader.features import NormalizedRows
 from trellis.loader.inference import ranked_inference
+from trellis.loader.producer import BatchMessage, decode_batch, encode_batch
 from trellis.loader.sampler import NeighborLoader, NeighborSampler, mix64
 from trellis.partition.layout import PartitionedGraph, part_dir_name
 from trellis.train.build import ModelSpec
@@ -77,14 +80,92 @@ def rank_env() -> RankEnv:
     return env
 
 
-def join_job(cfg: TrainConfig, env: RankEnv, strategy: Any) -> Comm:
-    """Join the job's process groups as ``env`` (one GPU per rank on CUDA) and make them the strategy's world."""
+def join_job(cfg: TrainConfig, env: RankEnv, strategy: Any, members: int | None = None) -> Comm:
+    """Join the job's process groups as ``env`` (one GPU per rank on CUDA) and make them the strategy's world.
+
+    ``members``: the trainer ranks ``0..members-1`` (the rest of the job are sampler ranks).
+    """
     if strategy.device.type == "cuda":
         torch.cuda.set_device(env.local_rank)
         strategy.device = torch.device("cuda", env.local_rank)
-    comm = Comm(env, strategy.device, float(getattr(cfg, "timeout", DEFAULT_TIMEOUT_S)))
+    comm = Comm(env, strategy.device, float(getattr(cfg, "timeout", DEFAULT_TIMEOUT_S)), members=members)
     strategy.world = comm
     return comm
+
+
+def rank_loader(cfg: TrainConfig, indptr: np.ndarray, indices: np.ndarray, targets: np.ndarray, batch: int,
+                rank: int, y: Tensor | None, ew: Tensor | None, ef: Tensor | None) -> NeighborLoader:
+    """Trainer ``rank``'s loader: blocks, labels and edge data of its targets (rows are fetched, not gathered).
+
+    Built the same in the trainer and in a sampler rank, so both draw the same batches.
+    """
+    sampler = NeighborSampler(indptr, indices, parse_fanouts(cfg.fanouts, cfg.layers), labor=cfg.labor)
+    return NeighborLoader(sampler, targets, batch, y=y, seed=rank, prefetch=cfg.prefetch, edge_weight=ew,
+                          edge_feat=ef)
+
+
+def send_batch(batch: Any, dst: int) -> None:
+    """Send a batch to rank ``dst`` as one flat message (its sizes, header and payload; three sends)."""
+    msg = encode_batch(batch)
+    dist.send(torch.tensor([msg.header.numel(), msg.payload.numel()], dtype=torch.int64), dst=dst)
+    dist.send(msg.header, dst=dst)
+    dist.send(msg.payload, dst=dst)
+
+
+def recv_batch(src: int) -> Any:
+    """The batch :func:`send_batch` sent from rank ``src``."""
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, src=src)
+    header = torch.empty(int(sizes[0]), dtype=torch.int64)
+    payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    dist.recv(header, src=src)
+    dist.recv(payload, src=src)
+    return decode_batch(BatchMessage(header, payload))
+
+
+def serve_batches(cfg: TrainConfig, env: RankEnv) -> int:
+    """A sampler rank (``--sampler-ranks K``): build the batches of the trainers it serves and send them.
+
+    The job's last K ranks sample; sampler ``s`` serves the trainers ``t`` with ``t mod K = s``. Each epoch it
+    receives each of its trainers' epoch seed, then sends their batches in step order (the trainers step in
+    lockstep, so this order never waits on a trainer that waits on another). It stops when every trainer it
+    serves sent -1. Batches are built by the trainer's own loader (:func:`rank_loader`, the same targets, share
+    and seed), so they are the ones the trainer would have drawn.
+    """
+    k = int(cfg.sampler_ranks)
+    trainers_n = env.world_size - k
+    me = env.rank - trainers_n
+    torch.set_num_threads(rank_threads(env.local_world_size))
+    comm = Comm(env, torch.device("cpu"), float(getattr(cfg, "timeout", DEFAULT_TIMEOUT_S)), members=trainers_n)
+    try:
+        assert cfg.store is not None
+        store = GraphStore(cfg.store)
+        layout = open_layout_for(cfg, store)
+        y, splits, _ = load_labels(store, cfg.task, torch.device("cpu"), cfg.split_seed)
+        ew, ef = store_edge_data(store, torch.device("cpu"))
+        node_part = np.asarray(np.load(layout.path / "node_parts.npy"), dtype=np.int64)
+        owner = rank_of_part(layout.num_parts, trainers_n)[node_part]
+        train = splits["train"].cpu().numpy()
+        counts = np.bincount(owner[train], minlength=trainers_n).tolist()
+        indptr, indices = np.asarray(store.indptr), np.asarray(store.indices)
+        mine = [t for t in range(trainers_n) if t % k == me]
+        loaders = {t: rank_loader(cfg, indptr, indices, train[owner[train] == t], rank_share(cfg.batch_size, counts, t),
+                                  t, y, ew, ef) for t in mine}
+        seed = torch.empty(1, dtype=torch.int64)
+        while True:
+            seeds = {}
+            for t in mine:
+                dist.recv(seed, src=t)
+                seeds[t] = int(seed.item())
+            if all(v < 0 for v in seeds.values()):
+                return 0
+            epochs = {t: iter(loaders[t].epoch(seeds[t])) for t in mine if seeds[t] >= 0}
+            for step in range(max(len(loaders[t]) for t in epochs)):
+                for t, batches in epochs.items():
+                    if step < len(loaders[t]):
+                        send_batch(next(batches), t)
+    finally:
+        comm.close()
 
 
 def rank_of_part(num_parts: int, world: int) -> np.ndarray:
@@ -177,8 +258,14 @@ class DistributedMini(BatchStrategy):
         env = rank_env()
         assert cfg.store is not None
         store = GraphStore(cfg.store)
-        layout = check_ranks(cfg, store, env.world_size)
-        self.comm = comm = join_job(cfg, env, self)
+        # a process that was not started as a rank (--explain, a world of one) prepares its own batches
+        self.sampler_ranks = int(cfg.sampler_ranks or 0) if RankEnv.from_environ() is not None else 0
+        trainers = env.world_size - self.sampler_ranks
+        if self.sampler_ranks > trainers:
+            raise TrellisUserError(f"--sampler-ranks {self.sampler_ranks} of a job of {env.world_size} ranks leaves "
+                                   f"{trainers} trainer(s); each sampler rank serves at least one trainer")
+        layout = check_ranks(cfg, store, trainers)
+        self.comm = comm = join_job(cfg, env, self, members=trainers)
         y, splits, task = load_labels(store, cfg.task, self.device, cfg.split_seed)
         norm = layout_feature_norm(cfg, store, layout)
         ew, ef = store_edge_data(store, self.device)
@@ -242,12 +329,19 @@ class DistributedMini(BatchStrategy):
 
     def make_loader(self) -> NeighborLoader:
         """Blocks, labels and edge data of this rank's targets (input rows come from the fetch)."""
-        cfg = self.cfg
         assert self.comm is not None
-        sampler = NeighborSampler(self.indptr, self.indices, parse_fanouts(cfg.fanouts, cfg.layers), labor=cfg.labor)
         y, ew, ef = self.loader_tensors(on_cpu=True)  # a batch's input rows are fetched on the CPU too
-        return NeighborLoader(sampler, self.targets, self.rank_batch, y=y, seed=self.comm.rank, prefetch=cfg.prefetch,
-                              edge_weight=ew, edge_feat=ef)
+        return rank_loader(self.cfg, self.indptr, self.indices, self.targets, self.rank_batch, self.comm.rank, y,
+                           ew, ef)
+
+    def _epoch_batches(self, epoch_seed: int) -> Any:
+        """The epoch's batches: from this rank's sampler rank (``--sampler-ranks``), or as one process has them."""
+        if not self.sampler_ranks:
+            return super()._epoch_batches(epoch_seed)
+        assert self.comm is not None
+        src = self.comm.members + self.comm.rank % self.sampler_ranks
+        dist.send(torch.tensor([epoch_seed], dtype=torch.int64), dst=src)
+        return (recv_batch(src) for _ in range(len(self.loader)))
 
     # ---- training -------------------------------------------------------------------------------
     def _shared_seed(self) -> int:
@@ -366,9 +460,12 @@ class DistributedMini(BatchStrategy):
         counts = rank_targets(self.layout, self.store, world)
         shares = [rank_share(self.cfg.batch_size, counts, r) for r in range(len(counts))]
         part_rank = rank_of_part(self.layout.num_parts, world)
+        k = int(self.cfg.sampler_ranks or 0)
         lines = [f"distributed mini-batch: {world} rank(s) over {self.cfg.parts_dir}; remote rows fetched by "
                  "all_to_all each step" + (f", a cache of {self.cfg.feature_cache} per rank"
-                                           if self.cfg.feature_cache else "")]
+                                           if self.cfg.feature_cache else "")
+                 + (f"; batches from {k} sampler rank(s) (ranks {world}..{world + k - 1}), sampler s serving the "
+                    "trainers t with t mod K = s" if k else "")]
         lines += [f"  rank {r}: parts {np.flatnonzero(part_rank == r).tolist()}, {c:,} targets, {b} per step"
                   for r, (c, b) in enumerate(zip(counts, shares))]
         return "\n".join(lines) + "\n" + super().explain(model)
@@ -397,9 +494,15 @@ class DistributedMini(BatchStrategy):
                 "rank_peak_rss_anon_mb": peaks}
 
     def close(self) -> None:
-        """Leave the job."""
+        """Release this rank's sampler rank, then leave the job."""
         self.meter.stop()
         if self.comm is not None:
+            if getattr(self, "sampler_ranks", 0):
+                try:  # the sampler rank stops once every trainer it serves said so
+                    dist.send(torch.tensor([-1], dtype=torch.int64),
+                              dst=self.comm.members + self.comm.rank % self.sampler_ranks)
+                except RuntimeError:
+                    pass  # it is gone already: the launcher reports who died
             self.comm.close()
             self.comm = None
         super().close()
@@ -410,5 +513,5 @@ class DistributedMini(BatchStrategy):
         return BufferedMini.predict_saved(req, embeddings_to)
 
 
-__all__ = ["DistributedMini", "check_ranks", "join_job", "lockstep", "rank_env", "rank_of_part", "rank_share",
-           "rank_targets"]
+__all__ = ["DistributedMini", "check_ranks", "join_job", "lockstep", "rank_env", "rank_loader", "rank_of_part",
+           "rank_share", "rank_targets", "recv_batch", "send_batch", "serve_batches"]
