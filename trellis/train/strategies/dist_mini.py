@@ -123,6 +123,25 @@ def recv_batch(src: int) -> Any:
     return decode_batch(BatchMessage(header, payload))
 
 
+class RankBatches:
+    """An epoch's ``n`` batches from sampler rank ``src``, in order; ``wait_s`` is the time spent receiving them."""
+
+    def __init__(self, src: int, n: int) -> None:
+        self.src, self.n, self.taken, self.wait_s = src, n, 0, 0.0
+
+    def __iter__(self) -> RankBatches:
+        return self
+
+    def __next__(self) -> Any:
+        if self.taken >= self.n:
+            raise StopIteration
+        t0 = time.perf_counter()
+        batch = recv_batch(self.src)
+        self.wait_s += time.perf_counter() - t0
+        self.taken += 1
+        return batch
+
+
 def serve_batches(cfg: TrainConfig, env: RankEnv) -> int:
     """A sampler rank (``--sampler-ranks K``): build the batches of the trainers it serves and send them.
 
@@ -341,7 +360,7 @@ class DistributedMini(BatchStrategy):
         assert self.comm is not None
         src = self.comm.members + self.comm.rank % self.sampler_ranks
         dist.send(torch.tensor([epoch_seed], dtype=torch.int64), dst=src)
-        return (recv_batch(src) for _ in range(len(self.loader)))
+        return RankBatches(src, len(self.loader))
 
     # ---- training -------------------------------------------------------------------------------
     def _shared_seed(self) -> int:
@@ -514,4 +533,4 @@ class DistributedMini(BatchStrategy):
 
 
 __all__ = ["DistributedMini", "check_ranks", "join_job", "lockstep", "rank_env", "rank_loader", "rank_of_part",
-           "rank_share", "rank_targets", "recv_batch", "send_batch", "serve_batches"]
+           "rank_share", "rank_targets", "recv_batch", "send_batch", "serve_batches", "RankBatches"]
