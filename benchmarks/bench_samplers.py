@@ -47,22 +47,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _train_pass(strategy: Any, model: Any, opt: Any, batches: list[Any], device: str) -> float:
+    """Seconds to train ``batches`` (already prepared) once."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for b in batches:
+        opt.zero_grad(set_to_none=True)
+        loss, _ = strategy._loss(model, b, strategy.task)
+        loss.backward()
+        opt.step()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def training_only(a: argparse.Namespace) -> tuple[float, int]:
     """Seconds to train one epoch's batches held in memory (on the device), and the epoch's targets."""
     strategy = _strategy(a, 0)
     kept = [b.to(strategy.device) for b in strategy.loader.epoch(1)]
     model, opt = _model(strategy)
     model.train()
-    for _pass in range(2):  # the first pass warms the kernels and the allocator
-        _sync(a.device)
-        t0 = time.perf_counter()
-        for b in kept:
-            opt.zero_grad(set_to_none=True)
-            loss, _ = strategy._loss(model, b, strategy.task)
-            loss.backward()
-            opt.step()
-        _sync(a.device)
-        seconds = time.perf_counter() - t0
+    _train_pass(strategy, model, opt, kept, a.device)  # warms the kernels and the allocator
+    seconds = _train_pass(strategy, model, opt, kept, a.device)
     targets = sum(int(b.num_targets) for b in kept)
     strategy.close()
     return seconds, targets
@@ -182,13 +187,8 @@ def train_where(a: argparse.Namespace) -> None:
         for b in built:
             m = encode_batch(b, alloc if where == "shared" else None)
             kept.append(decode_batch(BatchMessage(m.header, m.payload)))
-        t0 = time.perf_counter()
-        for b in kept:
-            opt.zero_grad(set_to_none=True)
-            loss, _ = strategy._loss(model, b, strategy.task)
-            loss.backward()
-            opt.step()
-        print(f"training {len(kept)} batches held in {where} memory: {time.perf_counter() - t0:.2f} s "
+        seconds = _train_pass(strategy, model, opt, kept, a.device)
+        print(f"training {len(kept)} batches held in {where} memory: {seconds:.2f} s "
               f"({torch.get_num_threads()} threads)", flush=True)
         del kept
         for fd in fds:

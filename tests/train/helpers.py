@@ -36,3 +36,23 @@ def wait_for_epochs(out: Path, proc: subprocess.Popen, n: int, timeout: float = 
             return
         time.sleep(0.05)
     raise AssertionError(f"no {n} epochs (exit {proc.poll()}): {proc.stderr.read().decode() if proc.stderr else ''}")
+
+
+def two_rank_resume_matches(kw: dict, tmp_path: Path, keys: tuple[str, ...], epochs: int) -> None:
+    """Train ``kw`` on 2 spawned ranks whole, and cut after epoch 1 then resumed: the same ``keys`` every epoch."""
+    import torch.multiprocessing as mp
+
+    from tests.distributed.test_parallel import _worker
+    from trellis.distributed.comm import free_port
+    from trellis.train.config import TrainConfig
+
+    whole = TrainConfig(**kw, out=str(tmp_path / "whole"))
+    cut = TrainConfig(**kw, out=str(tmp_path / "cut"))
+    mp.spawn(_worker, args=(2, free_port(), [whole.to_dict(session=True), {**cut.to_dict(session=True), "stop_at": 1}]),
+             nprocs=2, join=True)
+    assert len(read_jsonl(tmp_path / "cut" / "metrics.jsonl")) == 2
+    resumed = TrainConfig.from_dict({**cut.to_dict(session=True), "resume": str(tmp_path / "cut")})
+    mp.spawn(_worker, args=(2, free_port(), [resumed.to_dict(session=True)]), nprocs=2, join=True)
+    got, want = read_jsonl(tmp_path / "cut" / "metrics.jsonl"), read_jsonl(tmp_path / "whole" / "metrics.jsonl")
+    assert len(got) == len(want) == epochs
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]

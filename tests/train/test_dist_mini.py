@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.train.helpers import two_rank_resume_matches
 from trellis.cli.main import main
 from trellis.data.importers import import_graph
 from trellis.data.store import GraphStore
@@ -136,22 +137,9 @@ def test_a_rank_without_training_nodes_is_named(sbm_store, tmp_path, capsys):
 
 
 def test_an_interrupted_two_rank_run_resumes_to_the_uninterrupted_metrics(sbm_store, layouts, tmp_path):
-    import torch.multiprocessing as mp
-
-    from tests.distributed.test_parallel import _worker
-
     kw = dict(store=str(sbm_store), strategy="mini", model="sage", epochs=4, hidden=16, dropout=0.5, batch_size=8,
               fanouts="5,5", progress=False, checkpoint_every=1, device="cpu", parts_dir=str(layouts[3]), nproc=2)
-    whole = TrainConfig(**kw, out=str(tmp_path / "whole"))
-    cut = TrainConfig(**kw, out=str(tmp_path / "cut"))
-    mp.spawn(_worker, args=(2, free_port(), [whole.to_dict(session=True), {**cut.to_dict(session=True), "stop_at": 1}]),
-             nprocs=2, join=True)
-    assert len(_records(tmp_path / "cut")) == 2
-    resumed = TrainConfig.from_dict({**cut.to_dict(session=True), "resume": str(tmp_path / "cut")})
-    mp.spawn(_worker, args=(2, free_port(), [resumed.to_dict(session=True)]), nprocs=2, join=True)
-    got, want = _records(tmp_path / "cut"), _records(tmp_path / "whole")
-    assert len(got) == len(want) == 4
-    assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+    two_rank_resume_matches(kw, tmp_path, KEYS, epochs=kw["epochs"])
 
 
 def test_a_feature_cache_and_sampler_processes_change_the_traffic_not_the_result(sbm_store, layouts, tmp_path):

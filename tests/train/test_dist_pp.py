@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.train.helpers import two_rank_resume_matches
 from trellis.cli.main import main
 from trellis.data.importers import import_graph
 from trellis.data.store import GraphStore
-from trellis.distributed.comm import free_port
 from trellis.loader.ppcache import preprocess
 from trellis.train.config import TrainConfig
 from trellis.train.strategies import strategy_class
@@ -92,23 +92,10 @@ def test_ranks_train_every_row_once_per_epoch_and_evaluate_the_whole_splits(cora
 
 
 def test_an_interrupted_two_rank_run_resumes_to_the_uninterrupted_metrics(cora_pp, tmp_path):
-    import torch.multiprocessing as mp
-
-    from tests.distributed.test_parallel import _worker
-
     store, cache = cora_pp
     kw = dict(store=str(store), strategy="pp", pp_dir=str(cache), model="sign", epochs=4, hidden=16, dropout=0.5,
               batch_size=32, progress=False, checkpoint_every=1, device="cpu", nproc=2)
-    whole = TrainConfig(**kw, out=str(tmp_path / "whole"))
-    cut = TrainConfig(**kw, out=str(tmp_path / "cut"))
-    mp.spawn(_worker, args=(2, free_port(), [whole.to_dict(session=True), {**cut.to_dict(session=True), "stop_at": 1}]),
-             nprocs=2, join=True)
-    assert len(_records(tmp_path / "cut")) == 2
-    resumed = TrainConfig.from_dict({**cut.to_dict(session=True), "resume": str(tmp_path / "cut")})
-    mp.spawn(_worker, args=(2, free_port(), [resumed.to_dict(session=True)]), nprocs=2, join=True)
-    got, want = _records(tmp_path / "cut"), _records(tmp_path / "whole")
-    assert len(got) == len(want) == 4
-    assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+    two_rank_resume_matches(kw, tmp_path, KEYS, epochs=kw["epochs"])
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -167,18 +167,7 @@ class DistributedPP(PrePropagation):
         """Every rank's slice of the split, gathered: the whole split's logits and labels on every rank."""
         comm = self.comm
         assert comm is not None
-        logits: list[list[Tensor]] = [[] for _ in models]
-        labels = []
-        for x, y in self.data.iter_split(split):
-            assert y is not None
-            keep = (y >= 0).to(self.device)
-            x = x.to(self.device, non_blocking=True)
-            for out, model in zip(logits, models):
-                out.append(model(x)[keep].float())
-            labels.append(y.to(self.device)[keep])
-        width = self.task.num_outputs
-        mine = [torch.cat(out) if out else torch.empty((0, width), device=self.device) for out in logits]
-        ys = torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64, device=self.device)
+        mine, ys = self._rows_logits(models, split)
         every_y = torch.cat(comm.all_gather_rows(ys.cpu())).to(self.device)
         if every_y.shape[0] == 0:
             raise TrellisUserError(f"{self.cache.path}: the {split} split has no rows; --strategy pp needs them")

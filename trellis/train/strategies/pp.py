@@ -189,8 +189,11 @@ class PrePropagation(Strategy):
             n_batches += 1
         return torch.tensor(float(loss_sum) / max(1, n_batches), dtype=torch.float64)
 
-    def _split_logits(self, models: Sequence[nn.Module], split: str) -> tuple[list[Tensor], Tensor]:
-        """Every model's logits of the split's labelled rows (each batch of rows read once), and their labels."""
+    def _rows_logits(self, models: Sequence[nn.Module], split: str) -> tuple[list[Tensor], Tensor]:
+        """Every model's logits of this process's labelled rows of the split, and their labels (maybe none).
+
+        Each batch of rows is read once for all the models.
+        """
         logits: list[list[Tensor]] = [[] for _ in models]
         labels = []
         for x, y in self.data.iter_split(split):
@@ -200,9 +203,16 @@ class PrePropagation(Strategy):
             for out, model in zip(logits, models):
                 out.append(model(x)[keep].float())
             labels.append(y.to(self.device)[keep])
-        if not labels:
+        width = self.task.num_outputs
+        return ([torch.cat(out) if out else torch.empty((0, width), device=self.device) for out in logits],
+                torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64, device=self.device))
+
+    def _split_logits(self, models: Sequence[nn.Module], split: str) -> tuple[list[Tensor], Tensor]:
+        """Every model's logits of the split's labelled rows, and their labels."""
+        logits, y = self._rows_logits(models, split)
+        if y.shape[0] == 0:
             raise TrellisUserError(f"{self.cache.path}: the {split} split has no rows; --strategy pp needs them")
-        return [torch.cat(out) for out in logits], torch.cat(labels)
+        return logits, y
 
     @torch.inference_mode()
     def evaluate_many(self, models: Sequence[nn.Module], task: Task,
