@@ -5,7 +5,9 @@
 ``--strategy mini`` (GraphSAGE, ``--fanouts``, ``--batch-size``) on ``--store``, in this process. First the
 trainer's ceiling: the epoch's batches prepared beforehand and kept in memory, then trained with no preparation
 (training only). Then, for each K in ``--samplers``: a warm-up epoch (worker start, compiled kernels), the
-epoch's batches from K sampler processes with no model (sampling only), and the timed training epoch with
+epoch's batches from K sampler processes with no model (sampling only: first with a fresh shared buffer per
+batch, the producer's default and what training used before, then with recycled buffers, what training uses
+now), and the timed training epoch with
 ``--samplers K`` (K = 0: batches prepared on the loader's thread, as ``--strategy mini`` does by default).
 Printed per K: sampling-only batches per second, the epoch, training targets per second, and the epoch over the
 training-only one (1.0 = the trainer is saturated; preparation is hidden). Runs one configuration at a time.
@@ -73,12 +75,15 @@ def training_only(a: argparse.Namespace) -> tuple[float, int]:
     return seconds, targets
 
 
-def sampling_only(a: argparse.Namespace, samplers: int) -> float:
-    """Batches per second that ``samplers`` processes prepare when nothing trains (consumer discards them)."""
+def sampling_only(a: argparse.Namespace, samplers: int, recycle: bool = True) -> float:
+    """Batches per second that ``samplers`` processes prepare when nothing trains (consumer discards them).
+
+    ``recycle``: workers reuse their shared buffers (what training uses); False: a fresh buffer per batch.
+    """
     from trellis.loader.producer import BatchProducer, ProducerOptions
 
     strategy = _strategy(a, samplers)
-    opts = ProducerOptions.from_flags(samplers, prefetch=max(a.prefetch, 2 * samplers), recycle=True)
+    opts = ProducerOptions.from_flags(samplers, prefetch=max(a.prefetch, 2 * samplers), recycle=recycle)
     with BatchProducer(strategy.loader, opts).start() as prod:
         list(prod.epoch(0))  # warm-up
         t0 = time.perf_counter()
@@ -216,14 +221,16 @@ def main(argv: list[str] | None = None) -> None:
     train_s, targets = training_only(a)
     print(f"device {a.device}, {torch.get_num_threads()} torch threads; training only (batches in memory): "
           f"{train_s:.2f} s = {targets / train_s:,.0f} targets/s", flush=True)
-    print(f"{'samplers':>8} {'sampling-only batches/s':>24} {'epoch s':>8} {'targets/s':>10} {'trainer threads':>16} "
+    print(f"{'samplers':>8} {'fresh buffers batches/s':>24} {'sampling-only batches/s':>24} {'epoch s':>8} "
+          f"{'targets/s':>10} {'trainer threads':>16} "
           f"{'epoch / training-only':>22}", flush=True)
     rows = []
     for k in counts:
+        fresh = sampling_only(a, k, recycle=False) if k > 0 else float("nan")
         rate = sampling_only(a, k) if k > 0 else float("nan")
         e = epoch_with(a, k)
-        rows.append({"samplers": k, "sampling_batches_per_s": rate, **e})
-        print(f"{k:>8} {rate:>24.2f} {e['epoch_s']:>8.2f} {e['targets'] / e['epoch_s']:>10,.0f} "
+        rows.append({"samplers": k, "sampling_fresh_batches_per_s": fresh, "sampling_batches_per_s": rate, **e})
+        print(f"{k:>8} {fresh:>24.2f} {rate:>24.2f} {e['epoch_s']:>8.2f} {e['targets'] / e['epoch_s']:>10,.0f} "
               f"{e['trainer_threads']:>16} {e['epoch_s'] / train_s:>21.2f}x", flush=True)
     print(json.dumps({"device": a.device, "training_only_s": train_s, "targets": targets, "rows": rows}))
 
