@@ -115,8 +115,7 @@ class DistributedPP(PrePropagation):
         comm = self.comm
         assert comm is not None
         n = cache.split_range("train")[1] - cache.split_range("train")[0]
-        counts = [rank_slice((0, n), r, comm.world_size)[1] - rank_slice((0, n), r, comm.world_size)[0]
-                  for r in range(comm.world_size)]
+        counts = [hi - lo for lo, hi in (rank_slice((0, n), r, comm.world_size) for r in range(comm.world_size))]
         self.rank_rows = counts
         self.rank_batch = rank_share(int(self.cfg.batch_size), counts, comm.rank)
         return RankPPData(cache, self.hops, placement, self.rank_batch, seed=self._rank_seed(seed),
