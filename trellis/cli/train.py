@@ -131,7 +131,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     rank = None
-    if (cfg.parts_dir is not None and cfg.strategy in ("full", "mini")) or cfg.strategy == "pp":
+    if (cfg.parts_dir is not None and cfg.strategy in ("full", "mini", "cluster")) or cfg.strategy == "pp":
         from trellis.distributed.comm import RankEnv
 
         env = RankEnv.from_environ()

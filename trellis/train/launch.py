@@ -59,7 +59,7 @@ def preflight(cfg: TrainConfig) -> int:
     cls = strategy_class(cfg.strategy).for_config(cfg)
     cls.check_options(cfg)
     store = GraphStore(str(cfg.store))
-    if cfg.strategy == "mini":  # data-parallel mini-batch: --nproc ranks share the layout's parts
+    if cfg.strategy in ("mini", "cluster"):  # batch training: --nproc ranks share the layout's parts
         nproc = int(cfg.nproc or 1)
         check_ranks(cfg, store, nproc)
     elif cfg.strategy == "pp":  # data-parallel over the cache's training rows
@@ -160,7 +160,7 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
 def needs_launch(cfg: TrainConfig) -> bool:
     """Whether training ``cfg`` here starts ranks: ``--parts-dir`` outside a rank (full unless ``--nproc 1``).
 
-    Mini-batch starts ranks only when ``--nproc`` > 1 (one process trains every part through its buffer), and
+    Mini- and cluster-batch start ranks only when ``--nproc`` > 1 (one process trains every part through its buffer), and
     pre-propagation (``--strategy pp --nproc P``, no layout: the ranks split the cache's rows) too. A
     process started by ``torchrun`` (or by :func:`launch`) is a rank and trains its part itself; so is a world
     of one, which needs no launcher.
@@ -171,7 +171,7 @@ def needs_launch(cfg: TrainConfig) -> bool:
         return (cfg.nproc or 1) > 1
     if cfg.parts_dir is None:
         return False
-    if cfg.strategy == "mini":  # one process trains every part through its buffer unless --nproc asks for more
+    if cfg.strategy in ("mini", "cluster"):  # one process trains every part through its buffer unless --nproc says
         return (cfg.nproc or 1) > 1
     return cfg.strategy == "full" and (cfg.nproc or 0) != 1
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
+from trellis.distributed.comm import RankEnv
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
 from trellis.utils.sizes import parse_size
@@ -331,11 +332,12 @@ class ClusterOptions(_Buffer):
             raise TrellisUserError(f"--clusters-per-batch {self.clusters_per_batch} exceeds --clusters "
                                    f"{self.clusters}; a batch cannot hold more clusters than there are")
         _choice("cluster_method", self.cluster_method, CLUSTER_METHODS)
-        if self.parts_dir is not None:
+        if self.parts_dir is not None and (self.nproc or 1) == 1 and RankEnv.from_environ() is None:
             for name in ("clusters", "clusters_per_batch", "boundary_hops", "cluster_method"):
                 if self.given(name):
-                    raise TrellisUserError(f"{_flag(name)} does not apply with --parts-dir: a batch is the buffer's "
-                                           "resident parts (the layout's parts are the clusters); drop it")
+                    raise TrellisUserError(f"{_flag(name)} does not apply with --parts-dir in one process: a batch is "
+                                           "the buffer's resident parts (the layout's parts are the clusters); drop "
+                                           "it, or train across ranks (--nproc P > 1, whose batches are clusters)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,7 @@ from trellis.loader.sampler import NeighborLoader, NeighborSampler
 from trellis.train.config import TrainConfig
 from trellis.train.strategies.batches import BatchStrategy
 from trellis.train.strategies.buffered import BufferedCluster, BufferedMini
+from trellis.train.strategies.dist_cluster import DistributedCluster
 from trellis.train.strategies.dist_mini import DistributedMini
 from trellis.train.strategy import Strategy, register_strategy
 
@@ -63,8 +64,15 @@ class ClusterBatch(BatchStrategy):
 
     @classmethod
     def for_config(cls, cfg: TrainConfig) -> type[Strategy]:
-        """:class:`~trellis.train.strategies.buffered.BufferedCluster` with ``--parts-dir``, else this class."""
-        return BufferedCluster if cfg.parts_dir is not None else cls
+        """This class; with ``--parts-dir``, a partition buffer in one process or hybrid-parallel ranks.
+
+        :class:`~trellis.train.strategies.dist_cluster.DistributedCluster` across ranks (``--nproc`` > 1, or a
+        process started as a rank), else :class:`~trellis.train.strategies.buffered.BufferedCluster`.
+        """
+        if cfg.parts_dir is None:
+            return cls
+        ranked = RankEnv.from_environ() is not None or (cfg.nproc or 1) > 1
+        return DistributedCluster if ranked else BufferedCluster
 
     def make_loader(self) -> ClusterLoader:
         """Cluster the graph once and load groups of clusters."""

@@ -195,6 +195,9 @@ def rank_of_part(num_parts: int, world: int) -> np.ndarray:
 def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedGraph:
     """Refuse what ranks cannot train, before any rank trains: one line naming the flag and the fix.
 
+    A rank of data-parallel mini-batch needs training nodes of its own; one of cluster-batch (which computes
+    its rows of every batch) does not.
+
     Raises:
         TrellisUserError: A buffer option, more ranks than parts, or a rank whose parts hold no training node.
     """
@@ -202,7 +205,7 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
     if world == 1 and cfg.feature_cache is not None:
         raise TrellisUserError(NO_RANKS_CACHE)
     for name in BUFFER_ONLY:
-        if opts.given(name):
+        if name in opts.names() and opts.given(name):
             flag = "--" + name.replace("_", "-")
             raise TrellisUserError(f"{flag} with --nproc {world}: each rank keeps its parts in memory (a partition "
                                    f"buffer per rank is not built yet); drop {flag}, or train with --nproc 1")
@@ -216,7 +219,7 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
                                f"{cfg.store} --parts {world}`")
     counts = rank_targets(layout, store, world)
     empty = [r for r, c in enumerate(counts) if c == 0]
-    if empty:
+    if empty and cfg.strategy == "mini":
         raise TrellisUserError(f"rank {empty[0]} of {world} would train no target: its parts of {cfg.parts_dir} "
                                "hold no training node; re-partition with `trellis partition --balance train` (every "
                                "part gets its share of training nodes) or use fewer ranks")
@@ -292,7 +295,7 @@ class DistributedMini(BatchStrategy):
         part_rank = rank_of_part(layout.num_parts, comm.world_size)
         self.my_parts = [int(p) for p in np.flatnonzero(part_rank == comm.rank)]
         self.owner = owner = part_rank[node_part]
-        local_rows = NormalizedRows(self._own_rows(layout, node_part), norm)
+        self.local_rows = local_rows = NormalizedRows(self._own_rows(layout, node_part), norm)
         self.fetch = RowFetch(comm, owner, local_rows.gather, local_rows.dim, local_rows.dtype)
         # a world of one evaluates as --strategy mini does, reading every part's rows from the layout's maps
         x_all = NormalizedRows(LayoutRows(layout.path, node_part.astype(np.int32)), norm)
