@@ -160,8 +160,8 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
 def needs_launch(cfg: TrainConfig) -> bool:
     """Whether training ``cfg`` here starts ranks: ``--parts-dir`` outside a rank (full unless ``--nproc 1``).
 
-    Mini- and cluster-batch start ranks only when ``--nproc`` > 1 (one process trains every part through its buffer), and
-    pre-propagation (``--strategy pp --nproc P``, no layout: the ranks split the cache's rows) too. A
+    Mini- and cluster-batch start ranks only when ``--nproc`` > 1 (one process trains every part through its
+    buffer), and pre-propagation (``--strategy pp --nproc P``, no layout: the ranks split the cache's rows) too. A
     process started by ``torchrun`` (or by :func:`launch`) is a rank and trains its part itself; so is a world
     of one, which needs no launcher.
     """

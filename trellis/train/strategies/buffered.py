@@ -112,10 +112,6 @@ class BufferedMini(BatchStrategy):
     def load(self) -> None:
         """Open the store (labels, splits, degrees) and the layout; plan the residency; start the buffer."""
         cfg = self.cfg
-        if cfg.nproc not in (None, 1):
-            raise TrellisUserError(f"--strategy {cfg.strategy} --nproc {cfg.nproc}: {cfg.strategy}-batch training "
-                                   "across ranks is not built yet; use --nproc 1 (one process trains every part "
-                                   "through its buffer)")
         if cfg.feature_cache is not None:
             raise TrellisUserError(NO_RANKS_CACHE)
         if cfg.samplers > 0:

@@ -122,7 +122,7 @@ class DistributedCluster(DistributedMini):
             raise TrellisUserError("--edge-weight is not available across ranks (each rank's weighted degrees would "
                                    "be local); train in one process, or drop --edge-weight")
 
-    def make_loader(self) -> ClusterLoader:
+    def make_loader(self) -> ClusterLoader:  # type: ignore[override]
         """One process's cluster loader (rank 0's clustering on every rank), building structure only."""
         cfg, comm = self.cfg, self.comm
         assert comm is not None

@@ -1,0 +1,141 @@
+"""Hybrid-parallel cluster-batch across ranks (``--strategy cluster --parts-dir PART_DIR --nproc P``).
+
+Two and three ranks launched by the CLI equal one process's ``--strategy cluster`` on Cora (bag-of-words rows,
+dropout on; read from TRELLIS_DATA_DIR: fails, never skips, when missing), with and without boundary hops,
+over a layout whose ranks own uneven shares and a layout where one rank owns almost nothing; one rank equals
+``--strategy cluster`` bit for bit; resume is exact; bad input is refused before any rank starts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.train.helpers import two_rank_resume_matches
+from trellis.cli.main import main
+from trellis.data.importers import import_graph
+from trellis.data.store import GraphStore
+from trellis.distributed.comm import free_port
+from trellis.partition import partition_graph
+from trellis.partition.base import PartitionBook
+from trellis.partition.layout import write_layout
+from trellis.train.config import TrainConfig
+from trellis.train.strategies import strategy_class
+from trellis.train.strategies.dist_cluster import DistributedCluster, batch_part
+from trellis.train.trainer import Trainer
+
+KEYS = ("loss", "val_loss", "train_acc", "val_acc", "test_acc")
+COMMON = ["--strategy", "cluster", "--epochs", "3", "--hidden", "16", "--dropout", "0.5", "--device", "cpu",
+          "--checkpoint-every", "0", "--no-progress"]
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def cora(dataset, tmp_path_factory) -> dict[str, Path]:
+    """Cora, its 3-part METIS layout, and a layout whose part 1 holds five nodes."""
+    root = tmp_path_factory.mktemp("dist-cluster")
+    path = import_graph(dataset("cora"), root / "cora", format="planetoid", progress=False)
+    store = GraphStore(path)
+    skewed = np.zeros(store.num_nodes, dtype=np.int32)
+    skewed[:5] = 1
+    return {"store": Path(path),
+            "p3": write_layout(store, partition_graph(store, "metis", 3, measure=False), root / "p3"),
+            "skewed": write_layout(store, PartitionBook(skewed, 2, "metis"), root / "skewed")}
+
+
+@pytest.mark.parametrize(("ranks", "layout", "args"), [
+    (2, "p3", ["--model", "gcn", "--clusters", "16", "--clusters-per-batch", "4"]),
+    (3, "p3", ["--model", "sage", "--clusters", "16", "--clusters-per-batch", "2", "--boundary-hops", "2",
+               "--norm", "layer", "--residual"]),
+    (2, "skewed", ["--model", "gin", "--layers", "3", "--clusters", "10", "--clusters-per-batch", "3",
+                   "--cluster-method", "hash", "--boundary-hops", "1"]),
+])
+def test_ranks_equal_one_process_cluster_batch_on_cora(cora, tmp_path, capsys, ranks, layout, args):
+    store = str(cora["store"])
+    assert main(["train", store, *COMMON, *args, "--out", str(tmp_path / "one")]) == 0, capsys.readouterr().err
+    code = main(["train", store, *COMMON, *args, "--parts-dir", str(cora[layout]), "--nproc", str(ranks),
+                 "--out", str(tmp_path / "ranks")])
+    assert code == 0, capsys.readouterr().err
+    got, want = _records(tmp_path / "ranks"), _records(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], abs=1e-5), (k, g, w)
+    n_train = int(GraphStore(store).split("train").shape[0])
+    assert all(r["targets"] == n_train and r["exchange_bytes"] > 0 for r in got)  # halo rows did travel
+    assert json.loads((tmp_path / "ranks" / "summary.json").read_text())["world_size"] == ranks
+    assert got[-1]["loss"] < got[0]["loss"]
+
+
+def test_one_rank_is_strategy_cluster_bit_for_bit_on_cora(cora, tmp_path, monkeypatch):
+    threads = torch.get_num_threads()
+    common = dict(store=str(cora["store"]), strategy="cluster", model="gcn", epochs=3, hidden=16, dropout=0.5,
+                  clusters=16, clusters_per_batch=4, boundary_hops=1, progress=False, checkpoint_every=0,
+                  device="cpu")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    try:
+        cfg = TrainConfig(**common, parts_dir=str(cora["p3"]), out=str(tmp_path / "ranked"))
+        assert strategy_class("cluster").for_config(cfg) is DistributedCluster  # a process started as a rank
+        Trainer(cfg, err=io.StringIO()).fit()
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(k)
+        Trainer(TrainConfig(**common, out=str(tmp_path / "one")), err=io.StringIO()).fit()
+    finally:
+        torch.set_num_threads(threads)
+    got, want = _records(tmp_path / "ranked"), _records(tmp_path / "one")
+    assert len(got) == 3
+    assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]
+
+
+def test_an_interrupted_two_rank_run_resumes_to_the_uninterrupted_metrics(sbm_store, tmp_path):
+    store = GraphStore(sbm_store)
+    layout = write_layout(store, partition_graph(store, "metis", 2, measure=False), tmp_path / "p2")
+    kw = dict(store=str(sbm_store), strategy="cluster", model="gcn", epochs=4, hidden=16, dropout=0.5, clusters=8,
+              clusters_per_batch=2, progress=False, checkpoint_every=1, device="cpu", parts_dir=str(layout), nproc=2)
+    two_rank_resume_matches(kw, tmp_path, KEYS, epochs=kw["epochs"])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nproc", "2", "--model", "gat"], "--model gat aggregates by itself"),
+    (["--nproc", "2", "--norm", "batch"], "--norm batch across ranks"),
+    (["--nproc", "4"], "more ranks than the 3 parts"),
+    (["--nproc", "1", "--clusters", "8"], "--clusters does not apply with --parts-dir in one process"),
+])
+def test_bad_input_is_refused_before_any_rank_starts(cora, tmp_path, capsys, args, message):
+    code = main(["train", str(cora["store"]), "--strategy", "cluster", "--parts-dir", str(cora["p3"]), *args,
+                 "--epochs", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_batch_parts_hold_every_edge_once_with_halo_rows_of_their_owners():
+    rng = np.random.default_rng(0)
+    n, e = 40, 200
+    dst = np.sort(rng.integers(0, n, e))
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dst, minlength=n), out=indptr[1:])
+    indices = rng.integers(0, n, e).astype(np.int64)
+    owner = rng.integers(0, 3, n).astype(np.int64)
+    degree = np.diff(indptr)
+    seen = []
+    for r in range(3):
+        p = batch_part(indptr, indices, degree, owner, r)
+        own = p.local_to_global[: p.num_local]
+        assert np.array_equal(own, np.flatnonzero(owner == r))
+        assert np.all(owner[p.local_to_global[p.num_local:]] == p.halo_owner) and np.all(p.halo_owner != r)
+        rows = np.repeat(own, np.diff(p.indptr))
+        assert np.array_equal(p.local_to_global[p.indices], indices[p.edge_ids])  # the edge's own source
+        assert np.array_equal(rows, np.repeat(np.arange(n), degree)[p.edge_ids])  # and its own destination
+        assert np.array_equal(p.in_degree, degree[p.local_to_global])
+        seen.append(p.edge_ids)
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(e))
