@@ -325,13 +325,20 @@ class ClusterLoader:
                              "clusters": float(len(clusters))})
         if self.loss_mask is not None:
             batch.loss_mask = self.loss_mask[batch.targets]
-        if gather:
-            if self.features is not None:
-                batch.x = self.features.gather(node_ids, index)
-            if self.y is not None:
-                batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
-            if self.device.type != "cpu":
-                batch = batch.to(self.device, non_blocking=True)
+        return self.fill(batch, slot=index) if gather else batch
+
+    def fill(self, batch: Batch, slot: int | None = None, *, features: bool = True) -> Batch:
+        """Gather ``batch``'s input features and target labels (and move it to the loader's device).
+
+        ``features=False`` leaves the input rows to the caller (a sampler process gathers them straight into
+        the batch's message: :func:`~trellis.loader.producer.build_message`).
+        """
+        if features and self.features is not None:
+            batch.x = self.features.gather(batch.node_ids, slot)
+        if self.y is not None:
+            batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
+        if self.device.type != "cpu":
+            batch = batch.to(self.device, non_blocking=True)
         return batch
 
     def epoch(self, epoch: int, *, gather: bool = True) -> Prefetcher[Batch]:

@@ -575,9 +575,13 @@ class NeighborLoader:
             batch = self.fill(batch, slot=index)  # on an accelerator, fill returns the moved copy
         return batch
 
-    def fill(self, batch: Batch, slot: int | None = None) -> Batch:
-        """Gather ``batch``'s input features and target labels (and move it to the loader's device)."""
-        if self.features is not None:
+    def fill(self, batch: Batch, slot: int | None = None, *, features: bool = True) -> Batch:
+        """Gather ``batch``'s input features and target labels (and move it to the loader's device).
+
+        ``features=False`` leaves the input rows to the caller (a sampler process gathers them straight into
+        the batch's message: :func:`~trellis.loader.producer.build_message`).
+        """
+        if features and self.features is not None:
             batch.x = self.features.gather(batch.node_ids, slot)
         if self.y is not None:
             batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
