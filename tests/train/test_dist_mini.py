@@ -111,7 +111,10 @@ def test_ranks_train_every_target_once_per_epoch_with_uneven_batches(sbm_store, 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--nproc", "4"], "more ranks than the 3 parts"),
-    (["--nproc", "2", "--buffer-parts", "1"], "--buffer-parts with --nproc 2"),
+    (["--nproc", "2", "--buffer-replay", "4"], "--buffer-replay with --nproc 2"),
+    (["--nproc", "2", "--buffer-parts", "2"], "--buffer-parts 2 is more than the 1 part(s) rank 1 of 2 holds"),
+    (["--nproc", "2", "--buffer-parts", "1", "--samplers", "1"], "--samplers with a partition buffer per rank"),
+    (["--nproc", "2", "--buffer-parts", "1", "--feature-cache", "1M"], "--feature-cache with a partition buffer"),
     (["--nproc", "2", "--norm", "batch"], "--norm batch across ranks"),
     (["--nproc", "1", "--feature-cache", "1M"], "--feature-cache caches other ranks' rows"),
     (["--nproc", "2", "--feature-cache", "lots"], "--feature-cache"),
@@ -264,3 +267,39 @@ def test_a_killed_sampler_rank_is_named_and_every_process_exits(sbm_store, layou
     assert time.monotonic() - t0 < 60 and proc.returncode != 0
     assert f"rank 2 (pid {pid}) died: killed by SIGKILL" in err.decode()
     assert not _ranks() and not (out / "summary.json").exists()
+
+
+def test_a_rank_partition_buffer_with_every_row_available_is_the_plain_ranks_run(sbm_store, layouts, tmp_path):
+    """Issue 25, part 1: a rank streams its parts through its own buffer. With all of them resident and every
+    other row cached (--buffer-cache alone), its batches are the plain ranks' bit for bit; with one part resident
+    (rank 0 holds parts 0 and 2 of 3, rank 1 part 1), every training node is still a target once per epoch, and
+    each rank reads each of its parts once per epoch (after the first, an epoch starts from the last state)."""
+    import torch.multiprocessing as mp
+
+    from tests.distributed.test_parallel import _worker
+
+    kw = dict(store=str(sbm_store), strategy="mini", model="sage", epochs=3, hidden=16, dropout=0.5, batch_size=8,
+              fanouts="5,5", progress=False, checkpoint_every=0, device="cpu", parts_dir=str(layouts[3]), nproc=2)
+    runs = {"plain": TrainConfig(**kw, out=str(tmp_path / "plain")),
+            "all": TrainConfig(**kw, buffer_cache="1G", out=str(tmp_path / "all")),
+            "one": TrainConfig(**kw, buffer_parts=1, buffer_cache="4K", out=str(tmp_path / "one"))}
+    mp.spawn(_worker, args=(2, free_port(), [c.to_dict(session=True) for c in runs.values()]), nprocs=2, join=True)
+    store = GraphStore(sbm_store)
+    want = _records(tmp_path / "plain")
+    assert [[r[k] for k in KEYS] for r in _records(tmp_path / "all")] == [[r[k] for k in KEYS] for r in want]
+    one = _records(tmp_path / "one")
+    n_train = int(store.split("train").shape[0])
+    assert all(r["targets"] == n_train and r["fetch_remote_rows"] == 0 for r in one)
+    assert [r["parts_loaded"] for r in one] == [3, 1, 1]
+    assert all(0 < r["cache_hit_rate"] < 1 for r in one)
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["rank_buffer_parts"] == 1 and 0 < summary["rank_cache_rows"] <= 64
+    losses = [r["loss"] for r in one]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def test_an_interrupted_buffered_two_rank_run_resumes_to_the_uninterrupted_metrics(sbm_store, layouts, tmp_path):
+    kw = dict(store=str(sbm_store), strategy="mini", model="sage", epochs=4, hidden=16, dropout=0.5, batch_size=8,
+              fanouts="5,5", progress=False, checkpoint_every=1, device="cpu", parts_dir=str(layouts[3]), nproc=2,
+              buffer_parts=1, buffer_cache="8K")
+    two_rank_resume_matches(kw, tmp_path, KEYS, epochs=kw["epochs"])

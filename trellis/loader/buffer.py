@@ -174,12 +174,12 @@ class BufferEpoch:
         return sum(s.num_batches for s in self.states)
 
 
-def buffer_states(num_parts: int, capacity: int, part_of: np.ndarray, order: np.ndarray,
+def buffer_states(num_parts: int | Sequence[int], capacity: int, part_of: np.ndarray, order: np.ndarray,
                   rng: np.random.Generator, first: Sequence[int] | None = None) -> list[BufferState]:
     """The dispersed ordering: ``P - K + 1`` states, each part read once, each target in one state.
 
     Args:
-        num_parts: ``P``.
+        num_parts: ``P``, or the ``P`` part ids the buffer holds (a distributed rank's parts of a larger layout).
         capacity: ``K`` resident parts per state (``1 <= K <= P``).
         part_of: Part of every target in ``order``.
         order: The epoch's targets in batch order (a permutation of the training ids).
@@ -187,7 +187,8 @@ def buffer_states(num_parts: int, capacity: int, part_of: np.ndarray, order: np.
         first: The first state's parts (default: ``K`` drawn at random). The buffer passes the previous
             epoch's last state, which is still resident: the epoch then starts without a read.
     """
-    perm = rng.permutation(num_parts)
+    ids = np.arange(num_parts) if isinstance(num_parts, int) else np.asarray(num_parts, dtype=np.int64)
+    perm = ids[rng.permutation(ids.shape[0])]
     if first is not None and len(first) == capacity:
         chosen = {int(p) for p in first}
         perm = np.concatenate([np.array(sorted(chosen), dtype=perm.dtype), [p for p in perm if int(p) not in chosen]])
@@ -198,8 +199,9 @@ def buffer_states(num_parts: int, capacity: int, part_of: np.ndarray, order: np.
         resident = sorted([p for p in resident if p != out] + [int(q)])
         states.append(BufferState(tuple(resident), int(q), out, np.empty(0, np.int64)))
     # part p is resident in states enter[p] .. leave[p] (an evicted part never returns within an epoch)
-    enter = np.zeros(num_parts, dtype=np.int64)
-    leave = np.full(num_parts, len(states) - 1, dtype=np.int64)
+    size = int(ids.max()) + 1 if ids.size else 0
+    enter = np.zeros(size, dtype=np.int64)
+    leave = np.full(size, len(states) - 1, dtype=np.int64)
     for i, s in enumerate(states[1:], start=1):
         assert s.enters is not None and s.leaves is not None
         enter[s.enters] = i
@@ -483,19 +485,24 @@ class PartitionBuffer:
             are replaced each time the part is resident and kept across epochs (:meth:`state_dict` holds them).
         replay_batch: Targets per rehearsal batch; a step trains one of each part not resident, in turn
             (default: ``batch_size / (P - K)``, so a step rehearses about as many targets as it trains).
+        parts: The parts this buffer reads and draws its states from (default: every part of the layout): a
+            distributed rank's parts. Its targets must lie in them; the cache may hold rows of any part.
     """
 
     def __init__(self, layout: PartitionedGraph, capacity: int, fanouts: Sequence[int], train_ids: np.ndarray,
                  batch_size: int, *, y: Tensor | None, degree: np.ndarray, feature_norm: str = "none",
                  cache_rows: int = 0, labor: bool = False, seed: int = 0, device: torch.device | str = "cpu",
                  prefetch: int = 2, edge_weight: Tensor | None = None, edge_feat: Tensor | None = None,
-                 cluster_layers: int = 0, replay: int = 0, replay_batch: int = 0) -> None:
+                 cluster_layers: int = 0, replay: int = 0, replay_batch: int = 0,
+                 parts: Sequence[int] | None = None) -> None:
         self.layout = layout
         self.path = Path(layout.path)
         self.num_parts = layout.num_parts
         self.num_nodes = layout.num_nodes
-        if not 1 <= capacity <= self.num_parts:
-            raise TrellisUserError(f"--buffer-parts {capacity}: give 1 to {self.num_parts} (the layout's parts)")
+        self.parts = list(range(self.num_parts)) if parts is None else sorted(int(p) for p in parts)
+        if not 1 <= capacity <= len(self.parts):
+            whose = "the layout's parts" if parts is None else "this rank's parts"
+            raise TrellisUserError(f"--buffer-parts {capacity}: give 1 to {len(self.parts)} ({whose})")
         self.capacity = int(capacity)
         self.fanouts = list(fanouts)
         self.batch_size = int(batch_size)
@@ -508,17 +515,17 @@ class PartitionBuffer:
         self.cluster_layers = int(cluster_layers)
         self.replay = int(replay)
         # default: a step rehearses about as many targets as it trains (one batch per part not resident)
-        away = max(1, layout.num_parts - int(capacity))
+        away = max(1, len(self.parts) - int(capacity))
         self.replay_batch = int(replay_batch) if replay_batch > 0 else max(1, -(-int(batch_size) // away))
         parts_info = layout.manifest["parts"]
         self.part_rows = np.array([int(p["num_local"]) for p in parts_info], dtype=np.int64)
-        self.max_rows = int(self.part_rows.max()) if self.part_rows.size else 0
+        self.max_rows = int(self.part_rows[self.parts].max()) if self.parts else 0
         x0 = np.load(self.path / part_dir_name(0) / "x.npy", mmap_mode="r")
         self.dim = int(np.prod(x0.shape[1:])) if x0.ndim > 1 else 1
         self.train_ids = np_int64(train_ids)
         self.node_part = np.asarray(np.load(self.path / "node_parts.npy"), dtype=np.int32)
         # arena: K + 1 part slots, then the cache's rows
-        slots = min(self.capacity + 1, self.num_parts)
+        slots = min(self.capacity + 1, len(self.parts))
         self.arena = np.empty((slots * self.max_rows + int(cache_rows), self.dim), dtype=np.float32)
         self.slot_of = np.full(self.num_nodes, -1, dtype=np.int64)
         self.free_slots = list(range(slots))
@@ -667,7 +674,8 @@ class PartitionBuffer:
         rng = np.random.default_rng(mix64(self.seed, epoch_seed, 0x5EED) >> 1)
         order = self.train_ids[rng.permutation(self.train_ids.shape[0])]  # as NeighborLoader.plan draws it
         srng = np.random.default_rng(mix64(self.seed, epoch_seed, 0xB0FF) >> 1)
-        states = buffer_states(self.num_parts, self.capacity, self.node_part[order], order, srng, first=self.carry)
+        states = buffer_states(self.parts if len(self.parts) < self.num_parts else self.num_parts, self.capacity,
+                               self.node_part[order], order, srng, first=self.carry)
         cut_steps(states, self.batch_size)
         first = 0
         for s in states:

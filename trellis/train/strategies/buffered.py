@@ -102,6 +102,43 @@ def store_edge_data(store: GraphStore, device: torch.device) -> tuple[torch.Tens
     return ew, ef
 
 
+def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, batch_size: int | None = None) -> int:
+    """Bytes of the neighbour batches in flight (their input rows), and of the rehearsal batches kept."""
+    batch = int(batch_size or cfg.batch_size)
+    inputs, frontier = batch, batch
+    for f in parse_fanouts(cfg.fanouts, cfg.layers):
+        frontier *= max(1, f) if f > 0 else 32
+        inputs += frontier
+    inputs = min(inputs, layout.num_nodes)
+    replay = min(layout.num_nodes, layout.num_parts * int(getattr(cfg, "buffer_replay", 0)) * inputs // max(1, batch))
+    return int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5 + replay * dim * 4 * 1.5)
+
+
+def plan_residency(cfg: TrainConfig, layout: PartitionedGraph, spec: ModelSpec, splits: dict[str, torch.Tensor],
+                   budget: int | None, baseline: int, batch_bytes: tuple[int, int], *, cluster: bool = False,
+                   parts: list[int] | None = None) -> BufferPlan:
+    """The buffer's residency (parts resident, cache rows) for ``parts`` of ``layout`` (default: all of them).
+
+    ``batch_bytes``: ``(fixed, per resident part)`` bytes of the batches in flight. A distributed rank plans its
+    own parts against its own budget.
+    """
+    ids = list(range(layout.num_parts)) if parts is None else parts
+    info = layout.manifest["parts"]
+    rows = max(int(info[i]["num_local"]) for i in ids)
+    edges = max(int(np.load(layout.path / part_dir_name(i) / "indices.npy", mmap_mode="r").shape[0]) for i in ids)
+    dim, h = spec.in_dim, cfg.hidden
+    params = dim * h * 2 + h * h * 2 * max(0, cfg.layers - 2) + h * spec.out_dim * 2
+    scored = int(np.unique(torch.cat(list(splits.values())).cpu().numpy()).shape[0])
+    costs = BufferCosts(layout.num_nodes, len(ids), rows, edges, dim * 4, params * 16, batch_bytes[0], baseline,
+                        batch_bytes[1], eval_bytes=scored * (spec.out_dim * 4 * 2 + 16))
+    given = getattr(cfg, "buffer_cache", None)
+    cache = None if given is None else parse_size(given, flag="--buffer-cache")
+    if cluster:
+        cache = 0  # a cluster-batch is the induced subgraph of the resident parts: no rows from outside
+    avg_degree = layout.num_edges / max(1, layout.num_nodes)
+    return plan_buffer(costs, budget, buffer_parts=cfg.buffer_parts, cache_bytes=cache, avg_degree=avg_degree)
+
+
 #: Label skew above which a buffer run with fewer parts resident than the layout has is warned about.
 SKEW_WARNING = 0.25
 
@@ -150,34 +187,13 @@ class BufferedMini(BatchStrategy):
         self.loader = self.make_loader()
 
     def _plan(self, layout: PartitionedGraph, budget: int | None, baseline: int) -> BufferPlan:
-        cfg = self.cfg
-        parts = layout.manifest["parts"]
-        rows = max(int(p["num_local"]) for p in parts)
-        edges = max(int(np.load(layout.path / part_dir_name(i) / "indices.npy", mmap_mode="r").shape[0])
-                    for i in range(layout.num_parts))
-        dim = self.spec.in_dim
-        batch_bytes, per_slot = self._batch_bytes(layout, rows, dim)
-        h = cfg.hidden
-        params = dim * h * 2 + h * h * 2 * max(0, cfg.layers - 2) + h * self.spec.out_dim * 2
-        scored = int(np.unique(torch.cat(list(self.data.splits.values())).cpu().numpy()).shape[0])
-        costs = BufferCosts(layout.num_nodes, layout.num_parts, rows, edges, dim * 4, params * 16, batch_bytes,
-                            baseline, per_slot, eval_bytes=scored * (self.spec.out_dim * 4 * 2 + 16))
-        cache = None if cfg.buffer_cache is None else parse_size(cfg.buffer_cache, flag="--buffer-cache")
-        if self.cluster_mode:
-            cache = 0  # a cluster-batch is the induced subgraph of the resident parts: no rows from outside
-        avg_degree = layout.num_edges / max(1, layout.num_nodes)
-        return plan_buffer(costs, budget, buffer_parts=cfg.buffer_parts, cache_bytes=cache, avg_degree=avg_degree)
+        rows = max(int(p["num_local"]) for p in layout.manifest["parts"])
+        return plan_residency(self.cfg, layout, self.spec, self.data.splits, budget, baseline,
+                              self._batch_bytes(layout, rows, self.spec.in_dim), cluster=self.cluster_mode)
 
     def _batch_bytes(self, layout: PartitionedGraph, part_rows: int, dim: int) -> tuple[int, int]:
         """Bytes of the batches in flight: ``(fixed, per resident part)`` (neighbour batches: fixed only)."""
-        cfg = self.cfg
-        inputs, frontier = cfg.batch_size, cfg.batch_size
-        for f in self._fanouts():
-            frontier *= max(1, f) if f > 0 else 32
-            inputs += frontier
-        inputs = min(inputs, layout.num_nodes)
-        replay = min(layout.num_nodes, layout.num_parts * cfg.buffer_replay * inputs // max(1, cfg.batch_size))
-        return int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5 + replay * dim * 4 * 1.5), 0
+        return neighbour_batch_bytes(self.cfg, layout, dim), 0
 
     def _fanouts(self) -> list[int]:
         return parse_fanouts(self.cfg.fanouts, self.cfg.layers)
@@ -289,5 +305,5 @@ class BufferedCluster(BufferedMini):
         return 0, int(part_rows * width * 4 * (self.cfg.prefetch + 2) * 1.5)
 
 
-__all__ = ["BufferedCluster", "BufferedMini", "label_skew", "layout_feature_norm", "open_layout_for",
-           "store_edge_data"]
+__all__ = ["BufferedCluster", "BufferedMini", "label_skew", "layout_feature_norm", "neighbour_batch_bytes",
+           "open_layout_for", "plan_residency", "store_edge_data"]

@@ -45,7 +45,7 @@ from trellis.distributed.comm import Comm, RankEnv, free_port, rank_threads
 from trellis.distributed.rows import RowFetch
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
-from trellis.loader.buffer import ArenaRows, LayoutRows, vip
+from trellis.loader.buffer import ArenaRows, LayoutRows, PartitionBuffer, vip
 from trellis.loader.features import NormalizedRows
 from trellis.loader.inference import ranked_inference
 from trellis.loader.producer import BatchMessage, decode_batch, encode_batch
@@ -56,10 +56,18 @@ from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_labels
 from trellis.train.options import DEFAULT_TIMEOUT_S, NO_RANKS_CACHE
 from trellis.train.strategies.batches import BatchStrategy, _epoch_seed
-from trellis.train.strategies.buffered import BufferedMini, layout_feature_norm, open_layout_for, store_edge_data
+from trellis.train.strategies.buffered import (
+    BufferedMini,
+    layout_feature_norm,
+    neighbour_batch_bytes,
+    open_layout_for,
+    plan_residency,
+    store_edge_data,
+)
+from trellis.train.strategies.outofcore import budget_and_baseline
 from trellis.train.strategy import Prediction, PredictRequest
 from trellis.train.tasks import Task
-from trellis.utils.memory import PeakMemory, trim_heap
+from trellis.utils.memory import PeakMemory, proc_status, trim_heap
 from trellis.utils.sizes import parse_size
 
 #: In-edges per chunk of split evaluation, a sixteenth of one process's default: a chunk's input rows arrive
@@ -67,8 +75,10 @@ from trellis.utils.sizes import parse_size
 #: hidden 256) a rank peaked at 3,564 MiB with 4M edges, 2,776 with 1M, 2,332 with 500k, 1,964 with 250k.
 RANK_CHUNK_EDGES = 250_000
 
-#: Options of the single-process partition buffer that ranks do not take yet.
+#: Options of the single-process partition buffer.
 BUFFER_ONLY = ("buffer_parts", "memory_budget", "buffer_cache", "buffer_replay", "spill_dir")
+#: Those a mini-batch rank takes: they make it train its parts through its own partition buffer.
+RANK_BUFFER = ("buffer_parts", "memory_budget", "buffer_cache")
 
 
 def rank_env() -> RankEnv:
@@ -187,6 +197,16 @@ def serve_batches(cfg: TrainConfig, env: RankEnv) -> int:
         comm.close()
 
 
+def _step_batches(batches: Any) -> list[Any]:
+    """The rank's batches of its next step: one, or a partition buffer's two when the step spans states."""
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if batch.step_end:
+            break
+    return group
+
+
 def rank_of_part(num_parts: int, world: int) -> np.ndarray:
     """``[num_parts]`` rank that trains each part: part ``p`` goes to rank ``p mod world``."""
     return np.arange(num_parts, dtype=np.int64) % world
@@ -204,11 +224,21 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
     opts = cfg.options
     if world == 1 and cfg.feature_cache is not None:
         raise TrellisUserError(NO_RANKS_CACHE)
+    allowed = RANK_BUFFER if cfg.strategy == "mini" else ()
     for name in BUFFER_ONLY:
-        if name in opts.names() and opts.given(name):
+        if name in opts.names() and opts.given(name) and name not in allowed:
             flag = "--" + name.replace("_", "-")
-            raise TrellisUserError(f"{flag} with --nproc {world}: each rank keeps its parts in memory (a partition "
-                                   f"buffer per rank is not built yet); drop {flag}, or train with --nproc 1")
+            what = ("ranks of cluster-batch keep their parts in memory" if cfg.strategy != "mini" else
+                    "a rank's partition buffer takes --buffer-parts, --buffer-cache and --memory-budget")
+            raise TrellisUserError(f"{flag} with --nproc {world}: {what}; drop {flag}, or train with --nproc 1")
+    buffered = cfg.strategy == "mini" and any(getattr(cfg, k, None) is not None for k in RANK_BUFFER)
+    if buffered:
+        for flag, given in (("--samplers", cfg.samplers > 0), ("--sampler-ranks", bool(cfg.sampler_ranks)),
+                            ("--feature-cache", cfg.feature_cache is not None)):
+            if given:
+                raise TrellisUserError(f"{flag} with a partition buffer per rank (--buffer-parts, --buffer-cache or "
+                                       f"--memory-budget): the buffer builds a rank's batches from its resident parts "
+                                       f"and its own cache; drop {flag} or the buffer options")
     if cfg.norm == "batch":
         raise TrellisUserError("--norm batch across ranks would normalize each rank's batch by its own statistics; "
                                "use --norm layer")
@@ -217,6 +247,12 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
         raise TrellisUserError(f"--nproc {world} is more ranks than the {layout.num_parts} parts of {cfg.parts_dir}; "
                                f"pass --nproc {layout.num_parts} or fewer, or re-partition with `trellis partition "
                                f"{cfg.store} --parts {world}`")
+    held = np.bincount(rank_of_part(layout.num_parts, world), minlength=world)
+    if buffered and cfg.buffer_parts is not None and cfg.buffer_parts > int(held.min()):
+        r = int(held.argmin())
+        raise TrellisUserError(f"--buffer-parts {cfg.buffer_parts} is more than the {int(held[r])} part(s) rank {r} "
+                               f"of {world} holds (part p goes to rank p mod {world}); pass --buffer-parts "
+                               f"{int(held.min())} or fewer")
     counts = rank_targets(layout, store, world)
     empty = [r for r, c in enumerate(counts) if c == 0]
     if empty and cfg.strategy == "mini":
@@ -235,11 +271,22 @@ def lockstep(comm: Comm, params: list[Tensor], optimizer: Any, loss: Tensor | No
     zeros, so every rank sums the same buffers and uneven batch counts never hang; a step without any target
     is skipped everywhere (0 returned).
     """
+    return lockstep_parts(comm, params, optimizer, [(loss, n)])
+
+
+def lockstep_parts(comm: Comm, params: list[Tensor], optimizer: Any, parts: list[tuple[Tensor | None, int]]) -> int:
+    """:func:`lockstep` for a rank whose part of the step is several batches: ``(mean loss, targets)`` each.
+
+    A partition buffer's step can span two buffer states, one batch in each; every batch's mean is scaled by
+    its share of the whole step's targets.
+    """
+    n = sum(k for _, k in parts)
     step_n = int(comm.sum([float(n)])[0]) if comm.world_size > 1 else n
     if step_n == 0:
         return 0
-    if loss is not None:
-        (loss if n == step_n else loss * (n / step_n)).backward()
+    for loss, k in parts:
+        if loss is not None:
+            (loss if k == step_n else loss * (k / step_n)).backward()
     if comm.world_size > 1:
         for p in params:
             if p.grad is None:
@@ -287,6 +334,12 @@ class DistributedMini(BatchStrategy):
             raise TrellisUserError(f"--sampler-ranks {self.sampler_ranks} of a job of {env.world_size} ranks leaves "
                                    f"{trainers} trainer(s); each sampler rank serves at least one trainer")
         layout = check_ranks(cfg, store, trainers)
+        #: A partition buffer per rank: its parts rotate through memory, its batches sample the resident parts
+        #: and a cache (--buffer-parts, --buffer-cache, --memory-budget); else every part stays in memory.
+        self.buffered = cfg.strategy == "mini" and any(getattr(cfg, k, None) is not None for k in RANK_BUFFER)
+        self.budget: tuple[int | None, int] = (None, proc_status().get("RssAnon", 0))
+        if self.buffered and cfg.memory_budget is not None:
+            self.budget = budget_and_baseline(cfg, self.device)
         self.comm = comm = join_job(cfg, env, self, members=trainers)
         y, splits, task = load_labels(store, cfg.task, self.device, cfg.split_seed)
         norm = layout_feature_norm(cfg, store, layout)
@@ -295,10 +348,12 @@ class DistributedMini(BatchStrategy):
         part_rank = rank_of_part(layout.num_parts, comm.world_size)
         self.my_parts = [int(p) for p in np.flatnonzero(part_rank == comm.rank)]
         self.owner = owner = part_rank[node_part]
-        self.local_rows = local_rows = NormalizedRows(self._own_rows(layout, node_part), norm)
-        self.fetch = RowFetch(comm, owner, local_rows.gather, local_rows.dim, local_rows.dtype)
         # a world of one evaluates as --strategy mini does, reading every part's rows from the layout's maps
         x_all = NormalizedRows(LayoutRows(layout.path, node_part.astype(np.int32)), norm)
+        # a buffered rank holds no whole copy of its rows: it serves its peers' evaluation from the layout's maps
+        own = x_all if self.buffered else NormalizedRows(self._own_rows(layout, node_part), norm)
+        self.local_rows = local_rows = own
+        self.fetch = RowFetch(comm, owner, local_rows.gather, local_rows.dim, local_rows.dtype)
         self.data = d = GraphData(store=store, graph=None, x=x_all, y=y, splits=splits, task=task, feature_norm=norm,
                                   edge_weight=ew, edge_feat=ef)
         self.store, self.task, self.feature_norm, self.layout = store, task, norm, layout
@@ -349,12 +404,32 @@ class DistributedMini(BatchStrategy):
         arena = np.ascontiguousarray(np.concatenate(blocks)) if len(blocks) > 1 else blocks[0]
         return ArenaRows(arena, slot_of)
 
-    def make_loader(self) -> NeighborLoader:
-        """Blocks, labels and edge data of this rank's targets (input rows come from the fetch)."""
+    def make_loader(self) -> NeighborLoader | PartitionBuffer:
+        """Blocks, labels and edge data of this rank's targets (input rows come from the fetch).
+
+        Buffered: the rank's partition buffer over its own parts, whose batches carry their rows (sampled from
+        the resident parts and the cache, as one process's buffer samples them).
+        """
         assert self.comm is not None
+        if self.buffered:
+            return self._buffer()
         y, ew, ef = self.loader_tensors(on_cpu=True)  # a batch's input rows are fetched on the CPU too
         return rank_loader(self.cfg, self.indptr, self.indices, self.targets, self.rank_batch, self.comm.rank, y,
                            ew, ef)
+
+    def _buffer(self) -> PartitionBuffer:
+        """This rank's partition buffer: its parts' residency planned against its own budget."""
+        assert self.comm is not None
+        cfg, d, layout = self.cfg, self.data, self.layout
+        batch_bytes = neighbour_batch_bytes(cfg, layout, self.spec.in_dim, self.rank_batch)
+        self.plan = plan_residency(cfg, layout, self.spec, d.splits, self.budget[0], self.budget[1], (batch_bytes, 0),
+                                   parts=self.my_parts)
+        degree = np.diff(self.indptr).astype(np.float32)
+        return PartitionBuffer(layout, self.plan.capacity, parse_fanouts(cfg.fanouts, cfg.layers), self.targets,
+                               self.rank_batch, y=d.y, degree=degree, feature_norm=self.feature_norm,
+                               cache_rows=self.plan.cache_rows, labor=cfg.labor, seed=self.comm.rank,
+                               device=self.device, prefetch=cfg.prefetch, edge_weight=d.edge_weight,
+                               edge_feat=d.edge_feat, parts=self.my_parts)
 
     def _epoch_batches(self, epoch_seed: int) -> Any:
         """The epoch's batches: from this rank's sampler rank (``--sampler-ranks``), or as one process has them."""
@@ -390,26 +465,31 @@ class DistributedMini(BatchStrategy):
         batches = self._epoch_batches(seed)  # on a thread, or from --samplers K processes
         params: list[Tensor] = [p for p in model.parameters() if p.requires_grad]
         total, count, steps, fetch_s = 0.0, 0, 0, 0.0
+        it = iter(batches)
         for step in range(self.steps):
-            batch = next(batches) if step < len(self.loader) else None
-            f0 = time.perf_counter()
-            ids = batch.node_ids.numpy() if batch is not None else np.empty(0, dtype=np.int64)
-            x = self.fetch.fetch(ids)
-            fetch_s += time.perf_counter() - f0
+            group = _step_batches(it) if step < len(self.loader) else []
+            if not self.buffered:  # a buffer's batches carry their rows; the others fetch them (collectively)
+                f0 = time.perf_counter()
+                ids = group[0].node_ids.numpy() if group else np.empty(0, dtype=np.int64)
+                x = self.fetch.fetch(ids)
+                fetch_s += time.perf_counter() - f0
+                if group:
+                    group[0].x = x
             optimizer.zero_grad(set_to_none=True)
-            loss: Tensor | None = None
-            n = 0
-            if batch is not None:
-                batch.x = x
+            parts: list[tuple[Tensor | None, int]] = []
+            for batch in group:
                 if self.device.type != "cpu":
                     batch = batch.to(self.device, non_blocking=True)
-                loss, n = self._loss(model, batch, task)
-            if lockstep(comm, params, optimizer, loss, n) == 0:
+                parts.append(self._loss(model, batch, task))
+            if lockstep_parts(comm, params, optimizer, parts or [(None, 0)]) == 0:
                 continue  # no rank had a loss-carrying target: no step anywhere
-            if loss is not None:
-                total += float(loss.detach().to(torch.float64)) * n
+            for loss, n in parts:
+                if loss is not None:
+                    total += float(loss.detach().to(torch.float64)) * n
+                count += n
             steps += 1
-            count += n
+        if next(it, None) is not None:  # ends the epoch's generator (a buffer records its last state there)
+            raise RuntimeError(f"rank {comm.rank}: the loader had batches beyond its {len(self.loader)} steps")
         close = getattr(batches, "close", None)
         if close is not None:
             close()
@@ -418,8 +498,37 @@ class DistributedMini(BatchStrategy):
         # times are this rank's (rank 0 writes the record); counts and bytes are the job's
         self._epoch = {"batches": steps, "targets": int(count_all), "epoch_s": time.perf_counter() - t0,
                        "fetch_s": fetch_s, "wait_s": float(getattr(batches, "wait_s", 0.0)), **self._job_fetch()}
+        if self.buffered:
+            self._epoch.update(self._job_buffer())
         trim_heap()
         return torch.tensor(total / max(count_all, 1.0), dtype=torch.float32)
+
+    def _job_buffer(self) -> dict[str, Any]:
+        """The epoch's partition-buffer counters: parts read and bytes summed over the ranks, the rest rank 0's."""
+        assert self.comm is not None
+        mine = self.loader.stats.as_metrics()
+        job = self.comm.sum([mine["parts_loaded"], mine["buffer_bytes_read"]])
+        return {**mine, "parts_loaded": int(job[0]), "buffer_bytes_read": int(job[1])}
+
+    def begin_run(self, seed: int) -> None:
+        """A run plans its first epoch afresh (a buffered rank's first state is drawn again)."""
+        if self.buffered:
+            self.loader.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every buffered rank's last buffer state (its next epoch starts from it), gathered for rank 0's checkpoint."""
+        if not self.buffered:
+            return {}
+        assert self.comm is not None
+        carry = torch.tensor(list(self.loader.carry or ()), dtype=torch.int64)
+        return {"rank_carry": [t.clone() for t in self.comm.all_gather_rows(carry)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's buffer state from the checkpoint."""
+        saved = state.get("rank_carry")
+        if self.buffered and saved:
+            assert self.comm is not None
+            self.loader.load_state_dict({"carry": saved[self.comm.rank].tolist(), "pool": {}})
 
     def _job_fetch(self) -> dict[str, Any]:
         """The epoch's fetched rows and bytes summed over the ranks, and each rank's bytes."""
@@ -498,7 +607,9 @@ class DistributedMini(BatchStrategy):
         assert self.comm is not None
         return (f"distributed mini-batch: {self.comm.world_size} rank(s) over {self.cfg.parts_dir} "
                 f"({self.comm.backend}); targets per rank {self.rank_targets}, batch per rank "
-                f"{self.rank_batch} here, {self.steps} steps per epoch")
+                f"{self.rank_batch} here, {self.steps} steps per epoch"
+                + (f"; a partition buffer per rank, {self.plan.capacity} of its parts resident and a cache of "
+                   f"{self.plan.cache_rows:,} rows here" if self.buffered else ""))
 
     def epoch_info(self) -> dict[str, Any]:
         """Steps, targets and the feature fetch of the epoch."""
@@ -513,11 +624,15 @@ class DistributedMini(BatchStrategy):
         return {"world_size": self.comm.world_size, "parts_dir": str(self.cfg.parts_dir),
                 "backend": self.comm.backend, "rank_targets": self.rank_targets, "rank_batches": self.rank_batches,
                 "rank_batch_size": self.rank_batch, "feature_cache_bytes": self.cache_bytes,
-                "rank_peak_rss_anon_mb": peaks}
+                "rank_peak_rss_anon_mb": peaks,
+                **({"rank_buffer_parts": self.plan.capacity, "rank_cache_rows": self.plan.cache_rows}
+                   if self.buffered else {})}
 
     def close(self) -> None:
         """Release this rank's sampler rank, then leave the job."""
         self.meter.stop()
+        if getattr(self, "buffered", False):
+            self.loader.close()  # the buffer's reading thread
         if self.comm is not None:
             if getattr(self, "sampler_ranks", 0):
                 try:  # the sampler rank stops once every trainer it serves said so
@@ -535,5 +650,5 @@ class DistributedMini(BatchStrategy):
         return BufferedMini.predict_saved(req, embeddings_to)
 
 
-__all__ = ["DistributedMini", "check_ranks", "join_job", "lockstep", "rank_env", "rank_loader", "rank_of_part",
-           "rank_share", "rank_targets", "recv_batch", "send_batch", "serve_batches", "RankBatches"]
+__all__ = ["DistributedMini", "check_ranks", "join_job", "lockstep", "lockstep_parts", "rank_env", "rank_loader",
+           "rank_of_part", "rank_share", "rank_targets", "recv_batch", "send_batch", "serve_batches", "RankBatches"]
