@@ -68,10 +68,11 @@ def main(argv: list[str] | None = None) -> None:
         diff = max(abs(x[k] - y[k]) for x, y in zip(run["records"], one["records"]) for k in KEYS)
         peaks = ", ".join(f"{v:,.0f}" for v in run["peaks"])
         name = "one process" if r == 1 else f"{r} ranks"
-        print(f"| {name} | {run['test']:.2f} | {diff:.1e} | {run['epoch_s']:.2f} | {run['epoch_s'] / one['epoch_s']:.2f}× "
+        ratio = run["epoch_s"] / one["epoch_s"]
+        print(f"| {name} | {run['test']:.2f} | {diff:.1e} | {run['epoch_s']:.2f} | {ratio:.2f}× "
               f"| {run['exchange'] / 2**20:,.1f} | {peaks} |")
-        out[name] = {"test": run["test"], "max_diff": diff, "epoch_s": run["epoch_s"], "exchange_bytes": run["exchange"],
-                     "peak_rss_anon_mb": run["peaks"]}
+        out[name] = {"test": run["test"], "max_diff": diff, "epoch_s": run["epoch_s"],
+                     "exchange_bytes": run["exchange"], "peak_rss_anon_mb": run["peaks"]}
     print(json.dumps(out))
 
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_dist_mini --store STORE --layout PART_DIR [--ranks 2] [--seeds 5] [--epochs 5]
     python -m benchmarks.bench_dist_mini --store STORE --layout PART_DIR --ranks 1,2,4,8 --seeds 1  # scaling
+    python -m benchmarks.bench_dist_mini ... --ranks 2 --also "--buffer-parts 2 --buffer-cache 64M"  # rank buffers
 
 Per seed, one after another (never two at once): ``trellis train STORE --strategy mini`` in one process, then
 ``trellis train STORE --strategy mini --parts-dir PART_DIR --nproc R`` for each R in ``--ranks``, all GraphSAGE
@@ -50,17 +51,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fanouts", default="15,10")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--also", default="", help="flags of a second run at each rank count (e.g. a partition buffer "
+                                              "per rank: \"--buffer-parts 2 --buffer-cache 64M\")")
     a = p.parse_args(argv)
     counts = [int(r) for r in str(a.ranks).split(",")]
-    rows: dict[str, list[dict]] = {"one process": [], **{f"{r} rank{'s' * (r > 1)}": [] for r in counts}}
+    also = a.also.split()
+    runs_of = [(r, f"{r} rank{'s' * (r > 1)}", []) for r in counts]
+    if also:
+        runs_of += [(r, f"{r} rank{'s' * (r > 1)} {a.also}", also) for r in counts]
+    rows: dict[str, list[dict]] = {"one process": [], **{name: [] for _, name, _ in runs_of}}
     with tempfile.TemporaryDirectory(prefix="trellis-bench-dist-mini-") as tmp:
         for seed in range(a.seeds):
             one = _train(a.store, Path(tmp) / f"one-{seed}", seed, a, [])
             rows["one process"].append(one)
             line = f"seed {seed}: one process {one['test']:.2f} ({one['epoch_s']:.2f} s/epoch)"
-            for r, name in zip(counts, list(rows)[1:]):
-                run = _train(a.store, Path(tmp) / f"ranks{r}-{seed}", seed, a,
-                             ["--parts-dir", a.layout, "--nproc", str(r)])
+            for i, (r, name, extra) in enumerate(runs_of):
+                run = _train(a.store, Path(tmp) / f"run{i}-{seed}", seed, a,
+                             [*extra, "--parts-dir", a.layout, "--nproc", str(r)])
                 rows[name].append(run)
                 line += f", {name} {run['test']:.2f} ({run['epoch_s']:.2f} s/epoch)"
             print(line, flush=True)

@@ -24,9 +24,10 @@ than one rank, each epoch reseeds every rank's generator from (epoch seed, rank)
 generator decides every rank's next epoch. ``--samplers K`` samples a rank's batches in K processes, and
 ``--sampler-ranks K`` in K more ranks of the job that send them as flat messages over torch.distributed
 (:func:`serve_batches`; the same batches in every mode); ``--feature-cache SIZE`` keeps the other ranks' rows
-most likely to be sampled (SALIENT++'s VIP ranking), fetched once at the start. Not built yet
-(docs/distributed.md): a rank that holds more parts than fit (the partition buffer per rank), and mini-batch
-grouping.
+most likely to be sampled (SALIENT++'s VIP ranking), fetched once at the start. A rank that holds more parts
+than fit streams them through its own partition buffer (``--buffer-parts``, ``--buffer-cache``,
+``--memory-budget``): its batches sample its resident parts and a cache (which may hold any rows), so it fetches
+nothing while it trains. Not built yet (docs/distributed.md): mini-batch grouping.
 """
 
 from __future__ import annotations
