@@ -115,7 +115,7 @@ def test_real_data_bag_of_words_all_resident_equals_mini(dataset, tmp_path):
 @pytest.mark.parametrize("kw,match", [
     (dict(buffer_parts=5), "--buffer-parts 5: give 1 to 4"),
     (dict(buffer_parts=0), "--buffer-parts"),
-    (dict(nproc=2, buffer_parts=3), "--buffer-parts 3 is more than the 2 part\(s\) rank 0 of 2 holds"),
+    (dict(nproc=2, buffer_parts=3), r"--buffer-parts 3 is more than the 2 part\(s\) rank 0 of 2 holds"),
     (dict(nproc=5), "more ranks than the 4 parts"),
     (dict(memory_budget="64M"), "smallest budget that works"),
     (dict(buffer_cache="lots"), "--buffer-cache"),

@@ -674,8 +674,7 @@ class PartitionBuffer:
         rng = np.random.default_rng(mix64(self.seed, epoch_seed, 0x5EED) >> 1)
         order = self.train_ids[rng.permutation(self.train_ids.shape[0])]  # as NeighborLoader.plan draws it
         srng = np.random.default_rng(mix64(self.seed, epoch_seed, 0xB0FF) >> 1)
-        states = buffer_states(self.parts if len(self.parts) < self.num_parts else self.num_parts, self.capacity,
-                               self.node_part[order], order, srng, first=self.carry)
+        states = buffer_states(self.parts, self.capacity, self.node_part[order], order, srng, first=self.carry)
         cut_steps(states, self.batch_size)
         first = 0
         for s in states:

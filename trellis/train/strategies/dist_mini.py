@@ -198,6 +198,11 @@ def serve_batches(cfg: TrainConfig, env: RankEnv) -> int:
         comm.close()
 
 
+def rank_buffered(cfg: TrainConfig) -> bool:
+    """Whether each mini-batch rank trains its parts through its own partition buffer (a buffer option given)."""
+    return cfg.strategy == "mini" and any(getattr(cfg, k, None) is not None for k in RANK_BUFFER)
+
+
 def _step_batches(batches: Any) -> list[Any]:
     """The rank's batches of its next step: one, or a partition buffer's two when the step spans states."""
     group = []
@@ -232,7 +237,7 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
             what = ("ranks of cluster-batch keep their parts in memory" if cfg.strategy != "mini" else
                     "a rank's partition buffer takes --buffer-parts, --buffer-cache and --memory-budget")
             raise TrellisUserError(f"{flag} with --nproc {world}: {what}; drop {flag}, or train with --nproc 1")
-    buffered = cfg.strategy == "mini" and any(getattr(cfg, k, None) is not None for k in RANK_BUFFER)
+    buffered = rank_buffered(cfg)
     if buffered:
         for flag, given in (("--samplers", cfg.samplers > 0), ("--sampler-ranks", bool(cfg.sampler_ranks)),
                             ("--feature-cache", cfg.feature_cache is not None)):
@@ -337,7 +342,7 @@ class DistributedMini(BatchStrategy):
         layout = check_ranks(cfg, store, trainers)
         #: A partition buffer per rank: its parts rotate through memory, its batches sample the resident parts
         #: and a cache (--buffer-parts, --buffer-cache, --memory-budget); else every part stays in memory.
-        self.buffered = cfg.strategy == "mini" and any(getattr(cfg, k, None) is not None for k in RANK_BUFFER)
+        self.buffered = rank_buffered(cfg)
         self.budget: tuple[int | None, int] = (None, proc_status().get("RssAnon", 0))
         if self.buffered and cfg.memory_budget is not None:
             self.budget = budget_and_baseline(cfg, self.device)
@@ -651,5 +656,6 @@ class DistributedMini(BatchStrategy):
         return BufferedMini.predict_saved(req, embeddings_to)
 
 
-__all__ = ["DistributedMini", "check_ranks", "join_job", "lockstep", "lockstep_parts", "rank_env", "rank_loader",
-           "rank_of_part", "rank_share", "rank_targets", "recv_batch", "send_batch", "serve_batches", "RankBatches"]
+__all__ = ["DistributedMini", "RankBatches", "check_ranks", "join_job", "lockstep", "lockstep_parts", "rank_buffered",
+           "rank_env", "rank_loader", "rank_of_part", "rank_share", "rank_targets", "recv_batch", "send_batch",
+           "serve_batches"]
