@@ -112,8 +112,8 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(dist_store, lay
     other = generate_sbm(tmp_path / "other", nodes=100, features=16, classes=4, seed=3, progress=False)
     assert "made from another store" in _bad(["train", str(other), "--parts-dir", parts, "--out", str(out)], capsys)
     assert "--parts 3" in _bad([*base, "--parts-dir", parts, "--nproc", "3"], capsys)
-    assert "--model gat aggregates by itself" in _bad(
-        [*base, "--parts-dir", parts, "--strategy", "cluster", "--model", "gat", "--nproc", "2"], capsys)
+    assert "--model mlp is not available for cluster-batch across ranks" in _bad(
+        [*base, "--parts-dir", parts, "--strategy", "cluster", "--model", "mlp", "--nproc", "2"], capsys)
     assert "--nproc needs --parts-dir" in _bad([*base, "--nproc", "2"], capsys)
     assert "--staleness must be 0" in _bad([*base, "--parts-dir", parts, "--staleness", "-1"], capsys)
     for flag in (["--overlap"], ["--staleness", "1"], ["--emulate-link", "100MB/s"]):

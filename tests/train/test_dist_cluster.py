@@ -1,7 +1,8 @@
 """Hybrid-parallel cluster-batch across ranks (``--strategy cluster --parts-dir PART_DIR --nproc P``).
 
 Two and three ranks launched by the CLI equal one process's ``--strategy cluster`` on Cora (bag-of-words rows,
-dropout on; read from TRELLIS_DATA_DIR: fails, never skips, when missing), with and without boundary hops,
+dropout on; read from TRELLIS_DATA_DIR: fails, never skips, when missing) for GCN, SAGE, GIN and GAT, with and
+without boundary hops,
 over a layout whose ranks own uneven shares and a layout where one rank owns almost nothing; one rank equals
 ``--strategy cluster`` bit for bit; resume is exact; bad input is refused before any rank starts.
 """
@@ -57,6 +58,7 @@ def cora(dataset, tmp_path_factory) -> dict[str, Path]:
                "--norm", "layer", "--residual"]),
     (2, "skewed", ["--model", "gin", "--layers", "3", "--clusters", "10", "--clusters-per-batch", "3",
                    "--cluster-method", "hash", "--boundary-hops", "1"]),
+    (2, "p3", ["--model", "gat", "--clusters", "16", "--clusters-per-batch", "2", "--boundary-hops", "1"]),
 ])
 def test_ranks_equal_one_process_cluster_batch_on_cora(cora, tmp_path, capsys, ranks, layout, args):
     store = str(cora["store"])
@@ -105,7 +107,7 @@ def test_an_interrupted_two_rank_run_resumes_to_the_uninterrupted_metrics(sbm_st
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--nproc", "2", "--model", "gat"], "--model gat aggregates by itself"),
+    (["--nproc", "2", "--model", "mlp"], "--model mlp is not available for cluster-batch across ranks"),
     (["--nproc", "2", "--norm", "batch"], "--norm batch across ranks"),
     (["--nproc", "4"], "more ranks than the 3 parts"),
     (["--nproc", "1", "--clusters", "8"], "--clusters does not apply with --parts-dir in one process"),

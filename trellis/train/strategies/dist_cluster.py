@@ -20,7 +20,9 @@ routes agreed per batch), the gradients are summed. What makes a step one proces
 With ``--boundary-hops h`` the batch's hop-ordered rows train as one square graph whose rows past the input
 layer's block have no in-edges: those rows feed no target, and every row a target depends on is computed
 from exactly the edges of one process's per-layer blocks. GCN, SAGE and GIN run (their aggregation is the
-exchange's); attention models, ``--edge-weight`` and ``--norm batch`` are refused. Evaluation, predictions and
+exchange's), and GAT on each rank's pull graph, with the halo rows of every layer's input appended and its
+attention masks keyed by each edge's place in the batch's self-looped CSR; GAT-E (edge features),
+``--edge-weight`` and ``--norm batch`` are refused. Evaluation, predictions and
 the fetch of other ranks' input rows are data-parallel mini-batch's (exact layer-wise inference split over
 the ranks).
 """
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from trellis.distributed.attention import edge_keys, self_loop_eids
 from trellis.distributed.ownership import RankGraph, build_rank_graph
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import Batch
@@ -48,8 +51,10 @@ from trellis.train.strategies.dist_mini import DistributedMini
 from trellis.train.tasks import Task
 from trellis.utils.memory import trim_heap
 
-#: Models whose aggregation the pull exchange completes (attention aggregates by itself).
+#: Models whose aggregation the pull exchange completes, and GAT, which runs on the pull graph with its halo
+#: rows appended per layer (attention masks keyed by each edge's place in the batch's self-looped CSR).
 EXCHANGED_MODELS = ("gcn", "sage", "gin")
+ATTENTION = ("gat",)
 
 #: Plans a rank keeps: one per batch shape, so an epoch of distinct batches must not grow them for ever.
 PLAN_CACHE = 64
@@ -114,10 +119,10 @@ class DistributedCluster(DistributedMini):
     def check_options(cls, cfg: TrainConfig) -> None:
         """Refuse models and options whose result would depend on how a batch is split across ranks."""
         super().check_options(cfg)
-        if cfg.model not in EXCHANGED_MODELS:
-            raise TrellisUserError(f"--model {cfg.model} aggregates by itself; cluster-batch across ranks trains "
-                                   f"{', '.join(EXCHANGED_MODELS)} (the exchange completes their aggregation): pick "
-                                   "one of them, or train in one process (--nproc 1 without --parts-dir)")
+        if cfg.model not in EXCHANGED_MODELS + ATTENTION:
+            raise TrellisUserError(f"--model {cfg.model} is not available for cluster-batch across ranks (it trains "
+                                   f"{', '.join(EXCHANGED_MODELS + ATTENTION)}): pick one of them, or train in one "
+                                   "process (--nproc 1 without --parts-dir)")
         if cfg.edge_weight:
             raise TrellisUserError("--edge-weight is not available across ranks (each rank's weighted degrees would "
                                    "be local); train in one process, or drop --edge-weight")
@@ -149,25 +154,30 @@ class DistributedCluster(DistributedMini):
             self._runner = cached
         return cached[1]
 
-    def _rank_batch(self, batch: Batch) -> tuple[RankGraph, np.ndarray, GraphStats]:
-        """This rank's graph of ``batch`` (collective: routes are agreed), its batch rows and the batch's stats."""
+    def _forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, np.ndarray, RankGraph]:
+        """Logits of this rank's rows of ``batch`` (every rank runs every batch), their batch rows, its graph.
+
+        Collective: the routes of the batch's halo rows are agreed, and every layer exchanges them.
+        """
         assert self.comm is not None
         indptr, indices, degree = square_of(batch)
         ids = batch.node_ids.cpu().numpy()
         part = batch_part(indptr, indices, degree, self.owner[ids], self.comm.rank)
         rg = build_rank_graph(part, self.comm, self.device)
-        n = int(ids.shape[0])
-        return rg, part.local_to_global[: part.num_local], GraphStats(n, n, int(indices.shape[0]))
-
-    def _forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, np.ndarray, RankGraph]:
-        """Logits of this rank's rows of ``batch`` (every rank runs every batch), their batch rows, its graph."""
-        rg, mine, stats = self._rank_batch(batch)
-        ids = batch.node_ids.cpu().numpy()[mine]
-        x = self.local_rows.gather(ids).to(self.device)
+        mine = part.local_to_global[: part.num_local]
+        x = self.local_rows.gather(ids[mine]).to(self.device)
+        if self.cfg.model in ATTENTION:  # the pull graph, whose view appends each layer's halo rows
+            pull, view = rg.pull_graph, rg.pull_view
+            assert pull is not None and view is not None
+            view.constant = x
+            keys = edge_keys(self.comm, pull.with_self_loops(), self_loop_eids(pull), indptr)
+            with keyed_rows(nodes=mine, edges=keys):
+                return model(pull, x, view=view), mine, rg
         batched = self._batched(model)
         if len(batched._plans) > PLAN_CACHE:
             batched._plans.clear()
-        batched.stats = stats
+        n = int(ids.shape[0])
+        batched.stats = GraphStats(n, n, int(indices.shape[0]))
         batched.train(model.training)
         with keyed_rows(nodes=mine):
             return batched(rg.graph, x, view=rg.view)[0], mine, rg
