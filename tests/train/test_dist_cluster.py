@@ -141,3 +141,14 @@ def test_batch_parts_hold_every_edge_once_with_halo_rows_of_their_owners():
         assert np.array_equal(p.in_degree, degree[p.local_to_global])
         seen.append(p.edge_ids)
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(e))
+
+
+def test_explain_names_every_rank_and_trains_nothing(cora, tmp_path, capsys):
+    code = main(["train", str(cora["store"]), "--strategy", "cluster", "--clusters", "16", "--parts-dir",
+                 str(cora["p3"]), "--nproc", "2", "--explain", "--device", "cpu", "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0 and "distributed cluster-batch: 2 rank(s)" in out and "gcn:" in out, out
+    node_part = np.load(cora["p3"] / "node_parts.npy")
+    want = np.bincount(node_part % 2, minlength=2)  # parts 0 and 2 to rank 0, part 1 to rank 1
+    assert f"rank 0: {want[0]:,} rows" in out and f"rank 1: {want[1]:,} rows" in out
+    assert not (tmp_path / "run").exists()

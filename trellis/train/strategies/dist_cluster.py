@@ -47,7 +47,7 @@ from trellis.ops.dropout import keyed_rows
 from trellis.partition.layout import LocalGraph
 from trellis.plan.cost import GraphStats
 from trellis.train.config import TrainConfig
-from trellis.train.strategies.dist_mini import DistributedMini
+from trellis.train.strategies.dist_mini import DistributedMini, rank_of_part
 from trellis.train.tasks import Task
 from trellis.utils.memory import trim_heap
 
@@ -237,8 +237,9 @@ class DistributedCluster(DistributedMini):
         """The ranks' parts and the batches every rank computes its rows of, then the plan."""
         assert self.comm is not None
         cfg = self.cfg
-        world = cfg.nproc or self.comm.world_size
-        rows = np.bincount(self.owner, minlength=self.comm.world_size).tolist()
+        world = cfg.nproc or self.comm.world_size  # --explain plans the job from one process
+        node_part = np.asarray(np.load(self.layout.path / "node_parts.npy"), dtype=np.int64)
+        rows = np.bincount(rank_of_part(self.layout.num_parts, world)[node_part], minlength=world).tolist()
         lines = [f"distributed cluster-batch: {world} rank(s) over {cfg.parts_dir}; each of the {len(self.loader)} "
                  f"batches per epoch ({cfg.clusters_per_batch} of {cfg.clusters} {cfg.cluster_method} clusters, "
                  f"boundary hops {cfg.boundary_hops}) computed by every rank on the rows it owns, halo rows "
