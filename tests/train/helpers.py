@@ -56,3 +56,29 @@ def two_rank_resume_matches(kw: dict, tmp_path: Path, keys: tuple[str, ...], epo
     got, want = read_jsonl(tmp_path / "cut" / "metrics.jsonl"), read_jsonl(tmp_path / "whole" / "metrics.jsonl")
     assert len(got) == len(want) == epochs
     assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
+
+
+def one_rank_then_one_process(monkeypatch, ranked: object, plain: object) -> None:
+    """Train ``ranked()`` as a world of one started as a rank (``RANK`` etc. set), then ``plain`` without those.
+
+    ``ranked`` makes its :class:`~trellis.train.config.TrainConfig` once the variables are set (its options are
+    checked as a rank's); ``plain`` is one. The caller compares their records.
+    """
+    import io
+
+    import torch
+
+    from trellis.distributed.comm import free_port
+    from trellis.train.trainer import Trainer
+
+    threads = torch.get_num_threads()
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    try:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        Trainer(ranked(), err=io.StringIO()).fit()  # type: ignore[operator]
+        for k in env:
+            monkeypatch.delenv(k)
+        Trainer(plain, err=io.StringIO()).fit()
+    finally:
+        torch.set_num_threads(threads)

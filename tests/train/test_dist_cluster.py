@@ -9,26 +9,22 @@ over a layout whose ranks own uneven shares and a layout where one rank owns alm
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from tests.train.helpers import two_rank_resume_matches
+from tests.train.helpers import one_rank_then_one_process, two_rank_resume_matches
 from trellis.cli.main import main
 from trellis.data.importers import import_graph
 from trellis.data.store import GraphStore
-from trellis.distributed.comm import free_port
 from trellis.partition import partition_graph
 from trellis.partition.base import PartitionBook
 from trellis.partition.layout import write_layout
 from trellis.train.config import TrainConfig
 from trellis.train.strategies import strategy_class
 from trellis.train.strategies.dist_cluster import DistributedCluster, batch_part
-from trellis.train.trainer import Trainer
 
 KEYS = ("loss", "val_loss", "train_acc", "val_acc", "test_acc")
 COMMON = ["--strategy", "cluster", "--epochs", "3", "--hidden", "16", "--dropout", "0.5", "--device", "cpu",
@@ -78,21 +74,15 @@ def test_ranks_equal_one_process_cluster_batch_on_cora(cora, tmp_path, capsys, r
 
 
 def test_one_rank_is_strategy_cluster_bit_for_bit_on_cora(cora, tmp_path, monkeypatch):
-    threads = torch.get_num_threads()
     common = dict(store=str(cora["store"]), strategy="cluster", model="gcn", epochs=3, hidden=16, dropout=0.5,
                   clusters=16, clusters_per_batch=4, boundary_hops=1, progress=False, checkpoint_every=0,
                   device="cpu")
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(k, v)
-    try:
-        cfg = TrainConfig(**common, parts_dir=str(cora["p3"]), out=str(tmp_path / "ranked"))
-        assert strategy_class("cluster").for_config(cfg) is DistributedCluster  # a process started as a rank
-        Trainer(cfg, err=io.StringIO()).fit()
-        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            monkeypatch.delenv(k)
-        Trainer(TrainConfig(**common, out=str(tmp_path / "one")), err=io.StringIO()).fit()
-    finally:
-        torch.set_num_threads(threads)
+    assert strategy_class("cluster").for_config(TrainConfig(**common, parts_dir=str(cora["p3"]), nproc=2)) is \
+        DistributedCluster
+    def ranked() -> TrainConfig:  # checked as a rank's options: made once RANK etc. are set
+        return TrainConfig(**common, parts_dir=str(cora["p3"]), out=str(tmp_path / "ranked"))
+
+    one_rank_then_one_process(monkeypatch, ranked, TrainConfig(**common, out=str(tmp_path / "one")))
     got, want = _records(tmp_path / "ranked"), _records(tmp_path / "one")
     assert len(got) == 3
     assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]

@@ -8,7 +8,6 @@ refused before any rank starts.
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train.helpers import two_rank_resume_matches
+from tests.train.helpers import one_rank_then_one_process, two_rank_resume_matches
 from trellis.cli.main import main
 from trellis.data.importers import import_graph
 from trellis.data.store import GraphStore
@@ -27,7 +26,6 @@ from trellis.partition.layout import write_layout
 from trellis.train.config import TrainConfig
 from trellis.train.strategies import strategy_class
 from trellis.train.strategies.dist_mini import DistributedMini
-from trellis.train.trainer import Trainer
 
 KEYS = ("loss", "val_loss", "train_acc", "val_acc", "test_acc")
 
@@ -47,22 +45,13 @@ def cora(dataset, tmp_path_factory) -> tuple[Path, Path]:
 
 def test_one_rank_is_strategy_mini_bit_for_bit_on_cora(cora, tmp_path, monkeypatch):
     store, layout = cora
-    threads = torch.get_num_threads()
     common = dict(store=str(store), strategy="mini", model="sage", epochs=3, hidden=16, dropout=0.5, batch_size=64,
                   fanouts="5,5", progress=False, checkpoint_every=0, device="cpu")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    try:
-        cfg = TrainConfig(**common, parts_dir=str(layout), out=str(tmp_path / "ranked"))
-        assert strategy_class("mini").for_config(cfg) is DistributedMini  # a process started as a rank
-        Trainer(cfg, err=io.StringIO()).fit()
-        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            monkeypatch.delenv(k)
-        Trainer(TrainConfig(**common, out=str(tmp_path / "mini")), err=io.StringIO()).fit()
-    finally:
-        torch.set_num_threads(threads)
+    assert strategy_class("mini").for_config(TrainConfig(**common, parts_dir=str(layout), nproc=2)) is DistributedMini
+    def ranked() -> TrainConfig:  # checked as a rank's options: made once RANK etc. are set
+        return TrainConfig(**common, parts_dir=str(layout), out=str(tmp_path / "ranked"))
+
+    one_rank_then_one_process(monkeypatch, ranked, TrainConfig(**common, out=str(tmp_path / "mini")))
     got, want = _records(tmp_path / "ranked"), _records(tmp_path / "mini")
     assert len(got) == 3
     assert [[r[k] for k in KEYS] for r in got] == [[r[k] for k in KEYS] for r in want]

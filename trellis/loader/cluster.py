@@ -30,7 +30,7 @@ from trellis.errors import TrellisUserError
 from trellis.loader.blocks import Batch, attach_edge_data
 from trellis.loader.features import FeatureGather, FeatureSource, np_int64
 from trellis.loader.prefetch import Prefetcher
-from trellis.loader.sampler import ThreadLocalMap, as_tensor, attach_reverse, mix64
+from trellis.loader.sampler import ThreadLocalMap, as_tensor, attach_reverse, fill_batch, mix64
 from trellis.loader.source import iter_epoch
 from trellis.ops.graph import CSRGraph
 from trellis.partition.base import partition_graph
@@ -328,18 +328,11 @@ class ClusterLoader:
         return self.fill(batch, slot=index) if gather else batch
 
     def fill(self, batch: Batch, slot: int | None = None, *, features: bool = True) -> Batch:
-        """Gather ``batch``'s input features and target labels (and move it to the loader's device).
+        """Gather ``batch``'s input features and target labels (:func:`~trellis.loader.sampler.fill_batch`).
 
-        ``features=False`` leaves the input rows to the caller (a sampler process gathers them straight into
-        the batch's message: :func:`~trellis.loader.producer.build_message`).
+        Its edge data is attached when the batch is built, whether or not it is filled.
         """
-        if features and self.features is not None:
-            batch.x = self.features.gather(batch.node_ids, slot)
-        if self.y is not None:
-            batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
-        if self.device.type != "cpu":
-            batch = batch.to(self.device, non_blocking=True)
-        return batch
+        return fill_batch(self, batch, slot, features=features)
 
     def epoch(self, epoch: int, *, gather: bool = True) -> Prefetcher[Batch]:
         """Iterate the batches of ``epoch`` in order, prepared ``prefetch`` ahead on ``workers`` threads."""

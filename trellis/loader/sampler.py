@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -500,6 +501,25 @@ class SeedPlan:
         return self.order[index * self.batch_size:(index + 1) * self.batch_size]
 
 
+def fill_batch(loader: Any, batch: Batch, slot: int | None = None, *, features: bool = True,
+               edge_weight: Tensor | None = None, edge_feat: Tensor | None = None) -> Batch:
+    """Gather ``batch``'s input rows and target labels from ``loader`` (and move it to the loader's device).
+
+    ``loader`` has ``features`` (a :class:`~trellis.loader.features.FeatureGather` or None), ``y`` and
+    ``device``; the edge data given is attached to the blocks. ``features=False`` leaves the input rows to the
+    caller (a sampler process gathers them straight into the batch's message:
+    :func:`~trellis.loader.producer.build_message`).
+    """
+    if features and loader.features is not None:
+        batch.x = loader.features.gather(batch.node_ids, slot)
+    if loader.y is not None:
+        batch.y = loader.y.index_select(0, batch.targets.to(loader.y.device))
+    attach_edge_data(batch.blocks, edge_weight, edge_feat)
+    if loader.device.type != "cpu":
+        return batch.to(loader.device, non_blocking=True)
+    return batch
+
+
 class NeighborLoader:
     """Mini-batches for an epoch: shuffled target ids, sampled blocks, gathered features and labels.
 
@@ -576,25 +596,15 @@ class NeighborLoader:
         return batch
 
     def fill(self, batch: Batch, slot: int | None = None, *, features: bool = True) -> Batch:
-        """Gather ``batch``'s input features and target labels (and move it to the loader's device).
-
-        ``features=False`` leaves the input rows to the caller (a sampler process gathers them straight into
-        the batch's message: :func:`~trellis.loader.producer.build_message`).
-        """
-        if features and self.features is not None:
-            batch.x = self.features.gather(batch.node_ids, slot)
-        if self.y is not None:
-            batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
-        attach_edge_data(batch.blocks, self.edge_weight, self.edge_feat)
-        if self.device.type != "cpu":
-            return batch.to(self.device, non_blocking=True)
-        return batch
+        """Gather ``batch``'s input features, target labels and edge data (see :func:`fill_batch`)."""
+        return fill_batch(self, batch, slot, features=features, edge_weight=self.edge_weight,
+                          edge_feat=self.edge_feat)
 
     def epoch(self, epoch: int, *, gather: bool = True) -> Prefetcher[Batch]:
         """Iterate the batches of ``epoch`` in order, prepared ``prefetch`` ahead by background workers."""
         return iter_epoch(self, epoch, get=lambda plan, i: self.get(plan, i, gather=gather))
 
 
-__all__ = ["NeighborLoader", "NeighborSampler", "SeedPlan", "ThreadLocalMap", "attach_reverse", "batch_seed", "mix64",
-           "parse_fanouts", "reverse_csr"]
+__all__ = ["NeighborLoader", "NeighborSampler", "SeedPlan", "ThreadLocalMap", "attach_reverse", "batch_seed",
+           "fill_batch", "mix64", "parse_fanouts", "reverse_csr"]
 
