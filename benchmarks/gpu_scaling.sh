@@ -9,7 +9,9 @@
 #    samplers), `python -m benchmarks.bench_samplers`;
 # 2. data-parallel mini-batch on 2, 4 and 8 trainer ranks (8 GREM parts) against one process,
 #    `python -m benchmarks.bench_dist_mini --ranks 2,4,8 --seeds 1 --epochs 2`;
-# 3. the samplers table with the trainer on the GPU (Armada Fig. 8).
+# 3. the samplers table with the trainer on the GPU (Armada Fig. 8);
+# 4. hybrid-parallel cluster-batch on 2 and 4 ranks against one process (GCN, 8 of 64 hash clusters),
+#    `python -m benchmarks.bench_dist_cluster --ranks 2,4` (T4=0 skips it).
 # Each step has its own timeout so one slow table leaves the others. CI never runs this.
 set -uo pipefail
 OUT=${1:-gpu-out}
@@ -35,6 +37,11 @@ if [ "$DEV" != cpu ]; then
   echo "== samplers, trainer on $DEV"
   timeout "${T3:-100}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4,8 --device "$DEV" \
     2>&1 | tee "$OUT/samplers_$DEV.txt"
+fi
+if [ "${T4:-150}" != 0 ]; then
+  echo "== cluster-batch ranks (cpu)"
+  timeout "${T4:-150}" $PY -m benchmarks.bench_dist_cluster --store "$W/g" --layout "$W/p8" --ranks 2,4 \
+    --epochs 2 --cluster-method hash 2>&1 | tee "$OUT/cluster_ranks.txt"
 fi
 echo "total $((SECONDS - s)) s"
 rm -rf "$W"
