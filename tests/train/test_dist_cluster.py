@@ -142,3 +142,24 @@ def test_explain_names_every_rank_and_trains_nothing(cora, tmp_path, capsys):
     want = np.bincount(node_part % 2, minlength=2)  # parts 0 and 2 to rank 0, part 1 to rank 1
     assert f"rank 0: {want[0]:,} rows" in out and f"rank 1: {want[1]:,} rows" in out
     assert not (tmp_path / "run").exists()
+
+
+def test_gat_e_reads_each_rank_s_batch_edge_features_as_one_process_does(tmp_path, capsys):
+    from trellis.data.generate import generate_sbm
+
+    store = generate_sbm(tmp_path / "edges", nodes=1000, avg_degree=8, features=8, classes=4, edge_features=8,
+                         node_features="noise", seed=3, train_frac=0.3, val_frac=0.2, progress=False)
+    layout = write_layout(GraphStore(store), partition_graph(GraphStore(store), "metis", 2, measure=False),
+                          tmp_path / "p2")
+    args = ["--model", "gate", "--heads", "4", "--hidden", "8", "--clusters", "8", "--clusters-per-batch", "2",
+            "--boundary-hops", "1", "--epochs", "3", "--dropout", "0.5", "--device", "cpu", "--checkpoint-every", "0",
+            "--no-progress"]
+    assert main(["train", str(store), "--strategy", "cluster", *args, "--out", str(tmp_path / "one")]) == 0
+    code = main(["train", str(store), "--strategy", "cluster", *args, "--parts-dir", str(layout), "--nproc", "2",
+                 "--out", str(tmp_path / "ranks")])
+    assert code == 0, capsys.readouterr().err
+    got, want = _records(tmp_path / "ranks"), _records(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], abs=1e-5), (k, g, w)

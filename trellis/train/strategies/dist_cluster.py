@@ -21,8 +21,8 @@ With ``--boundary-hops h`` the batch's hop-ordered rows train as one square grap
 layer's block have no in-edges: those rows feed no target, and every row a target depends on is computed
 from exactly the edges of one process's per-layer blocks. GCN, SAGE and GIN run (their aggregation is the
 exchange's), and GAT on each rank's pull graph, with the halo rows of every layer's input appended and its
-attention masks keyed by each edge's place in the batch's self-looped CSR; GAT-E (edge features),
-``--edge-weight`` and ``--norm batch`` are refused. Evaluation, predictions and
+attention masks keyed by each edge's place in the batch's self-looped CSR (GAT-E with the batch's edge
+features); ``--edge-weight`` and ``--norm batch`` are refused. Evaluation, predictions and
 the fetch of other ranks' input rows are data-parallel mini-batch's (exact layer-wise inference split over
 the ranks).
 """
@@ -51,17 +51,17 @@ from trellis.train.strategies.dist_mini import DistributedMini, rank_of_part
 from trellis.train.tasks import Task
 from trellis.utils.memory import trim_heap
 
-#: Models whose aggregation the pull exchange completes, and GAT, which runs on the pull graph with its halo
-#: rows appended per layer (attention masks keyed by each edge's place in the batch's self-looped CSR).
+#: Models whose aggregation the pull exchange completes, and GAT and GAT-E, which run on the pull graph with its
+#: halo rows appended per layer (attention masks keyed by each edge's place in the batch's self-looped CSR).
 EXCHANGED_MODELS = ("gcn", "sage", "gin")
-ATTENTION = ("gat",)
+ATTENTION = ("gat", "gate")
 
 #: Plans a rank keeps: one per batch shape, so an epoch of distinct batches must not grow them for ever.
 PLAN_CACHE = 64
 
 
 def batch_part(indptr: np.ndarray, indices: np.ndarray, degree: np.ndarray, owner: np.ndarray,
-               rank: int) -> LocalGraph:
+               rank: int, edge_feat: Tensor | None = None) -> LocalGraph:
     """Rank ``rank``'s part of one batch's square subgraph, as a destination-owned layout part.
 
     Args:
@@ -70,6 +70,7 @@ def batch_part(indptr: np.ndarray, indices: np.ndarray, degree: np.ndarray, owne
         degree: ``[n]`` in-degree of every batch row (the normalization's).
         owner: ``int64 [n]`` rank owning each batch row.
         rank: This rank.
+        edge_feat: ``[e, D]`` features of the batch's edges, in its order (GAT-E), or None.
 
     Returns:
         A part whose "global" ids are batch-local ids: the owned rows ascending, then the halo sources of their
@@ -91,7 +92,8 @@ def batch_part(indptr: np.ndarray, indices: np.ndarray, degree: np.ndarray, owne
                       halo_owner=owner[halo].astype(np.int32), indptr=local_indptr, indices=local_of[src],
                       edge_ids=pos, in_degree=np.asarray(degree)[ids].astype(np.int64),
                       out_degree=np.zeros(ids.shape[0], dtype=np.int64),
-                      mirror_indptr=np.zeros(own.shape[0] + 1, dtype=np.int64), mirror_parts=np.empty(0, np.int32))
+                      mirror_indptr=np.zeros(own.shape[0] + 1, dtype=np.int64), mirror_parts=np.empty(0, np.int32),
+                      edge_feat=None if edge_feat is None else edge_feat.cpu().numpy()[pos])
 
 
 def square_of(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -139,8 +141,10 @@ class DistributedCluster(DistributedMini):
         if comm.world_size > 1:
             dist.broadcast(parts, src=0, group=comm.control)
         train = self.data.splits["train"].cpu().numpy()
+        _, _, edge_feat = self.loader_tensors(on_cpu=True)  # GAT-E's; --edge-weight is refused across ranks
         return ClusterLoader(self.indptr, self.indices, parts.numpy(), cfg.clusters_per_batch, num_layers=cfg.layers,
-                             boundary_hops=cfg.boundary_hops, loss_nodes=train, prefetch=cfg.prefetch)
+                             boundary_hops=cfg.boundary_hops, loss_nodes=train, edge_feat=edge_feat,
+                             prefetch=cfg.prefetch)
 
     def _fill_cache(self, owner: np.ndarray) -> int:
         return 0  # rows a batch needs from other ranks travel per layer, as the exchange's halo
@@ -162,7 +166,7 @@ class DistributedCluster(DistributedMini):
         assert self.comm is not None
         indptr, indices, degree = square_of(batch)
         ids = batch.node_ids.cpu().numpy()
-        part = batch_part(indptr, indices, degree, self.owner[ids], self.comm.rank)
+        part = batch_part(indptr, indices, degree, self.owner[ids], self.comm.rank, batch.blocks[0].edge_feat)
         rg = build_rank_graph(part, self.comm, self.device)
         mine = part.local_to_global[: part.num_local]
         x = self.local_rows.gather(ids[mine]).to(self.device)
