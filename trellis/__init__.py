@@ -27,8 +27,8 @@ PASSIVE_WAIT_CORES = 4
 if "torch" not in sys.modules and (os.cpu_count() or 1) <= PASSIVE_WAIT_CORES:
     # Why: torch's OpenMP threads spin for a while after every op, and Trellis runs numba kernels (SpMM,
     # sampling, gathers) and sampler processes beside them, which the spinning threads then take cores from.
-    # Measured on 2 cores (docs/benchmarks.md): a full-batch GCN step on Amazon Computers 169/180 -> 157/166 ms,
-    # the 1M mini-batch epoch with one sampler process 5.86 -> 5.51 s (mean of 3 pairs); Cora unchanged. Set
+    # Measured on 2 cores (docs/benchmarks.md): a full-batch GCN step on Amazon Computers 0.92x (3 pairs,
+    # benchmarks/bench_omp_wait.py), the 1M mini-batch epoch with one sampler process 5.86 -> 5.51 s; Cora the same. Set
     # OMP_WAIT_POLICY yourself (before torch is imported) to choose otherwise; results do not change either way.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
