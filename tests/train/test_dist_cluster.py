@@ -35,6 +35,22 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _ranks_equal_one_process(store: str, layout: Path, ranks: int, args: list[str], tmp_path: Path,
+                             capsys) -> list[dict]:
+    """Train ``args`` in one process, then on ``ranks`` ranks over ``layout``: every epoch's losses and metrics
+    within 1e-5. Returns the ranks' records."""
+    assert main(["train", store, *args, "--out", str(tmp_path / "one")]) == 0, capsys.readouterr().err
+    code = main(["train", store, *args, "--parts-dir", str(layout), "--nproc", str(ranks), "--out",
+                 str(tmp_path / "ranks")])
+    assert code == 0, capsys.readouterr().err
+    got, want = _records(tmp_path / "ranks"), _records(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        for k in KEYS:
+            assert g[k] == pytest.approx(w[k], abs=1e-5), (k, g, w)
+    return got
+
+
 @pytest.fixture(scope="module")
 def cora(dataset, tmp_path_factory) -> dict[str, Path]:
     """Cora, its 3-part METIS layout, and a layout whose part 1 holds five nodes."""
@@ -58,15 +74,7 @@ def cora(dataset, tmp_path_factory) -> dict[str, Path]:
 ])
 def test_ranks_equal_one_process_cluster_batch_on_cora(cora, tmp_path, capsys, ranks, layout, args):
     store = str(cora["store"])
-    assert main(["train", store, *COMMON, *args, "--out", str(tmp_path / "one")]) == 0, capsys.readouterr().err
-    code = main(["train", store, *COMMON, *args, "--parts-dir", str(cora[layout]), "--nproc", str(ranks),
-                 "--out", str(tmp_path / "ranks")])
-    assert code == 0, capsys.readouterr().err
-    got, want = _records(tmp_path / "ranks"), _records(tmp_path / "one")
-    assert len(got) == len(want) == 3
-    for g, w in zip(got, want):
-        for k in KEYS:
-            assert g[k] == pytest.approx(w[k], abs=1e-5), (k, g, w)
+    got = _ranks_equal_one_process(store, cora[layout], ranks, [*COMMON, *args], tmp_path, capsys)
     n_train = int(GraphStore(store).split("train").shape[0])
     assert all(r["targets"] == n_train and r["exchange_bytes"] > 0 for r in got)  # halo rows did travel
     assert json.loads((tmp_path / "ranks" / "summary.json").read_text())["world_size"] == ranks
@@ -151,15 +159,6 @@ def test_gat_e_reads_each_rank_s_batch_edge_features_as_one_process_does(tmp_pat
                          node_features="noise", seed=3, train_frac=0.3, val_frac=0.2, progress=False)
     layout = write_layout(GraphStore(store), partition_graph(GraphStore(store), "metis", 2, measure=False),
                           tmp_path / "p2")
-    args = ["--model", "gate", "--heads", "4", "--hidden", "8", "--clusters", "8", "--clusters-per-batch", "2",
-            "--boundary-hops", "1", "--epochs", "3", "--dropout", "0.5", "--device", "cpu", "--checkpoint-every", "0",
-            "--no-progress"]
-    assert main(["train", str(store), "--strategy", "cluster", *args, "--out", str(tmp_path / "one")]) == 0
-    code = main(["train", str(store), "--strategy", "cluster", *args, "--parts-dir", str(layout), "--nproc", "2",
-                 "--out", str(tmp_path / "ranks")])
-    assert code == 0, capsys.readouterr().err
-    got, want = _records(tmp_path / "ranks"), _records(tmp_path / "one")
-    assert len(got) == len(want) == 3
-    for g, w in zip(got, want):
-        for k in KEYS:
-            assert g[k] == pytest.approx(w[k], abs=1e-5), (k, g, w)
+    args = [*COMMON, "--model", "gate", "--heads", "4", "--hidden", "8", "--clusters", "8", "--clusters-per-batch",
+            "2", "--boundary-hops", "1"]
+    _ranks_equal_one_process(str(store), layout, 2, args, tmp_path, capsys)
