@@ -96,9 +96,11 @@ def main(argv: list[str] | None = None) -> None:
                     summary = train(cfg)
                     acc[label].append(float(summary["test_acc_mean"]))
                     last = (root / f"{name}-{label}-{seed}" / "metrics.jsonl").read_text().splitlines()[-1]
-                    if "replay_rows" in last:  # the rehearsal batches' rows, against the data's
-                        print(f"  {label}: rehearsal holds {json.loads(last)['replay_rows'] / s.num_nodes:.1%} of "
-                              "the rows", flush=True)
+                    if "replay_rows" in last:  # the rehearsal batches' rows and bytes, against the data's
+                        rec = json.loads(last)
+                        print(f"  {label}: rehearsal holds {rec['replay_rows'] / s.num_nodes:.1%} of the rows in "
+                              f"{rec['replay_bytes'] / (s.num_nodes * s.num_features * 4):.1%} of the features' "
+                              "bytes (int8)", flush=True)
                     epoch_s[label].append(float(summary["epoch_time_s_median"]))
                 print(name, seed, {k: round(v[-1], 4) for k, v in acc.items()}, flush=True)
             results[name] = acc

@@ -129,9 +129,9 @@ def test_buffer_batches_only_read_resident_rows(layout, sbm_store, capacity, cac
 
 
 def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
-    """After each step's last batch come the kept batches of the parts not resident, one resident part's weight
-    each; they are not targets of the epoch (every training node is still a target exactly once), and they
-    survive a checkpoint."""
+    """After each step's last batch comes one batch of every part not resident (their kept batches side by
+    side, int8 rows), weighted as those parts' share; they are not targets of the epoch (every training node is
+    still a target exactly once), and they survive a checkpoint."""
     store = GraphStore(sbm_store)
     train = np.asarray(store.split("train"), dtype=np.int64)
     degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
@@ -139,23 +139,30 @@ def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
     part_of = np.asarray(np.load(layout.path / "node_parts.npy"))
     buf = PartitionBuffer(layout, 2, [5, 5], train, 16, y=y, degree=degree, prefetch=1, replay=4)
     try:
-        targets, steps, rehearsed = [], 0, 0
+        targets, rehearsed = [], 0
         resident: set[int] = set()
         for batch in buf.epoch(1):
-            assert torch.equal(batch.x, torch.from_numpy(x[batch.node_ids.numpy()]))  # the right rows, kept
+            want = torch.from_numpy(x[batch.node_ids.numpy()])
             if not batch.replay:
+                assert torch.equal(batch.x, want)  # the right rows
                 targets.append(batch.targets.numpy())
                 resident = set(part_of[batch.targets.numpy()].tolist())
                 continue
+            # kept as int8: within half a quantization step of each row's largest value
+            step = want.abs().amax(dim=1, keepdim=True) / 127
+            assert torch.all((batch.x - want).abs() <= step / 2 + 1e-6)
             rehearsed += 1
             parts = set(part_of[batch.targets.numpy()].tolist())
-            assert len(parts) == 1 and not parts & resident and batch.num_targets <= 4
-            assert batch.step_weight == 0.5 and torch.equal(batch.y, y[batch.targets])
-            steps += batch.step_end
+            assert parts and not parts & resident and batch.num_targets <= 4 * len(parts)
+            assert batch.step_end and batch.step_weight == len(parts) / 2 and torch.equal(batch.y, y[batch.targets])
         assert np.array_equal(np.sort(np.concatenate(targets)), np.sort(train))
-        assert rehearsed > 0 and steps > 0
+        assert rehearsed > 0
         state = buf.state_dict()  # the carry and the rehearsal batches, as a checkpoint holds them
         assert len(state["pool"]) == 4
+        kept = [c for chunks in buf.pool.values() for c in chunks]
+        assert all(c.q.dtype == torch.int8 for c in kept)  # a byte per value
+        assert buf.stats.extra["replay_rows"] == sum(c.q.shape[0] for c in kept)
+        assert buf.stats.extra["replay_bytes"] == sum(c.nbytes for c in kept) > buf.stats.extra["replay_rows"] * 16
         again = [(b.replay, b.node_ids.clone(), b.x.clone(), b.step_weight) for b in buf.epoch(1)]
         buf.load_state_dict(state)  # a resumed run: the same epoch, rehearsals included
         first = [(b.replay, b.node_ids.clone(), b.x.clone(), b.step_weight) for b in buf.epoch(1)]

@@ -162,6 +162,39 @@ def test_blocks_carry_reverse_and_degrees(csr):
         assert blk.dst_degree.shape[0] == blk.num_dst
 
 
+@pytest.mark.parametrize("model_name,layers", [("sage", 2), ("gcn", 3), ("gat", 2)])
+def test_merged_batches_compute_as_each_alone(csr, model_name, layers):
+    """Batches merged side by side give every target the logits (and the weights the gradients) it gets in its
+    own batch, though a node may appear in several of them; edge ids and rows are carried over."""
+    from trellis.nn import build_model
+
+    indptr, indices = csr
+    sampler = NeighborSampler(indptr, indices, [4, 3, 2][:layers])
+    x_all = torch.randn(len(indptr) - 1, 6, generator=torch.Generator().manual_seed(0))
+    batches = [sampler.sample(np.array(t), s) for t, s in (([0, 3, 5], 1), ([3, 7], 2), ([11, 12, 13, 40], 3))]
+    for b in batches:
+        b.x = x_all[b.node_ids]
+    merged = sampler.merge(batches)
+    assert merged.num_targets == 9 and torch.equal(merged.targets, torch.tensor([0, 3, 5, 3, 7, 11, 12, 13, 40]))
+    assert torch.equal(merged.x, x_all[merged.node_ids])
+    assert merged.num_edges == sum(b.num_edges for b in batches)
+    for blk in merged.blocks:  # every edge is a real in-edge, its id the CSR's
+        dst = np.repeat(blk.node_ids.numpy()[:blk.num_dst], np.diff(blk.indptr.numpy()))
+        src = blk.node_ids.numpy()[blk.indices.numpy()]
+        assert np.array_equal(indices[blk.edge_ids.numpy()], src)
+        assert np.all((indptr[dst] <= blk.edge_ids.numpy()) & (blk.edge_ids.numpy() < indptr[dst + 1]))
+    torch.manual_seed(0)
+    model = build_model(model_name, 6, 3, hidden=5, layers=layers, dropout=0.0).eval()
+    out = model(merged.graph, merged.x)
+    out.square().sum().backward()
+    merged_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone = [model(b.graph, b.x) for b in batches]
+    torch.cat(alone).square().sum().backward()
+    assert torch.allclose(out, torch.cat(alone), atol=1e-6)
+    assert all(torch.allclose(a, p.grad, atol=1e-5) for a, p in zip(merged_grads, model.parameters()))
+
+
 def test_bad_input(csr):
     indptr, indices = csr
     with pytest.raises(TrellisUserError, match="--layers 3"):

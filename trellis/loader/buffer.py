@@ -48,7 +48,8 @@ from trellis.loader.blocks import Batch, attach_edge_data
 from trellis.loader.cluster import induced_subgraph, prefix_blocks
 from trellis.loader.features import FeatureGather, FeatureSource, expand_ranges, gather_rows, normalize_rows_, np_int64
 from trellis.loader.prefetch import prefetch_iter
-from trellis.loader.sampler import LazyReverseBlock, NeighborSampler, batch_seed, mix64
+from trellis.loader.sampler import NeighborSampler, batch_seed, mix64
+from trellis.ops.graph import CSRGraph
 from trellis.partition.layout import PartitionedGraph, part_dir_name
 from trellis.utils.memory import proc_io
 from trellis.utils.numba import njit
@@ -458,6 +459,47 @@ class ArenaRows(FeatureSource):
         return rows
 
 
+@dataclass
+class Kept:
+    """A rehearsal batch kept while its part is away, in as few bytes as it can be rebuilt from.
+
+    Its blocks hold only their CSR (int32 local ids; store edge ids where the run has edge data): the
+    reverse graphs and degrees are rebuilt when the step's rehearsal batches are merged
+    (:meth:`~trellis.loader.sampler.NeighborSampler.merge`). Its input rows are int8 with one scale per row:
+    the rows are what limits how many targets a buffer can rehearse within a budget, and int8 holds them in a
+    quarter of the bytes with an error of at most half a step (``max |row| / 254``), far below the features'
+    own spread.
+    """
+
+    batch: Batch
+    q: Tensor
+    scale: Tensor
+
+    @classmethod
+    def of(cls, batch: Batch, rows: np.ndarray, *, edge_ids: bool) -> Kept:
+        """``batch``'s CSR and ``rows`` (float ``[n, F]``, quantized); its store edge ids if ``edge_ids``."""
+        blocks = [CSRGraph(b.indptr, b.indices.to(torch.int32), b.num_src,
+                           edge_ids=b.edge_ids if edge_ids else None) for b in batch.blocks]
+        light = Batch(blocks=blocks, node_ids=batch.node_ids, num_targets=batch.num_targets, seed=batch.seed,
+                      replay=True)
+        top = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(rows.shape[0], dtype=np.float32)
+        scale = np.where(top > 0, top / 127.0, 1.0).astype(np.float32)
+        q = np.rint(rows / scale[:, None]).astype(np.int8)
+        return cls(light, torch.from_numpy(q), torch.from_numpy(scale))
+
+    def rows(self) -> Tensor:
+        """The input rows, dequantized (float32)."""
+        return self.q.to(torch.float32) * self.scale[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds: rows, scales, node ids and the blocks' CSR."""
+        tensors = [self.q, self.scale, self.batch.node_ids]
+        for g in self.batch.blocks:
+            tensors += [t for t in (g.indptr, g.indices, g.edge_ids) if t is not None]
+        return int(sum(t.numel() * t.element_size() for t in tensors))
+
+
 class PartitionBuffer:
     """K of P parts (plus a cache) in memory, swapped one at a time; the neighbour batches of an epoch.
 
@@ -548,7 +590,7 @@ class PartitionBuffer:
         #: of a run's checkpointed state (:meth:`state_dict`), so a resumed run plans the same epochs.
         self.carry: tuple[int, ...] | None = None
         #: Part -> its rehearsal batches (``replay``), kept across epochs and checkpointed with the carry.
-        self.pool: dict[int, list[Batch]] = {}
+        self.pool: dict[int, list[Kept]] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-buffer-io")
         self._lock = threading.Lock()
         if cache_rows > 0:
@@ -743,14 +785,15 @@ class PartitionBuffer:
         return batch
 
     def _rehearse(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch, k: int,
-                  pool: dict[int, list[Batch]]) -> None:
+                  pool: dict[int, list[Kept]]) -> None:
         """Keep up to ``replay`` of ``state``'s targets per resident part as that part's rehearsal batches.
 
         The targets are cut into batches of ``replay_batch``, each sampled from the state's graph with its rows
-        copied out of the arena, so they stay valid after the part is evicted.
+        copied out of the arena (as int8, :class:`Kept`), so they stay valid after the part is evicted.
         """
         rng = np.random.default_rng(mix64(self.seed, plan.epoch, 0x4E91, k) >> 1)
         of_part = self.node_part[state.targets]
+        edge_data = self.edge_weight is not None or self.edge_feat is not None
         for p in state.parts:
             mine = state.targets[of_part == p]
             if mine.shape[0] == 0:
@@ -759,16 +802,17 @@ class PartitionBuffer:
             chunks = []
             for c in range(0, pick.shape[0], self.replay_batch):
                 rb = sampler.sample(np.sort(pick[c:c + self.replay_batch]), int(rng.integers(0, 2**62)))
-                rb.x = torch.from_numpy(self.arena[self.slot_of[rb.node_ids.numpy()]])
-                rb.replay = True
-                chunks.append(self._finish(rb, eids))
+                for b in rb.blocks if edge_data else ():  # the state CSR's positions -> store edge ids
+                    assert b.edge_ids is not None
+                    b.edge_ids = torch.from_numpy(eids[b.edge_ids.numpy()])
+                chunks.append(Kept.of(rb, self.arena[self.slot_of[rb.node_ids.numpy()]], edge_ids=edge_data))
             pool[int(p)] = chunks
 
-    def _with_replay(self, batch: Batch, state: BufferState, pool: dict[int, list[Batch]]) -> Iterator[Batch]:
-        """``batch``, then (at a step's end) one rehearsal batch of every part not resident, in turn.
+    def _with_replay(self, batch: Batch, state: BufferState, pool: dict[int, list[Kept]]) -> Iterator[Batch]:
+        """``batch``, then (at a step's end) one rehearsal batch of every part not resident, as one batch.
 
-        Each is weighted as one resident part's share of the step, so every part weighs the same in the
-        step's gradient whichever parts are resident.
+        Each part's rehearsal targets weigh as one resident part's share of the step, so every part weighs
+        the same in the step's gradient whichever parts are resident.
         """
         away = [p for p in sorted(pool) if p not in state.parts]
         if not (batch.step_end and away):
@@ -776,11 +820,11 @@ class PartitionBuffer:
             return
         batch.step_end = False
         yield batch
-        share = 1.0 / max(1, len(state.parts))
-        for i, p in enumerate(away):
-            chunks = pool[p]
-            yield dataclasses.replace(chunks[batch.index % len(chunks)], step_end=i == len(away) - 1,
-                                      step_weight=share, index=batch.index)
+        kept = [pool[p][batch.index % len(pool[p])] for p in away]
+        merged = self.sampler.merge([dataclasses.replace(c.batch, x=c.rows()) for c in kept])
+        merged.index, merged.replay = batch.index, True
+        merged.step_weight = len(away) / max(1, len(state.parts))
+        yield self._finish(merged, None)
 
     def _cluster_batch(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch,
                        k: int) -> Batch:
@@ -877,7 +921,9 @@ class PartitionBuffer:
         self.carry = plan.states[-1].parts  # only once the whole epoch was produced
         stats.extra["storage_bytes_read"] = float(proc_io().get("read_bytes", 0) - io0)
         if self.replay:  # what the rehearsal batches hold (their rows count against the budget)
-            stats.extra["replay_rows"] = float(sum(int(b.num_inputs) for c in self.pool.values() for b in c))
+            kept = [c for chunks in self.pool.values() for c in chunks]
+            stats.extra["replay_rows"] = float(sum(c.q.shape[0] for c in kept))
+            stats.extra["replay_bytes"] = float(sum(c.nbytes for c in kept))
 
     def reset(self) -> None:
         """A new run: the first epoch draws its first state, and no part has a rehearsal batch yet."""
@@ -887,15 +933,13 @@ class PartitionBuffer:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to produce the same epochs: the last state's parts and the rehearsal batches.
 
-        Only tensors, numbers and lists (a checkpoint loads with ``weights_only=True``); a rehearsal batch's
-        blocks are rebuilt on load as the sampler builds them.
+        Only tensors, numbers and lists (a checkpoint loads with ``weights_only=True``): a rehearsal batch is
+        its :class:`Kept` tensors.
         """
-        pool = {str(p): [{"node_ids": b.node_ids.cpu(), "x": b.x.cpu() if b.x is not None else None,
-                          "num_targets": b.num_targets,
-                          "blocks": [{"indptr": g.indptr.cpu(), "indices": g.indices.cpu(), "num_src": g.num_src,
-                                      "edge_ids": None if g.edge_ids is None else g.edge_ids.cpu(),
-                                      "lazy": isinstance(g, LazyReverseBlock)} for g in b.blocks]}
-                         for b in chunks]
+        pool = {str(p): [{"node_ids": c.batch.node_ids, "xq": c.q, "xs": c.scale, "num_targets": c.batch.num_targets,
+                          "blocks": [{"indptr": g.indptr, "indices": g.indices, "num_src": g.num_src,
+                                      "edge_ids": g.edge_ids} for g in c.batch.blocks]}
+                         for c in chunks]
                 for p, chunks in self.pool.items()}
         return {"carry": [] if self.carry is None else list(self.carry), "pool": pool}
 
@@ -907,22 +951,18 @@ class PartitionBuffer:
         for p, chunks in (state.get("pool") or {}).items():
             self.pool[int(p)] = [self._restore(d) for d in chunks]
 
-    def _restore(self, d: dict[str, Any]) -> Batch:
-        """A rehearsal batch from :meth:`state_dict`: its blocks rebuilt as the sampler builds them."""
-        ids = d["node_ids"].cpu()
-        blocks = []
-        for g in d["blocks"]:
-            block = self.sampler.block(g["indptr"].numpy(), g["indices"].numpy(), np.zeros(0, dtype=np.int64),
-                                       int(g["num_src"]), ids, lazy_reverse=bool(g["lazy"]))
-            block.edge_ids = g["edge_ids"]
-            blocks.append(block)
-        batch = Batch(blocks=blocks, node_ids=ids, num_targets=int(d["num_targets"]), x=d["x"], replay=True)
-        return self._finish(batch, None)
+    @staticmethod
+    def _restore(d: dict[str, Any]) -> Kept:
+        """A rehearsal batch from :meth:`state_dict`."""
+        blocks = [CSRGraph(g["indptr"], g["indices"], int(g["num_src"]), edge_ids=g["edge_ids"]) for g in d["blocks"]]
+        batch = Batch(blocks=blocks, node_ids=d["node_ids"], num_targets=int(d["num_targets"]), replay=True)
+        return Kept(batch, d["xq"], d["xs"])
 
     def close(self) -> None:
         """Stop the reading thread."""
         self._io.shutdown(wait=True, cancel_futures=True)
 
 
-__all__ = ["ArenaRows", "BufferEpoch", "BufferState", "BufferStats", "LayoutRows", "PartRows", "PartitionBuffer",
-           "StateGraphs", "buffer_states", "cut_steps", "inclusion_probability", "read_npy", "state_graph"]
+__all__ = ["ArenaRows", "BufferEpoch", "BufferState", "BufferStats", "Kept", "LayoutRows", "PartRows",
+           "PartitionBuffer", "StateGraphs", "buffer_states", "cut_steps", "inclusion_probability", "read_npy",
+           "state_graph"]

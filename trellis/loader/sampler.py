@@ -435,6 +435,58 @@ class NeighborSampler:
         stats["inputs"] = float(n)
         return Batch(blocks=blocks, node_ids=ids_t, num_targets=int(seeds.shape[0]), seed=int(seed), stats=stats)
 
+    def merge(self, batches: Sequence[Batch]) -> Batch:
+        """Sampled batches side by side as one batch (a node in two of them stays two rows).
+
+        Why: a partition buffer's step rehearses one small batch of every part not resident; as one batch
+        they cost one forward and one backward pass instead of one per part (per-batch overhead was most of
+        the rehearsal's time). Rows are ordered level by level (all batches' targets, then all their first
+        hops, ...), so every block's sources stay a prefix of the rows, as :meth:`sample` makes them. Each
+        batch's ``x`` (when all have one) and store edge ids are carried over; labels are not.
+        """
+        depth = batches[0].num_layers
+        # lev[i, k]: batch i's rows up to level k (k = 0: targets; k: the sources of the k-th block from the top)
+        lev = np.array([[b.num_targets] + [b.blocks[depth - 1 - k].num_src for k in range(depth)]
+                        for b in batches], dtype=np.int64)
+        seg = np.diff(lev, axis=1, prepend=0)  # rows of batch i first seen at level k
+        start = (np.cumsum(seg.T.reshape(-1)) - seg.T.reshape(-1)).reshape(depth + 1, len(batches))
+        pos = [np.concatenate([start[k, i] + np.arange(seg[i, k]) for k in range(depth + 1)])
+               for i in range(len(batches))]
+        total = int(lev[:, depth].sum())
+        ids = np.empty(total, dtype=np.int64)
+        for b, p in zip(batches, pos, strict=True):
+            ids[p] = b.node_ids.numpy()
+        ids_t = torch.from_numpy(ids)
+        blocks: list[CSRGraph] = []
+        for layer in range(depth):  # input block first
+            k = depth - 1 - layer
+            num_dst, num_src = int(lev[:, k].sum()), int(lev[:, k + 1].sum())
+            gs = [b.blocks[layer] for b in batches]
+            degs = [np.diff(g.indptr.numpy()) for g in gs]
+            deg = np.zeros(num_dst, dtype=np.int64)
+            for p, d in zip(pos, degs, strict=True):
+                deg[p[:d.shape[0]]] = d
+            indptr = np.zeros(num_dst + 1, dtype=np.int64)
+            np.cumsum(deg, out=indptr[1:])
+            indices = np.empty(int(indptr[-1]), dtype=np.int64)
+            eid = np.zeros(int(indptr[-1]), dtype=np.int64)
+            for g, p, d in zip(gs, pos, degs, strict=True):
+                gp = g.indptr.numpy()
+                slot = np.repeat(indptr[p[:d.shape[0]]] - gp[:-1], d) + np.arange(int(gp[-1]))
+                indices[slot] = p[g.indices.numpy()]
+                if g.edge_ids is not None:
+                    eid[slot] = g.edge_ids.numpy()
+            blocks.append(self.block(indptr, indices, eid, num_src, ids_t, lazy_reverse=layer == 0))
+        merged = Batch(blocks=blocks, node_ids=ids_t, num_targets=int(lev[:, 0].sum()), seed=batches[0].seed)
+        if all(b.x is not None for b in batches):
+            x0 = batches[0].x
+            assert x0 is not None
+            x = torch.empty((total, *x0.shape[1:]), dtype=x0.dtype)
+            for b, p in zip(batches, pos, strict=True):
+                x[torch.from_numpy(p)] = b.x
+            merged.x = x
+        return merged
+
     def block(self, indptr: np.ndarray, local: np.ndarray, eid: np.ndarray, num_src: int,
               node_ids: Tensor, *, lazy_reverse: bool = False) -> CSRGraph:
         """One block as :meth:`sample` builds it: its reverse (unless lazy) and its sources' global degrees."""
