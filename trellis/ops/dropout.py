@@ -36,21 +36,26 @@ if WITH_NUMBA:
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _apply_mask(x, out, seed, threshold, scale):  # pragma: no cover - compiled
+        # Each block works on its own slices of x and out: indexed as x[start + c] the loop did not vectorize
+        # and ran 10x slower (20 ms against 2 ms for 7.7M values), with the same mask.
         n = x.shape[0]
         block = 4096
         nblocks = (n + block - 1) // block
         for b in prange(nblocks):
             start = b * block
             stop = min(start + block, n)
-            for i in range(start, stop):
-                z = np.uint64(seed) + np.uint64(i) * _M1
+            xs = x[start:stop]
+            dst = out[start:stop]
+            base = np.uint64(start)
+            for c in range(xs.shape[0]):
+                z = np.uint64(seed) + (base + np.uint64(c)) * _M1
                 z = (z ^ (z >> np.uint64(30))) * _M2
                 z = (z ^ (z >> np.uint64(27))) * _M3
                 z = z ^ (z >> np.uint64(31))
                 if (z >> np.uint64(11)) < threshold:
-                    out[i] = 0.0
+                    dst[c] = 0.0
                 else:
-                    out[i] = x[i] * scale
+                    dst[c] = xs[c] * scale
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _apply_mask_keyed(x, out, keys, seed, threshold, scale):  # pragma: no cover - compiled
@@ -73,15 +78,18 @@ if WITH_NUMBA:
         for r in prange(rows):
             row = np.uint64(keys[r]) if keyed else np.uint64(r)
             base = row * np.uint64(width)
-            for k in range(crow[r], crow[r + 1]):
-                z = np.uint64(seed) + (base + np.uint64(col[k])) * _M1
+            vs = values[crow[r]:crow[r + 1]]  # slices, as in _apply_mask (vectorizes)
+            cs = col[crow[r]:crow[r + 1]]
+            dst = out[crow[r]:crow[r + 1]]
+            for k in range(vs.shape[0]):
+                z = np.uint64(seed) + (base + np.uint64(cs[k])) * _M1
                 z = (z ^ (z >> np.uint64(30))) * _M2
                 z = (z ^ (z >> np.uint64(27))) * _M3
                 z = z ^ (z >> np.uint64(31))
                 if (z >> np.uint64(11)) < threshold:
-                    out[k] = 0.0
+                    dst[k] = 0.0
                 else:
-                    out[k] = values[k] * scale
+                    dst[k] = vs[k] * scale
 
 #: Row keys in force (see :func:`keyed_rows`): row domain (``nodes``, ``edges``) -> ``int64`` key of each row.
 _ROW_KEYS: ContextVar[dict[str, np.ndarray] | None] = ContextVar("trellis_row_keys", default=None)
