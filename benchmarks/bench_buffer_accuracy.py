@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                         rec = json.loads(last)
                         print(f"  {label}: rehearsal holds {rec['replay_rows'] / s.num_nodes:.1%} of the rows in "
                               f"{rec['replay_bytes'] / (s.num_nodes * s.num_features * 4):.1%} of the features' "
-                              "bytes (int8)", flush=True)
+                              "bytes (4-bit rows)", flush=True)
                     epoch_s[label].append(float(summary["epoch_time_s_median"]))
                 print(name, seed, {k: round(v[-1], 4) for k, v in acc.items()}, flush=True)
             results[name] = acc

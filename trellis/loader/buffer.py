@@ -459,6 +459,10 @@ class ArenaRows(FeatureSource):
         return rows
 
 
+#: Quantization levels each side of zero of a kept rehearsal row (4 bits: -7 .. 7 times the row's scale).
+KEPT_LEVELS = 7
+
+
 @dataclass
 class Kept:
     """A rehearsal batch kept while its part is away, in as few bytes as it can be rebuilt from.
@@ -474,6 +478,7 @@ class Kept:
     batch: Batch
     q: Tensor
     scale: Tensor
+    width: int = 0
 
     @classmethod
     def of(cls, batch: Batch, rows: np.ndarray, *, edge_ids: bool) -> Kept:
@@ -483,13 +488,20 @@ class Kept:
         light = Batch(blocks=blocks, node_ids=batch.node_ids, num_targets=batch.num_targets, seed=batch.seed,
                       replay=True)
         top = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(rows.shape[0], dtype=np.float32)
-        scale = np.where(top > 0, top / 127.0, 1.0).astype(np.float32)
-        q = np.rint(rows / scale[:, None]).astype(np.int8)
-        return cls(light, torch.from_numpy(q), torch.from_numpy(scale))
+        scale = np.where(top > 0, top / KEPT_LEVELS, 1.0).astype(np.float32)
+        q = np.rint(rows / scale[:, None]).astype(np.int16) + KEPT_LEVELS + 1  # 1 .. 2 * levels + 1
+        width = int(rows.shape[1])
+        if width % 2:
+            q = np.concatenate([q, np.zeros((q.shape[0], 1), dtype=q.dtype)], axis=1)
+        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # two values per byte
+        return cls(light, torch.from_numpy(packed), torch.from_numpy(scale), width)
 
     def rows(self) -> Tensor:
         """The input rows, dequantized (float32)."""
-        return self.q.to(torch.float32) * self.scale[:, None]
+        q = torch.empty((self.q.shape[0], 2 * self.q.shape[1]), dtype=torch.float32)
+        q[:, 0::2] = (self.q & 15).to(torch.float32)
+        q[:, 1::2] = (self.q >> 4).to(torch.float32)
+        return (q[:, :self.width] - (KEPT_LEVELS + 1)) * self.scale[:, None]
 
     @property
     def nbytes(self) -> int:
@@ -936,7 +948,8 @@ class PartitionBuffer:
         Only tensors, numbers and lists (a checkpoint loads with ``weights_only=True``): a rehearsal batch is
         its :class:`Kept` tensors.
         """
-        pool = {str(p): [{"node_ids": c.batch.node_ids, "xq": c.q, "xs": c.scale, "num_targets": c.batch.num_targets,
+        pool = {str(p): [{"node_ids": c.batch.node_ids, "xq": c.q, "xs": c.scale, "width": c.width,
+                          "num_targets": c.batch.num_targets,
                           "blocks": [{"indptr": g.indptr, "indices": g.indices, "num_src": g.num_src,
                                       "edge_ids": g.edge_ids} for g in c.batch.blocks]}
                          for c in chunks]
@@ -956,7 +969,7 @@ class PartitionBuffer:
         """A rehearsal batch from :meth:`state_dict`."""
         blocks = [CSRGraph(g["indptr"], g["indices"], int(g["num_src"]), edge_ids=g["edge_ids"]) for g in d["blocks"]]
         batch = Batch(blocks=blocks, node_ids=d["node_ids"], num_targets=int(d["num_targets"]), replay=True)
-        return Kept(batch, d["xq"], d["xs"])
+        return Kept(batch, d["xq"], d["xs"], int(d["width"]))
 
     def close(self) -> None:
         """Stop the reading thread."""

@@ -111,8 +111,8 @@ def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, 
         inputs += frontier
     inputs = min(inputs, layout.num_nodes)
     replay = min(layout.num_nodes, layout.num_parts * int(getattr(cfg, "buffer_replay", 0)) * inputs // max(1, batch))
-    # rehearsal rows are kept as int8 with a float32 scale each (loader.buffer.Kept)
-    return int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5 + replay * (dim + 4) * 1.5)
+    # rehearsal rows are kept in 4 bits with a float32 scale each (loader.buffer.Kept)
+    return int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5 + replay * ((dim + 1) // 2 + 4) * 1.5)
 
 
 def plan_residency(cfg: TrainConfig, layout: PartitionedGraph, spec: ModelSpec, splits: dict[str, torch.Tensor],
