@@ -178,12 +178,14 @@ class BufferedMini(BatchStrategy):
         self.layout = layout
         self.plan = self._plan(layout, budget, baseline)
         self.skew = label_skew(node_part, splits["train"].cpu().numpy(), np.asarray(store.y), layout.num_parts)
-        if self.plan.capacity < layout.num_parts and self.skew > SKEW_WARNING:
+        if self.plan.capacity < layout.num_parts and self.skew > SKEW_WARNING and not getattr(cfg, "buffer_replay", 0):
+            fix = ("raise --buffer-parts" if self.cluster_mode else
+                   "add --buffer-replay 512 (each step also trains kept batches of the parts not resident), or "
+                   "raise --buffer-parts")
             print(f"warning: the parts of {cfg.parts_dir} follow the labels (skew {self.skew:.2f}: mean total-"
                   f"variation distance of a part's training labels from the whole set's). With {self.plan.capacity} of "
                   f"{layout.num_parts} parts resident, each buffer state trains on few classes, which can cost "
-                  "much accuracy; partition with `--method random` for buffer training, or raise --buffer-parts "
-                  "(docs/minibatch.md)", file=sys.stderr)
+                  f"much accuracy; {fix} (docs/minibatch.md)", file=sys.stderr)
         self.last_epoch: dict[str, float] = {}
         self.loader = self.make_loader()
 
