@@ -29,7 +29,6 @@ features, not the store's.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -48,7 +47,7 @@ from trellis.loader.blocks import Batch, attach_edge_data
 from trellis.loader.cluster import induced_subgraph, prefix_blocks
 from trellis.loader.features import FeatureGather, FeatureSource, expand_ranges, gather_rows, normalize_rows_, np_int64
 from trellis.loader.prefetch import prefetch_iter
-from trellis.loader.sampler import NeighborSampler, batch_seed, mix64
+from trellis.loader.sampler import NeighborSampler, batch_seed, merged_positions, mix64
 from trellis.ops.graph import CSRGraph
 from trellis.partition.layout import PartitionedGraph, part_dir_name
 from trellis.utils.memory import proc_io
@@ -463,6 +462,22 @@ class ArenaRows(FeatureSource):
 KEPT_LEVELS = 7
 
 
+@njit(nogil=True, cache=True)
+def _unpack4_into(q, scale, levels, width, out, at):  # pragma: no cover - compiled
+    """Row ``r`` of the packed 4-bit rows ``q`` (two values a byte), dequantized into ``out[at[r]]``."""
+    half = width // 2
+    for r in range(q.shape[0]):
+        s = scale[r]
+        row = q[r]
+        dst = out[at[r]]
+        for j in range(half):
+            b = np.int32(row[j])
+            dst[2 * j] = np.float32((b & 15) - levels - 1) * s
+            dst[2 * j + 1] = np.float32((b >> 4) - levels - 1) * s
+        if width % 2:
+            dst[width - 1] = np.float32((np.int32(row[half]) & 15) - levels - 1) * s
+
+
 @dataclass
 class Kept:
     """A rehearsal batch kept while its part is away, in as few bytes as it can be rebuilt from.
@@ -497,12 +512,14 @@ class Kept:
         packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # two values per byte
         return cls(light, torch.from_numpy(packed), torch.from_numpy(scale), width)
 
-    def rows(self) -> Tensor:
-        """The input rows, dequantized (float32)."""
-        q = torch.empty((self.q.shape[0], 2 * self.q.shape[1]), dtype=torch.float32)
-        q[:, 0::2] = (self.q & 15).to(torch.float32)
-        q[:, 1::2] = (self.q >> 4).to(torch.float32)
-        return (q[:, :self.width] - (KEPT_LEVELS + 1)) * self.scale[:, None]
+    def rows(self, out: np.ndarray | None = None, at: np.ndarray | None = None) -> Tensor:
+        """The input rows, dequantized (float32): new, or written to rows ``at`` of ``out`` (returned)."""
+        if out is None:
+            out = np.empty((self.q.shape[0], self.width), dtype=np.float32)
+            at = np.arange(self.q.shape[0], dtype=np.int64)
+        assert at is not None
+        _unpack4_into(self.q.numpy(), self.scale.numpy(), KEPT_LEVELS, self.width, out, at)
+        return torch.from_numpy(out)
 
     @property
     def nbytes(self) -> int:
@@ -834,7 +851,11 @@ class PartitionBuffer:
         batch.step_end = False
         yield batch
         kept = [pool[p][batch.index % len(pool[p])] for p in away]
-        merged = self.sampler.merge([dataclasses.replace(c.batch, x=c.rows()) for c in kept])
+        merged = self.sampler.merge([c.batch for c in kept])
+        x = np.empty((merged.num_inputs, self.dim), dtype=np.float32)
+        for c, at in zip(kept, merged_positions([c.batch for c in kept]), strict=True):
+            c.rows(x, at)  # each kept batch's rows straight into their places
+        merged.x = torch.from_numpy(x)
         merged.index, merged.replay = batch.index, True
         merged.step_weight = len(away) / max(1, len(state.parts))
         yield self._finish(merged, None)

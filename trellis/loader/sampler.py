@@ -445,13 +445,8 @@ class NeighborSampler:
         batch's ``x`` (when all have one) and store edge ids are carried over; labels are not.
         """
         depth = batches[0].num_layers
-        # lev[i, k]: batch i's rows up to level k (k = 0: targets; k: the sources of the k-th block from the top)
-        lev = np.array([[b.num_targets] + [b.blocks[depth - 1 - k].num_src for k in range(depth)]
-                        for b in batches], dtype=np.int64)
-        seg = np.diff(lev, axis=1, prepend=0)  # rows of batch i first seen at level k
-        start = (np.cumsum(seg.T.reshape(-1)) - seg.T.reshape(-1)).reshape(depth + 1, len(batches))
-        pos = [np.concatenate([start[k, i] + np.arange(seg[i, k]) for k in range(depth + 1)])
-               for i in range(len(batches))]
+        lev = _levels(batches)
+        pos = merged_positions(batches)
         total = int(lev[:, depth].sum())
         ids = np.empty(total, dtype=np.int64)
         for b, p in zip(batches, pos, strict=True):
@@ -501,6 +496,23 @@ class NeighborSampler:
             g.src_degree = deg
             g.dst_degree = deg[: g.num_dst]
         return g
+
+
+def _levels(batches: Sequence[Batch]) -> np.ndarray:
+    """``lev[i, k]``: batch i's rows up to level k (k = 0: targets; k: the sources of the k-th block from the top)."""
+    depth = batches[0].num_layers
+    return np.array([[b.num_targets] + [b.blocks[depth - 1 - k].num_src for k in range(depth)] for b in batches],
+                    dtype=np.int64)
+
+
+def merged_positions(batches: Sequence[Batch]) -> list[np.ndarray]:
+    """Where each row of each batch lands in :meth:`NeighborSampler.merge`'s batch (level by level)."""
+    lev = _levels(batches)
+    depth = lev.shape[1] - 1
+    seg = np.diff(lev, axis=1, prepend=0)  # rows of batch i first seen at level k
+    start = (np.cumsum(seg.T.reshape(-1)) - seg.T.reshape(-1)).reshape(depth + 1, len(batches))
+    return [np.concatenate([start[k, i] + np.arange(seg[i, k]) for k in range(depth + 1)])
+            for i in range(len(batches))]
 
 
 def attach_reverse(g: CSRGraph) -> CSRGraph:
