@@ -17,13 +17,11 @@ and the ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from benchmarks.common import time_steps
 from trellis.ops import dropout as D
 from trellis.utils.numba import njit, prange
 
@@ -48,25 +46,15 @@ def _before(x, out, seed, threshold, scale):  # pragma: no cover - compiled
                 out[i] = x[i] * scale
 
 
-def _time(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def _measure(rows: int, width: int, repeat: int) -> tuple[float, float, float]:
     """Milliseconds per call of the three kernels on a ``[rows, width]`` tensor; the two masks must agree."""
     threshold = np.uint64(int(0.5 * float(1 << 53)))
     x = torch.rand(rows, width)
     out, ref = torch.empty_like(x), torch.empty_like(x)
     flat, dref = x.view(-1).numpy(), ref.view(-1).numpy()
-    ours = _time(lambda: D._run(x, 12345, 0.5, out=out), repeat)
-    before = _time(lambda: _before(flat, dref, np.uint64(12345), threshold, 2.0), repeat)
-    theirs = _time(lambda: torch.nn.functional.dropout(x, 0.5, True), repeat)
+    ours = time_steps(lambda: D._run(x, 12345, 0.5, out=out), warmup=1, repeat=repeat) * 1e3
+    before = time_steps(lambda: _before(flat, dref, np.uint64(12345), threshold, 2.0), warmup=1, repeat=repeat) * 1e3
+    theirs = time_steps(lambda: torch.nn.functional.dropout(x, 0.5, True), warmup=1, repeat=repeat) * 1e3
     if not torch.equal(out, ref):
         raise SystemExit("the kernels' masks differ")
     return ours, before, theirs

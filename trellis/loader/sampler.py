@@ -473,12 +473,11 @@ class NeighborSampler:
                     eid[slot] = g.edge_ids.numpy()
             blocks.append(self.block(indptr, indices, eid, num_src, ids_t, lazy_reverse=layer == 0))
         merged = Batch(blocks=blocks, node_ids=ids_t, num_targets=int(lev[:, 0].sum()), seed=batches[0].seed)
-        if all(b.x is not None for b in batches):
-            x0 = batches[0].x
-            assert x0 is not None
-            x = torch.empty((total, *x0.shape[1:]), dtype=x0.dtype)
-            for b, p in zip(batches, pos, strict=True):
-                x[torch.from_numpy(p)] = b.x
+        rows = [b.x for b in batches]
+        if all(r is not None for r in rows):
+            x = torch.empty((total, *rows[0].shape[1:]), dtype=rows[0].dtype)  # type: ignore[union-attr]
+            for r, p in zip(rows, pos, strict=True):
+                x[torch.from_numpy(p)] = r  # type: ignore[assignment]
             merged.x = x
         return merged
 
