@@ -265,9 +265,11 @@ class MiniOptions(_Buffer, _Batched):
                                          "(default: what --memory-budget leaves after the parts)", metavar="SIZE")
 
     buffer_replay: int = opt(0, "mini with --parts-dir: targets per part kept as rehearsal batches (sampled, with "
-                                "their rows, while the part is resident; kept across epochs); every step also "
-                                "trains one of each part not resident, weighted as a resident part, so states "
-                                "whose parts hold few classes do not skew the model; 0 = off (default: 0)",
+                                "their rows in 4 bits, while the part is resident; kept across epochs); every step "
+                                "also trains one of each part not resident (merged into one batch), weighted as a "
+                                "resident part, so states whose parts hold few classes do not skew the model; "
+                                "512 brought 1 of 16 label-following parts within 0.74 points of memory; "
+                                "0 = off (default: 0)",
                              metavar="R")
 
     sampler_ranks: int = opt(0, "mini with --parts-dir --nproc P > 1: K more ranks of the job that only sample "
