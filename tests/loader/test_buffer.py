@@ -181,6 +181,28 @@ def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
         buf.close()
 
 
+@pytest.mark.parametrize("width", [1, 5, 16])
+def test_kept_rows_round_trip_in_4_bits(width):
+    """Kept rows (odd widths too) come back within half a step of each row's largest |value|; zero rows exactly."""
+    from trellis.loader.blocks import Batch
+    from trellis.loader.buffer import Kept
+
+    rng = np.random.default_rng(width)
+    rows = (rng.standard_normal((9, width)) * rng.uniform(0.1, 50, (9, 1))).astype(np.float32)
+    rows[3] = 0.0
+    ids = torch.arange(9)
+    kept = Kept.of(Batch(blocks=[], node_ids=ids, num_targets=9), rows, edge_ids=False)
+    assert kept.q.dtype == torch.uint8 and kept.q.shape == (9, (width + 1) // 2)
+    back = kept.rows().numpy()
+    step = np.abs(rows).max(axis=1, keepdims=True) / KEPT_LEVELS
+    assert back.shape == rows.shape and np.all(np.abs(back - rows) <= step / 2 + 1e-5)
+    assert np.array_equal(back[3], rows[3])
+    out = np.full((12, width), 7.0, dtype=np.float32)  # written into chosen rows of a larger array
+    at = np.array([11, 0, 2, 3, 4, 5, 6, 7, 9])
+    kept.rows(out, at)
+    assert np.array_equal(out[at], back) and np.all(out[[1, 8, 10]] == 7.0)
+
+
 @pytest.mark.parametrize("sizes,batch", [([10], 4), ([3, 5, 0, 9], 4), ([2, 2, 2], 8), ([7, 1], 1)])
 def test_steps_span_states(sizes, batch):
     """An epoch takes ceil(T / B) optimizer steps of B targets, whichever states they come from."""
