@@ -851,9 +851,11 @@ class PartitionBuffer:
         batch.step_end = False
         yield batch
         kept = [pool[p][batch.index % len(pool[p])] for p in away]
-        merged = self.sampler.merge([c.batch for c in kept])
+        parts = [c.batch for c in kept]
+        positions = merged_positions(parts)
+        merged = self.sampler.merge(parts, positions)
         x = np.empty((merged.num_inputs, self.dim), dtype=np.float32)
-        for c, at in zip(kept, merged_positions([c.batch for c in kept]), strict=True):
+        for c, at in zip(kept, positions, strict=True):
             c.rows(x, at)  # each kept batch's rows straight into their places
         merged.x = torch.from_numpy(x)
         merged.index, merged.replay = batch.index, True

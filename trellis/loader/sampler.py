@@ -435,18 +435,19 @@ class NeighborSampler:
         stats["inputs"] = float(n)
         return Batch(blocks=blocks, node_ids=ids_t, num_targets=int(seeds.shape[0]), seed=int(seed), stats=stats)
 
-    def merge(self, batches: Sequence[Batch]) -> Batch:
+    def merge(self, batches: Sequence[Batch], positions: list[np.ndarray] | None = None) -> Batch:
         """Sampled batches side by side as one batch (a node in two of them stays two rows).
 
         Why: a partition buffer's step rehearses one small batch of every part not resident; as one batch
         they cost one forward and one backward pass instead of one per part (per-batch overhead was most of
         the rehearsal's time). Rows are ordered level by level (all batches' targets, then all their first
         hops, ...), so every block's sources stay a prefix of the rows, as :meth:`sample` makes them. Each
-        batch's ``x`` (when all have one) and store edge ids are carried over; labels are not.
+        batch's ``x`` (when all have one) and store edge ids are carried over; labels are not. ``positions``:
+        :func:`merged_positions` of ``batches``, when the caller already has them.
         """
         depth = batches[0].num_layers
         lev = _levels(batches)
-        pos = merged_positions(batches)
+        pos = merged_positions(batches) if positions is None else positions
         total = int(lev[:, depth].sum())
         ids = np.empty(total, dtype=np.int64)
         for b, p in zip(batches, pos, strict=True):
