@@ -66,3 +66,38 @@ def test_chunk_bounds_cover_rows():
     indptr, _ = random_csr(n=1000, seed=0)
     b = chunk_bounds(indptr, 500)
     assert b[0] == 0 and b[-1] == 1000 and np.all(np.diff(b) > 0) and len(b) > 5
+
+
+@pytest.mark.parametrize("name,kw", [("gcn", {}), ("sage", {}), ("gin", {}),
+                                     ("gcn", {"residual": True, "norm": "layer", "layers": 3}),
+                                     ("sage", {"jk": "cat", "layers": 3})])
+def test_whole_graph_layers_equal_chunked_layers(name, kw):
+    """An SpMM layer run over the whole graph at once gives the chunked layers' outputs, rows or not."""
+    kw = dict(kw)
+    layers = kw.pop("layers", 2)
+    indptr, indices, g, x, model = setup(name, {}, layers=layers)
+    model = build_model(name, 8, 5, hidden=16, layers=layers, dropout=0.5, **kw).eval()
+    whole = layerwise_inference(model, indptr, indices, x)
+    chunked = layerwise_inference(model, indptr, indices, x, chunk_edges=300, whole_layers=False)
+    torch.testing.assert_close(whole, chunked, rtol=1e-5, atol=1e-5)
+    for rows in (np.array([5, 1, 299]), np.arange(0, 300, 2)):  # few rows: a chunked last layer; many: whole
+        part = layerwise_inference(model, indptr, indices, x, rows=rows)
+        torch.testing.assert_close(part, chunked[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_whole_graph_weighted_gcn_equals_the_full_forward():
+    """The whole-graph layer normalizes by every node's weighted degree, as the full graph does.
+
+    (A chunk's block knows only its destinations' weighted degrees: there the sources' are the block's own,
+    as on sampled blocks, docs/api.md.)
+    """
+    indptr, indices, g, x, _ = setup("gcn", {})
+    model = build_model("gcn", 8, 5, hidden=16, edge_weight=True).eval()
+    w = torch.rand(int(indptr[-1])) + 0.1
+    g.edge_weight = w
+    with torch.no_grad():
+        full = model(g, x)
+    whole = layerwise_inference(model, indptr, indices, x, edge_weight=w)
+    torch.testing.assert_close(whole, full, rtol=1e-5, atol=1e-5)
+    unweighted = layerwise_inference(model, indptr, indices, x)
+    assert (unweighted - whole).abs().max() > 1e-3  # the weights changed the result
