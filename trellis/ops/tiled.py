@@ -60,11 +60,13 @@ class CSRTile:
 if WITH_NUMBA:
 
     @njit(nogil=True, cache=True)
-    def _scaled_coef(indptr, indices, r0, row_scale, col_scale, out):  # pragma: no cover - compiled
-        for i in range(indptr.shape[0] - 1):
-            a = row_scale[r0 + i]
-            for k in range(indptr[i], indptr[i + 1]):
-                out[k] = np.float32(a * col_scale[indices[k]])
+    def _scaled_coef(lo, hi, bounds, indptr, indices, r0, row_scale, col_scale, out):  # pragma: no cover
+        """``out[k] = float32(row_scale[r0 + i] * col_scale[indices[k]])`` over the row chunks ``[lo, hi)``."""
+        for c in range(lo, hi):
+            for i in range(bounds[c], bounds[c + 1]):
+                a = row_scale[r0 + i]
+                for k in range(indptr[i], indptr[i + 1]):
+                    out[k] = np.float32(a * col_scale[indices[k]])
 
 
 class MappedCSR:
@@ -151,7 +153,9 @@ class MappedCSR:
             out = np.empty(tile.num_edges, dtype=np.float32)
             s = self.gcn_scale
             if WITH_NUMBA:
-                _scaled_coef(K.np_(tile.indptr), tile.indices, tile.r0, s, s, out)
+                # on the kernels' threads, by row chunks (a tile of 17M edges: 150 ms on one core)
+                K.launch(_scaled_coef, tile, tile.num_edges, torch.from_numpy(out), K.np_(tile.indptr), tile.indices,
+                         tile.r0, s, s, out)
             else:
                 rows = np.repeat(np.arange(tile.r0, tile.r1), np.diff(tile.indptr.numpy()))
                 np.multiply(s[rows], s[np.asarray(tile.indices)], out=out, casting="same_kind")
