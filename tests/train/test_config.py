@@ -40,6 +40,7 @@ def test_every_model_has_complete_defaults():
     ({"weight_decay": -1.0}, "--weight-decay"),
     ({"epochs": 0}, "--epochs"),
     ({"patience": 0}, "--patience"),
+    ({"eval_every": 0}, "--eval-every"),
     ({"runs": 0}, "--runs"),
     ({"seed": -1}, "--seed"),
     ({"checkpoint_every": -5}, "--checkpoint-every"),

@@ -91,6 +91,31 @@ def test_early_stopping_restores_best(small_store, tmp_path):
     assert float(np.mean(pred[test] == st.y[test])) == pytest.approx(s["test_acc"][0])
 
 
+def test_eval_every_evaluates_every_nth_epoch_and_the_last(small_store, tmp_path):
+    """--eval-every 3 over 8 epochs: epochs 2, 5 and 7 carry the figures, which equal an every-epoch run's."""
+    s = train(cfg_for(small_store, tmp_path / "run", epochs=8, patience=100, eval_every=3))
+    recs = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["epoch"] for r in recs] == list(range(8))
+    assert [r["epoch"] for r in recs if "val_acc" in r] == [2, 5, 7]
+    assert s["best_epoch"][0] in (2, 5, 7)
+    train(cfg_for(small_store, tmp_path / "every", epochs=8, patience=100))
+    base = read_jsonl(tmp_path / "every" / "metrics.jsonl")
+    assert [r["loss"] for r in recs] == [r["loss"] for r in base]  # evaluation draws no random numbers
+    for r in recs:
+        if "val_acc" in r:
+            assert (r["val_acc"], r["test_acc"]) == (base[r["epoch"]]["val_acc"], base[r["epoch"]]["test_acc"])
+
+
+def test_eval_every_keeps_patience_in_epochs(small_store, tmp_path):
+    """Patience counts epochs, not evaluations: a run stops at the first evaluation ``patience`` epochs or more
+    after its best one."""
+    s = train(cfg_for(small_store, tmp_path / "run", epochs=500, patience=6, lr=0.05, eval_every=4))
+    recs = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    best, last = s["best_epoch"][0], recs[-1]["epoch"]
+    assert last < 499 and (best + 1) % 4 == 0 and (last + 1) % 4 == 0
+    assert last - best >= 6 and last - best - 4 < 6  # the first evaluation at or past the patience
+
+
 def _resume(run_dir, **session):
     cfg = TrainConfig.from_dict({**read_json(Path(run_dir) / "config.json"), "resume": str(run_dir),
                                  "progress": False, **session})

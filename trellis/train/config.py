@@ -129,6 +129,8 @@ class TrainConfig:
     epochs: int = _f(None, "maximum epochs per run (default: 200; gat 1000)", resolved=True)
     patience: int = _f(None, "stop a run after this many epochs without a better validation metric "
                                     "(default: 100)", resolved=True)
+    eval_every: int = _f(1, "evaluate every N epochs (and after the last one); patience still counts epochs. "
+                            "Exact evaluation of a large graph can cost as much as an epoch (default: 1)")
     runs: int = _f(1, "repeat with seeds seed..seed+runs-1 and report mean and std (default: 1)")
     seed: int = _f(0, "seed of the first run (default: 0)")
     device: str = _f("auto", "auto (cuda when available), cpu, cuda or cuda:N (default: auto)",
@@ -251,6 +253,7 @@ class TrainConfig:
         _check_range("heads", self.heads, 1)
         _check_range("epochs", self.epochs, 1)
         _check_range("patience", self.patience, 1)
+        _check_range("eval_every", self.eval_every, 1)
         _check_range("runs", self.runs, 1)
         _check_range("seed", self.seed, 0)
         _check_range("checkpoint_every", self.checkpoint_every, 0)

@@ -136,8 +136,10 @@ def run_time_to_accuracy(records: Sequence[dict[str, Any]], metric: str, target:
         given, ``epochs_to_target`` (a count) and ``time_to_target_s`` (cumulative wall time), None when
         the run never reached the target.
     """
-    vals = [r.get(f"val_{metric}") for r in records]
-    epochs = [int(r.get("epoch", i)) for i, r in enumerate(records)]
+    key = f"val_{metric}"
+    kept = [i for i, r in enumerate(records) if r.get(key) is not None]  # the evaluated epochs (--eval-every)
+    vals = [records[i][key] for i in kept]
+    epochs = [int(records[i].get("epoch", i)) for i in kept]
 
     def epoch_of(i: int | None) -> int | None:
         return None if i is None else epochs[i]
@@ -149,7 +151,7 @@ def run_time_to_accuracy(records: Sequence[dict[str, Any]], metric: str, target:
     if target is not None:
         i = first_reaching(vals, target, higher_is_better=higher_is_better)
         out["epochs_to_target"] = None if i is None else epochs[i] + 1
-        out["time_to_target_s"] = None if i is None else cumulative_times(records)[i]
+        out["time_to_target_s"] = None if i is None else cumulative_times(records)[kept[i]]
     return out
 
 

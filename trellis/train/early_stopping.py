@@ -28,7 +28,8 @@ class EarlyStopping:
         best_val_loss: Its validation loss (the tie-breaker).
         best_metrics: Its whole evaluation record.
         best_state: A copy of the model's weights at that epoch.
-        bad_epochs: Epochs since the best one.
+        bad_epochs: Epochs since the best one (counted in epochs, so evaluating every few epochs keeps
+            ``patience`` in epochs).
     """
 
     metric: str
@@ -52,7 +53,7 @@ class EarlyStopping:
             self.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
             self.bad_epochs = 0
             return True
-        self.bad_epochs += 1
+        self.bad_epochs = epoch - self.best_epoch  # one per epoch when every epoch is evaluated
         return False
 
     @property

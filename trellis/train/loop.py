@@ -223,7 +223,9 @@ def run_epochs(lanes: Sequence[Lane], open_batch: Callable[[list[Lane]], ModelBa
         loss_values = [float(v) for v in losses]
         if sample is not None:
             sample()
-        evs = batch.evaluate(task)
+        # evaluate when some lane is due (--eval-every), ends, or pauses here; every lane then gets the figures
+        due = any(_eval_due(ln, limit[run_ids[j]]) for j, ln in zip(batch.active, run))
+        evs: list[dict[str, float]] = batch.evaluate(task) if due else [{} for _ in run]
         if sample is not None:
             sample()
         if cuda:
@@ -233,7 +235,8 @@ def run_epochs(lanes: Sequence[Lane], open_batch: Callable[[list[Lane]], ModelBa
         stop: list[int] = []
         for j, ln, loss, ev in zip(list(batch.active), run, loss_values, evs):
             epoch = ln.epochs
-            ln.stopper.update(epoch, ev, ln.model)
+            if ev:
+                ln.stopper.update(epoch, ev, ln.model)
             ln.time_s += share
             ln.step_times.append(step / len(run))
             ln.epochs = epoch + 1
@@ -249,7 +252,7 @@ def run_epochs(lanes: Sequence[Lane], open_batch: Callable[[list[Lane]], ModelBa
             ln.log.write(record)
             if on_record is not None:
                 on_record(ln, record)
-            if ln.stopper.should_stop:
+            if ev and ln.stopper.should_stop:
                 ln.stopped = "patience"
             elif ln.epochs >= ln.cfg.epochs:
                 ln.stopped = "epochs"
@@ -260,3 +263,14 @@ def run_epochs(lanes: Sequence[Lane], open_batch: Callable[[list[Lane]], ModelBa
         if batch.active and after_epoch is not None:
             after_epoch()
     return True
+
+
+def _eval_due(lane: Lane, limit: int) -> bool:
+    """Whether the epoch just trained (``lane.epochs + 1``) is evaluated.
+
+    Every ``eval_every``-th epoch is, the last of its ``epochs`` and the last before a pause at ``limit`` (a
+    tune's rung) too, so a run always ends on an evaluation.
+    """
+    done = lane.epochs + 1
+    every = lane.cfg.eval_every
+    return done % every == 0 or done >= lane.cfg.epochs or done >= limit

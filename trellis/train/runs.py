@@ -187,11 +187,11 @@ def plot_curves(metrics_path: Path, out: Path, metric: str) -> None:
     for run, recs in sorted(by_run.items()):
         epochs = [r["epoch"] for r in recs]
         ax_loss.plot(epochs, [r["loss"] for r in recs], lw=1, label=f"run {run}")
-        val = [r.get(f"val_{metric}") for r in recs]
-        test = [r.get(f"test_{metric}") for r in recs]
-        (line,) = ax_metric.plot(epochs, [math.nan if v is None else v for v in val], lw=1, label=f"val, run {run}")
-        ax_metric.plot(epochs, [math.nan if v is None else v for v in test], lw=1, ls="--", color=line.get_color(),
-                       label=f"test, run {run}")
+        evaluated = [r for r in recs if r.get(f"val_{metric}") is not None]  # every epoch, or --eval-every's
+        at = [r["epoch"] for r in evaluated]
+        (line,) = ax_metric.plot(at, [r[f"val_{metric}"] for r in evaluated], lw=1, label=f"val, run {run}")
+        ax_metric.plot(at, [math.nan if r.get(f"test_{metric}") is None else r[f"test_{metric}"] for r in evaluated],
+                       lw=1, ls="--", color=line.get_color(), label=f"test, run {run}")
     ax_loss.set(xlabel="epoch", ylabel="training loss", title="loss")
     ax_metric.set(xlabel="epoch", ylabel=metric, title=f"{metric} (solid: val, dashed: test)")
     if len(by_run) <= 5:

@@ -610,7 +610,8 @@ def plot_leaderboard(root: Path, rows: list[dict[str, Any]], metric: str) -> Non
 
     fig, (ax_c, ax_b) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, r in enumerate(rows):
-        recs = read_jsonl(root / "configs" / r["config"] / "metrics.jsonl")
+        recs = [q for q in read_jsonl(root / "configs" / r["config"] / "metrics.jsonl")
+                if q.get(f"val_{metric}") is not None]  # the evaluated epochs (--set eval_every=N)
         label = config_label(r) if i < 5 else None
         ax_c.plot([q["epoch"] for q in recs], [_num(q.get(f"val_{metric}")) for q in recs], lw=1.2 if i < 5 else 0.6,
                   alpha=1.0 if i < 5 else 0.5, label=label)

@@ -326,8 +326,9 @@ class Trainer:
         def on_record(ln: Lane, record: dict[str, Any]) -> None:
             for cb in self.callbacks:
                 cb(self, record)
-            bar.set_postfix_str(f"loss {record['loss']:.4f} val {ctx.metric} {record[f'val_{ctx.metric}']:.4f}",
-                                refresh=False)
+            val = record.get(f"val_{ctx.metric}")  # absent between evaluations (--eval-every)
+            if val is not None:
+                bar.set_postfix_str(f"loss {record['loss']:.4f} val {ctx.metric} {val:.4f}", refresh=False)
             bar.update(1)
 
         def after_epoch() -> None:

@@ -676,7 +676,8 @@ def plot_tune(root: Path, board: dict[str, Any]) -> None:
         xs: list[float] = []
         ys: list[float] = []
         prev = None
-        for k, q in enumerate(read_jsonl(root / "configs" / r["config"] / "metrics.jsonl")):
+        recs = [q for q in read_jsonl(root / "configs" / r["config"] / "metrics.jsonl") if f"val_{m}" in q]
+        for k, q in enumerate(recs):  # the evaluated epochs (every epoch unless eval_every is set)
             if k and q.get("rung") != prev:  # a gap while other candidates train: the line breaks
                 xs.append(math.nan)
                 ys.append(math.nan)
