@@ -122,9 +122,10 @@ def _resume(run_dir, **session):
     return Trainer(cfg).fit()
 
 
-@pytest.mark.parametrize(("stop_run", "stop_epoch"), [(0, 7), (1, 3), (0, 29)])
-def test_resume_after_interrupt_is_exact(small_store, tmp_path, stop_run, stop_epoch):
-    kw = {"epochs": 30, "runs": 2, "checkpoint_every": 10, "patience": 12, "lr": 0.03}
+@pytest.mark.parametrize(("stop_run", "stop_epoch", "eval_every"), [(0, 7, 1), (1, 3, 1), (0, 29, 1), (0, 7, 3)])
+def test_resume_after_interrupt_is_exact(small_store, tmp_path, stop_run, stop_epoch, eval_every):
+    """(With --eval-every 3 the cut falls between two evaluations.)"""
+    kw = {"epochs": 30, "runs": 2, "checkpoint_every": 10, "patience": 12, "lr": 0.03, "eval_every": eval_every}
     train(cfg_for(small_store, tmp_path / "full", **kw))
 
     def stop(trainer, rec):
