@@ -11,6 +11,8 @@ process, with the same weights:
   (the SpMM engine, no per-edge tensors);
 * **trellis chunked**: the same function with ``whole_layers=False``, the layer-wise chunks every layer took
   before (each chunk samples its rows' full in-neighbourhoods and gathers their input rows);
+* **trellis mapped**: the features as ``--strategy mini`` holds them, a memory map read row by row
+  (:class:`~trellis.loader.features.ArrayRows`): the first layer stays in chunks, the others run whole;
 * **pyg**: PyG's own ``SAGEConv`` / ``GCNConv`` stack on the whole graph with a ``torch.sparse_csr_tensor``
   ``adj_t`` (``torch_geometric.utils.spmm``; the graph's transposed adjacency, as PyG's docs give it). PyG's
   layer-wise ``NeighborLoader`` inference needs ``pyg-lib`` or ``torch-sparse``, which have no wheel for
@@ -37,7 +39,7 @@ from pathlib import Path
 from benchmarks.bench_outofcore import StoreSpec, child_env, failure, parse_count, run_watched, store_for
 from benchmarks.common import print_table
 
-SYSTEMS = ("trellis", "trellis chunked", "pyg")
+SYSTEMS = ("trellis", "trellis chunked", "trellis mapped", "pyg")
 
 
 def _child(args: dict) -> None:
@@ -45,24 +47,27 @@ def _child(args: dict) -> None:
     import torch
 
     from trellis.data.store import GraphStore
+    from trellis.loader.features import ArrayRows
     from trellis.loader.inference import layerwise_inference
     from trellis.nn.models import build_model
 
     torch.set_num_threads(args["threads"])
     s = GraphStore(args["store"])
-    x = torch.from_numpy(np.array(s.x, dtype=np.float32))
+    system = args["system"]
+    # the mapped variant reads rows from the store's memory map and never holds the features whole
+    x = None if system == "trellis mapped" else torch.from_numpy(np.array(s.x, dtype=np.float32))
     indptr = np.array(s.indptr, dtype=np.int64)
     indices = np.array(s.indices, dtype=np.int64)
     torch.manual_seed(0)
-    model = build_model(args["model"], x.shape[1], s.num_classes, hidden=args["hidden"]).eval()
-    system = args["system"]
+    model = build_model(args["model"], s.num_features, s.num_classes, hidden=args["hidden"]).eval()
     if system == "pyg":
         run = _pyg(model, args["model"], indptr, indices, x)
     else:
-        whole = system == "trellis"
+        whole = system != "trellis chunked"
+        src = ArrayRows(s.x) if system == "trellis mapped" else x
 
         def run() -> torch.Tensor:
-            return layerwise_inference(model, indptr, indices, x, whole_layers=whole)
+            return layerwise_inference(model, indptr, indices, src, whole_layers=whole)
     out = run()  # warm-up: numba compiles, PyG builds its caches
     times = []
     for _ in range(args["repeat"]):

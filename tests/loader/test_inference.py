@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from trellis.loader.features import ArrayRows
 from trellis.loader.inference import chunk_bounds, layerwise_inference
 from trellis.loader.sampler import NeighborSampler
 from trellis.nn import build_model
@@ -83,6 +84,8 @@ def test_whole_graph_layers_equal_chunked_layers(name, kw):
     for rows in (np.array([5, 1, 299]), np.arange(0, 300, 2)):  # few rows: a chunked last layer; many: whole
         part = layerwise_inference(model, indptr, indices, x, rows=rows)
         torch.testing.assert_close(part, chunked[rows], rtol=1e-5, atol=1e-5)
+    mapped = layerwise_inference(model, indptr, indices, ArrayRows(x.numpy()))  # first layer chunked, then whole
+    torch.testing.assert_close(mapped, chunked, rtol=1e-5, atol=1e-5)
 
 
 def test_whole_graph_weighted_gcn_equals_the_full_forward():

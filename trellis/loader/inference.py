@@ -12,9 +12,10 @@ A layer whose input is already a whole matrix on the compute device and whose pl
 GIN) skips the chunks: it runs once over the whole graph. A chunk gathers its sources' rows, and on a graph
 without locality every chunk's sources are most of the graph, so chunking copied the layer's input about once
 per chunk (a 1M-node, 10M-edge graph: 2.4× slower than the whole-graph layer, same result). The whole-graph
-layer needs no per-edge memory beyond GCN's edge weights and one ``[N, min(in, out)]`` intermediate. A run
-whose features are read from a :class:`FeatureSource` (a memory budget, a partition buffer) plans its memory,
-so there every layer stays in chunks.
+layer needs no per-edge memory beyond GCN's edge weights and one ``[N, min(in, out)]`` intermediate. Features
+read from a :class:`FeatureSource` (a memory map, a partitioned layout) are never held whole, so the first layer
+then stays in chunks. A run under a memory budget evaluates within it instead
+(:func:`trellis.loader.buffer_inference.buffer_inference`).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
         rows: Only these nodes' final outputs are returned (the last layer runs only for their rows when
             their in-edges reach under a quarter of the graph); None = all nodes.
         whole_layers: Run an SpMM layer whose input is a tensor on ``device`` over the whole graph at once
-            (default), when ``x`` is a tensor; False, or features read from a source, chunk every layer.
+            (default); False chunks every layer (tests compare the two).
 
     Returns:
         ``[N or len(rows), out_dim]`` on ``device``.
@@ -112,8 +113,6 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
         outs: list[Tensor] = []
         embed = getattr(model, "embed_inputs", None)  # --features embedding:D: ids -> table rows, once
         h: Tensor | FeatureSource = x if embed is None else embed(x.to(dev))  # type: ignore[union-attr]
-        # features read from a source (a budget, a buffer) mean memory is planned: every layer stays in chunks
-        whole_layers = whole_layers and isinstance(x, Tensor)
         whole: CSRGraph | None = None  # the whole graph as one square block, built on first use
         for li, conv in enumerate(convs):
             last = li == len(convs) - 1
