@@ -120,7 +120,7 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
             few = last and rows_np is not None and 4 * rows_np.shape[0] * _avg_degree(indptr_np) < n
             out: Tensor
             if whole_layers and not few and isinstance(conv, PushdownConv) and isinstance(h, Tensor) \
-                    and h.device == dev:
+                    and h.device.type == dev.type and (h.device.index or 0) == (dev.index or 0):  # cuda == cuda:0
                 if whole is None:
                     whole = _whole_graph(indptr_np, indices_np, edge_weight, edge_feat, dev)
                 out = post(li, h, conv(whole, h))
