@@ -88,11 +88,11 @@ def test_whole_graph_layers_equal_chunked_layers(name, kw):
     torch.testing.assert_close(mapped, chunked, rtol=1e-5, atol=1e-5)
 
 
-def test_whole_graph_weighted_gcn_equals_the_full_forward():
-    """The whole-graph layer normalizes by every node's weighted degree, as the full graph does.
+def test_weighted_gcn_inference_equals_the_full_forward():
+    """Whole or in chunks, a weighted GCN normalizes by every node's whole-graph weighted degree.
 
-    (A chunk's block knows only its destinations' weighted degrees: there the sources' are the block's own,
-    as on sampled blocks, docs/api.md.)
+    (A chunk's destinations hold all their in-edges, its sources do not: they carry their whole-graph weighted
+    degree, ``CSRGraph.src_weighted_degree``.)
     """
     indptr, indices, g, x, _ = setup("gcn", {})
     model = build_model("gcn", 8, 5, hidden=16, edge_weight=True).eval()
@@ -102,5 +102,12 @@ def test_whole_graph_weighted_gcn_equals_the_full_forward():
         full = model(g, x)
     whole = layerwise_inference(model, indptr, indices, x, edge_weight=w)
     torch.testing.assert_close(whole, full, rtol=1e-5, atol=1e-5)
+    chunked = layerwise_inference(model, indptr, indices, x, edge_weight=w, chunk_edges=300, whole_layers=False)
+    torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-5)
+    mapped = layerwise_inference(model, indptr, indices, ArrayRows(x.numpy()), edge_weight=w, chunk_edges=300)
+    torch.testing.assert_close(mapped, full, rtol=1e-5, atol=1e-5)
+    rows = np.array([7, 3, 250])
+    few = layerwise_inference(model, indptr, indices, x, edge_weight=w, rows=rows)  # a chunked last layer
+    torch.testing.assert_close(few, full[rows], rtol=1e-5, atol=1e-5)
     unweighted = layerwise_inference(model, indptr, indices, x)
     assert (unweighted - whole).abs().max() > 1e-3  # the weights changed the result

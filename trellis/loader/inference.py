@@ -114,6 +114,7 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
         embed = getattr(model, "embed_inputs", None)  # --features embedding:D: ids -> table rows, once
         h: Tensor | FeatureSource = x if embed is None else embed(x.to(dev))  # type: ignore[union-attr]
         whole: CSRGraph | None = None  # the whole graph as one square block, built on first use
+        wdeg: Tensor | None = None  # every node's weighted in-degree (a weighted GCN's chunks), on first use
         for li, conv in enumerate(convs):
             last = li == len(convs) - 1
             # the last layer of a few rows whose in-edges reach a small part of the graph reads only those
@@ -127,8 +128,10 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
                 if last and rows_np is not None:
                     out = out.index_select(0, torch.from_numpy(rows_np).to(dev))
             else:
+                if edge_weight is not None and wdeg is None:
+                    wdeg = _weighted_in_degree(indptr_np, edge_weight)
                 out = _chunked_layer(li, conv, post, h, sampler, rows_np if last else None, chunk_edges, edge_weight,
-                                     edge_feat, dev)
+                                     edge_feat, dev, wdeg)
             if jk:  # the readout reads every layer's output of the returned rows
                 outs.append(out if rows_np is None or last else out.index_select(0, torch.from_numpy(rows_np).to(dev)))
             h = out
@@ -140,8 +143,12 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
 
 def _chunked_layer(li: int, conv: nn.Module, post: Callable[[int, Tensor, Tensor], Tensor], h: Tensor | FeatureSource,
                    sampler: NeighborSampler, targets: np.ndarray | None, chunk_edges: int, edge_weight: Tensor | None,
-                   edge_feat: Tensor | None, dev: torch.device) -> Tensor:
-    """Layer ``li``'s output for every node (or ``targets``), one chunk of destination rows at a time."""
+                   edge_feat: Tensor | None, dev: torch.device, wdeg: Tensor | None = None) -> Tensor:
+    """Layer ``li``'s output for every node (or ``targets``), one chunk of destination rows at a time.
+
+    ``wdeg``: every node's weighted in-degree; a chunk's sources carry theirs, so a weighted GCN normalizes
+    them as the whole graph does (a chunk's destinations hold all their in-edges, their sources do not).
+    """
     indptr = sampler.indptr
     if targets is not None:
         bounds = np.arange(0, targets.shape[0] + 1, max(1, chunk_edges // max(1, _avg_degree(indptr))))
@@ -155,6 +162,8 @@ def _chunked_layer(li: int, conv: nn.Module, post: Callable[[int, Tensor, Tensor
         batch = sampler.sample(seeds, 0)
         block = batch.blocks[0]
         attach_edge_data([block], edge_weight, edge_feat)
+        if wdeg is not None:
+            block.src_weighted_degree = wdeg.index_select(0, batch.node_ids)
         block = block.to(dev)  # a no-op when already there
         if isinstance(h, FeatureSource):
             h_in = h.gather(batch.node_ids).to(dev)
@@ -167,6 +176,13 @@ def _chunked_layer(li: int, conv: nn.Module, post: Callable[[int, Tensor, Tensor
         out[a:b] = y
     assert out is not None
     return out
+
+
+def _weighted_in_degree(indptr: np.ndarray, edge_weight: Tensor) -> Tensor:
+    """``float64 [N]``: the sum of each node's in-edge weights, summed as :func:`trellis.ops.norm.gcn_norm` does."""
+    n = indptr.shape[0] - 1
+    dst = torch.repeat_interleave(torch.arange(n), torch.from_numpy(np.diff(indptr)))
+    return torch.zeros(n, dtype=torch.float64).index_add_(0, dst, edge_weight.detach().cpu().to(torch.float64))
 
 
 def _whole_graph(indptr: np.ndarray, indices: np.ndarray, edge_weight: Tensor | None, edge_feat: Tensor | None,

@@ -110,6 +110,10 @@ class CSRGraph:
             by a loader or a partition whose graph is a piece of a larger one, so that GCN's normalization
             (:func:`trellis.ops.norm.gcn_norm`) equals the whole graph's. None: the local degrees are used.
         dst_degree: Optional ``[num_dst]`` global in-degree of each destination row (same role).
+        src_weighted_degree: Optional ``float64 [num_src]`` *global* weighted in-degree (the sum of the weights
+            of each source row's in-edges, without self loops), for the weighted GCN's normalization on a piece
+            whose destinations hold all their in-edges (exact inference's chunks). None: the weighted GCN uses
+            the piece's own weights (DGL's convention on sampled blocks).
         edge_ids: Optional ``int64 [E]`` global id (into the store's CSR) of each local edge, so per-edge
             data (weights, features) can follow its edge into a subgraph; -1 for an edge that does not
             exist in the store (a self loop added by :meth:`with_self_loops`).
@@ -130,6 +134,7 @@ class CSRGraph:
     cache: dict[str, Any] = field(default_factory=dict, repr=False)
     src_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     dst_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
+    src_weighted_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     edge_ids: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     exchange: Exchange | None = field(default=None, repr=False, kw_only=True)
 
@@ -302,7 +307,8 @@ class CSRGraph:
 
         g = CSRGraph(self.indptr.to(device), self.indices.to(device), self.num_src, mv(self.edge_weight),
                      mv(self.edge_feat), mv(self.node_ids), src_degree=mv(self.src_degree),
-                     dst_degree=mv(self.dst_degree), edge_ids=mv(self.edge_ids), exchange=self.exchange)
+                     dst_degree=mv(self.dst_degree), edge_ids=mv(self.edge_ids), exchange=self.exchange,
+                     src_weighted_degree=mv(self.src_weighted_degree))
         if self.rev is not None:
             g.rev = CSRGraph(self.rev.indptr.to(device), self.rev.indices.to(device), self.num_dst)
             g.perm = mv(self.perm)

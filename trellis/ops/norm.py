@@ -70,7 +70,9 @@ def gcn_norm(graph: CSRGraph, add_self_loops: bool = True, weighted: bool = Fals
 
     With ``weighted`` and a graph that carries ``edge_weight``, PyG's weighted form: ``deg_i = 1 + sum_j
     w_ij`` over the graph's own edges (a block's sampled edges; global degree hints count edges, so they are
-    not used), and ``w_ij / sqrt(deg_i deg_j)``.
+    not used), and ``w_ij / sqrt(deg_i deg_j)``. A block whose destinations hold all their in-edges may carry
+    ``src_weighted_degree`` (its sources' whole-graph weighted in-degrees): the sources' degrees are then
+    those, and the normalization equals the whole graph's.
 
     Args:
         graph: The graph (full graph, block or partition).
@@ -93,6 +95,8 @@ def gcn_norm(graph: CSRGraph, add_self_loops: bool = True, weighted: bool = Fals
         dd = torch.zeros(nd, dtype=torch.float64, device=graph.device).index_add_(0, dst, w) + loop
         if graph.num_src == nd:
             ds = dd
+        elif graph.src_weighted_degree is not None:  # every source's whole-graph weighted degree (inference)
+            ds = graph.src_weighted_degree.to(graph.device, torch.float64) + loop
         else:
             ds = torch.zeros(graph.num_src, dtype=torch.float64, device=graph.device).index_add_(0, graph.indices, w)
             ds[:nd] += loop
