@@ -136,16 +136,23 @@ def test_buffer_batches_only_read_resident_rows(layout, sbm_store, capacity, cac
         buf.close()
 
 
-def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
+@pytest.mark.parametrize("collapsed", [False, True])
+def test_replay_rehearses_the_parts_not_resident(layout, sbm_store, collapsed):
     """After each step's last batch comes one batch of every part not resident (their kept batches side by
-    side, int8 rows), weighted as those parts' share; they are not targets of the epoch (every training node is
-    still a target exactly once), and they survive a checkpoint."""
+    side, 4-bit rows), weighted as those parts' share; they are not targets of the epoch (every training node
+    is still a target exactly once), and they survive a checkpoint. Collapsed (the model's first layer is
+    pushed down), a kept batch holds its first hop's rows and their aggregations instead of its input rows."""
+    from trellis.nn import build_model
+    from trellis.nn.models import input_aggregation
+
     store = GraphStore(sbm_store)
     train = np.asarray(store.split("train"), dtype=np.int64)
     degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
     x, y = np.asarray(store.x), torch.from_numpy(np.array(store.y))
     part_of = np.asarray(np.load(layout.path / "node_parts.npy"))
     buf = PartitionBuffer(layout, 2, [5, 5], train, 16, y=y, degree=degree, prefetch=1, replay=4)
+    if collapsed:
+        buf.collapse = input_aggregation(build_model("sage", x.shape[1], 4, hidden=8))
     try:
         targets, rehearsed = [], 0
         resident: set[int] = set()
@@ -159,6 +166,13 @@ def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
             # kept in 4 bits: within half a quantization step (a row's largest |value| / KEPT_LEVELS)
             step = want.abs().amax(dim=1, keepdim=True) / KEPT_LEVELS
             assert torch.all((batch.x - want).abs() <= step / 2 + 1e-5)
+            first = batch.blocks[0]
+            assert (first.fixed_aggregation is not None) == collapsed
+            if collapsed:  # the input block has no edges; its sources are its destinations, aggregated
+                assert first.num_edges == 0 and first.num_src == first.num_dst == batch.num_inputs
+                assert first.fixed_aggregation.shape == (first.num_dst, x.shape[1])
+                # a mean of rows lies within their range (up to a half quantization step)
+                assert float(first.fixed_aggregation.abs().max()) <= float(np.abs(x).max()) * (1 + 0.5 / KEPT_LEVELS)
             rehearsed += 1
             parts = set(part_of[batch.targets.numpy()].tolist())
             assert parts and not parts & resident and batch.num_targets <= 4 * len(parts)
@@ -169,14 +183,20 @@ def test_replay_rehearses_the_parts_not_resident(layout, sbm_store):
         assert len(state["pool"]) == 4
         kept = [c for chunks in buf.pool.values() for c in chunks]
         assert all(c.q.dtype == torch.uint8 and c.q.shape[1] == (x.shape[1] + 1) // 2 for c in kept)  # two per byte
+        assert all(c.collapsed == collapsed and c.q.shape[0] == c.batch.node_ids.shape[0] * (1 + collapsed)
+                   for c in kept)
         assert buf.stats.extra["replay_rows"] == sum(c.q.shape[0] for c in kept)
         assert buf.stats.extra["replay_bytes"] == sum(c.nbytes for c in kept) > buf.stats.extra["replay_rows"] * 8
-        again = [(b.replay, b.node_ids.clone(), b.x.clone(), b.step_weight) for b in buf.epoch(1)]
+        def seen(b):
+            fixed = b.blocks[0].fixed_aggregation
+            return b.replay, b.node_ids.clone(), b.x.clone(), b.step_weight, None if fixed is None else fixed.clone()
+
+        again = [seen(b) for b in buf.epoch(1)]
         buf.load_state_dict(state)  # a resumed run: the same epoch, rehearsals included
-        first = [(b.replay, b.node_ids.clone(), b.x.clone(), b.step_weight) for b in buf.epoch(1)]
+        first = [seen(b) for b in buf.epoch(1)]
         assert len(again) == len(first)
         assert all(a[0] == b[0] and a[3] == b[3] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
-                   for a, b in zip(again, first))
+                   and (a[4] is None and b[4] is None or torch.equal(a[4], b[4])) for a, b in zip(again, first))
     finally:
         buf.close()
 

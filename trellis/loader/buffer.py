@@ -484,24 +484,53 @@ class Kept:
 
     Its blocks hold only their CSR (int32 local ids; store edge ids where the run has edge data): the
     reverse graphs and degrees are rebuilt when the step's rehearsal batches are merged
-    (:meth:`~trellis.loader.sampler.NeighborSampler.merge`). Its input rows are 4-bit integers with one scale
+    (:meth:`~trellis.loader.sampler.NeighborSampler.merge`). Its rows are 4-bit integers with one scale
     per row, two to a byte: the rows are what limits how many targets a buffer can rehearse within a budget,
     and 4 bits hold them in an eighth of float32's bytes with an error of at most half a step
     (``max |row| / 14``). Measured on the 1M planted graph (docs/minibatch.md): the same accuracy as float32
     rows (85.05 against 85.04) and int8 rows (85.01).
+
+    **Collapsed** (``fixed`` rows): when the model's first layer is pushed down, the batch keeps that
+    layer's aggregation of its input rows (computed once, :class:`trellis.nn.executor.InputAggregation`)
+    and only its first hop's own rows; its input block has no edges and carries the aggregation
+    (:attr:`~trellis.ops.graph.CSRGraph.fixed_aggregation`). Its rows are then the first hop's rows followed
+    by their aggregations.
     """
 
     batch: Batch
     q: Tensor
     scale: Tensor
     width: int = 0
+    #: Rows that are inputs (the rest, in a collapsed batch, are the input block's fixed aggregation).
+    inputs: int = -1
+
+    def __post_init__(self) -> None:
+        if self.inputs < 0:
+            self.inputs = int(self.q.shape[0])
+
+    @property
+    def collapsed(self) -> bool:
+        """Whether the batch keeps its first layer's aggregation instead of that layer's input rows."""
+        return self.inputs < self.q.shape[0]
 
     @classmethod
-    def of(cls, batch: Batch, rows: np.ndarray, *, edge_ids: bool) -> Kept:
-        """``batch``'s CSR and ``rows`` (float ``[n, F]``, quantized); its store edge ids if ``edge_ids``."""
+    def of(cls, batch: Batch, rows: np.ndarray, *, edge_ids: bool, fixed: np.ndarray | None = None) -> Kept:
+        """``batch``'s CSR and ``rows`` (float ``[n, F]``, quantized); its store edge ids if ``edge_ids``.
+
+        With ``fixed`` (``[n1, F]``, the first layer's aggregation on ``batch.blocks[0]``), the collapsed form:
+        the input block becomes one without edges over its ``n1`` destinations, and only their rows are kept.
+        """
         blocks = [CSRGraph(b.indptr, b.indices.to(torch.int32), b.num_src,
                            edge_ids=b.edge_ids if edge_ids else None) for b in batch.blocks]
-        light = Batch(blocks=blocks, node_ids=batch.node_ids, num_targets=batch.num_targets, seed=batch.seed,
+        node_ids = batch.node_ids
+        inputs = rows.shape[0]
+        if fixed is not None:
+            n1 = blocks[0].num_dst
+            blocks[0] = CSRGraph(torch.zeros(n1 + 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), n1,
+                                 edge_ids=torch.zeros(0, dtype=torch.int64) if edge_ids else None)
+            node_ids, inputs = node_ids[:n1].clone(), n1
+            rows = np.concatenate([rows[:n1], np.asarray(fixed, dtype=np.float32)])
+        light = Batch(blocks=blocks, node_ids=node_ids, num_targets=batch.num_targets, seed=batch.seed,
                       replay=True)
         top = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(rows.shape[0], dtype=np.float32)
         scale = np.where(top > 0, top / KEPT_LEVELS, 1.0).astype(np.float32)
@@ -510,16 +539,23 @@ class Kept:
         if width % 2:
             q = np.concatenate([q, np.zeros((q.shape[0], 1), dtype=q.dtype)], axis=1)
         packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # two values per byte
-        return cls(light, torch.from_numpy(packed), torch.from_numpy(scale), width)
+        return cls(light, torch.from_numpy(packed), torch.from_numpy(scale), width, inputs)
+
+    def _unpack(self, lo: int, hi: int, out: np.ndarray | None, at: np.ndarray | None) -> Tensor:
+        if out is None:
+            out = np.empty((hi - lo, self.width), dtype=np.float32)
+            at = np.arange(hi - lo, dtype=np.int64)
+        assert at is not None
+        _unpack4_into(self.q.numpy()[lo:hi], self.scale.numpy()[lo:hi], KEPT_LEVELS, self.width, out, at)
+        return torch.from_numpy(out)
 
     def rows(self, out: np.ndarray | None = None, at: np.ndarray | None = None) -> Tensor:
         """The input rows, dequantized (float32): new, or written to rows ``at`` of ``out`` (returned)."""
-        if out is None:
-            out = np.empty((self.q.shape[0], self.width), dtype=np.float32)
-            at = np.arange(self.q.shape[0], dtype=np.int64)
-        assert at is not None
-        _unpack4_into(self.q.numpy(), self.scale.numpy(), KEPT_LEVELS, self.width, out, at)
-        return torch.from_numpy(out)
+        return self._unpack(0, self.inputs, out, at)
+
+    def fixed(self, out: np.ndarray | None = None, at: np.ndarray | None = None) -> Tensor:
+        """A collapsed batch's first-layer aggregation, dequantized like :meth:`rows`."""
+        return self._unpack(self.inputs, int(self.q.shape[0]), out, at)
 
     @property
     def nbytes(self) -> int:
@@ -621,6 +657,9 @@ class PartitionBuffer:
         self.carry: tuple[int, ...] | None = None
         #: Part -> its rehearsal batches (``replay``), kept across epochs and checkpointed with the carry.
         self.pool: dict[int, list[Kept]] = {}
+        #: The model's first-layer aggregation (``(block, rows) -> [num_dst, F]``), set by the strategy when
+        #: that layer is pushed down: rehearsal batches are then kept collapsed (:class:`Kept`).
+        self.collapse: Callable[[CSRGraph, Tensor], Tensor] | None = None
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-buffer-io")
         self._lock = threading.Lock()
         if cache_rows > 0:
@@ -835,8 +874,18 @@ class PartitionBuffer:
                 for b in rb.blocks if edge_data else ():  # the state CSR's positions -> store edge ids
                     assert b.edge_ids is not None
                     b.edge_ids = torch.from_numpy(eids[b.edge_ids.numpy()])
-                chunks.append(Kept.of(rb, self.arena[self.slot_of[rb.node_ids.numpy()]], edge_ids=edge_data))
+                rows = self.arena[self.slot_of[rb.node_ids.numpy()]]
+                chunks.append(Kept.of(rb, rows, edge_ids=edge_data, fixed=self._input_aggregation(rb.blocks[0], rows)))
             pool[int(p)] = chunks
+
+    def _input_aggregation(self, block: CSRGraph, rows: np.ndarray) -> np.ndarray | None:
+        """The first layer's aggregation of ``rows`` on ``block`` (:attr:`collapse`), on the CPU; None without one."""
+        if self.collapse is None:
+            return None
+        if self.edge_weight is not None:  # a weighted aggregation reads the block's own weights
+            assert block.edge_ids is not None
+            block.edge_weight = self.edge_weight.index_select(0, block.edge_ids.to(self.edge_weight.device)).cpu()
+        return self.collapse(block, torch.from_numpy(rows)).cpu().numpy()
 
     def _with_replay(self, batch: Batch, state: BufferState, pool: dict[int, list[Kept]]) -> Iterator[Batch]:
         """``batch``, then (at a step's end) one rehearsal batch of every part not resident, as one batch.
@@ -858,6 +907,11 @@ class PartitionBuffer:
         for c, at in zip(kept, positions, strict=True):
             c.rows(x, at)  # each kept batch's rows straight into their places
         merged.x = torch.from_numpy(x)
+        if kept[0].collapsed:  # their inputs are their first hops: the aggregations go where those rows went
+            fixed = np.empty((merged.blocks[0].num_dst, self.dim), dtype=np.float32)
+            for c, at in zip(kept, positions, strict=True):
+                c.fixed(fixed, at)
+            merged.blocks[0].fixed_aggregation = torch.from_numpy(fixed)
         merged.index, merged.replay = batch.index, True
         merged.step_weight = len(away) / max(1, len(state.parts))
         yield self._finish(merged, None)
@@ -973,7 +1027,7 @@ class PartitionBuffer:
         its :class:`Kept` tensors.
         """
         pool = {str(p): [{"node_ids": c.batch.node_ids, "xq": c.q, "xs": c.scale, "width": c.width,
-                          "num_targets": c.batch.num_targets,
+                          "num_targets": c.batch.num_targets, "inputs": c.inputs,
                           "blocks": [{"indptr": g.indptr, "indices": g.indices, "num_src": g.num_src,
                                       "edge_ids": g.edge_ids} for g in c.batch.blocks]}
                          for c in chunks]
@@ -993,7 +1047,7 @@ class PartitionBuffer:
         """A rehearsal batch from :meth:`state_dict`."""
         blocks = [CSRGraph(g["indptr"], g["indices"], int(g["num_src"]), edge_ids=g["edge_ids"]) for g in d["blocks"]]
         batch = Batch(blocks=blocks, node_ids=d["node_ids"], num_targets=int(d["num_targets"]), replay=True)
-        return Kept(batch, d["xq"], d["xs"], int(d["width"]))
+        return Kept(batch, d["xq"], d["xs"], int(d["width"]), int(d.get("inputs", -1)))
 
     def close(self) -> None:
         """Stop the reading thread."""

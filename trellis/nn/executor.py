@@ -85,6 +85,9 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
         Per configuration, the layer's output before :meth:`PushdownLayer.output_bias`.
     """
     n = graph.num_dst
+    if graph.fixed_aggregation is not None:  # computed when the batch was kept: only the epilogue runs
+        fixed = graph.fixed_aggregation
+        return [conv.epilogue(fixed, h, None, True, n) for conv, h in zip(convs, hs)]
     agg = convs[0].aggregation(graph)
     # Inputs of the wide SpMM. A tensor shared by several aggregate-first configurations (the features,
     # undropped, with the cache rewrite off) enters once; transform-first configurations sharing an input
@@ -169,3 +172,23 @@ def _cached_aggregation(conv: PushdownLayer, graph: CSRGraph, h: Tensor, agg: Ag
         with torch.no_grad():
             return compute()
     return cache.get(graph, h, f"{type(conv).__name__}:{agg.reduce}", compute)
+
+
+class InputAggregation:
+    """A layer's aggregation of constant input rows on a block, without autograd: a kept batch's precomputed part.
+
+    Why: a partition buffer's rehearsal batch (:class:`trellis.loader.buffer.Kept`) is trained again at many
+    steps, on the same sampled block and the same (undropped) feature rows. Its first layer's aggregation is
+    then the same every time; computed once, the batch keeps it and its destinations' rows instead of all its
+    input rows (about a sixth of them at fanouts 10,5), and each rehearsal skips its largest SpMM and the
+    transform of every input row. The loader calls it; it holds the model's first layer, which the buffer
+    (below ``nn``) does not know. Only a pushed-down layer's aggregation is parameter-free.
+    """
+
+    def __init__(self, conv: PushdownLayer) -> None:
+        self.conv = conv
+
+    def __call__(self, graph: CSRGraph, x: Tensor) -> Tensor:
+        """``[graph.num_dst, F]``: the layer's aggregation of ``x`` (``[graph.num_src, F]``) on ``graph``."""
+        with torch.no_grad():
+            return aggregate(self.conv, graph, x, self.conv.aggregation(graph))

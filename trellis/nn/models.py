@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trellis.nn.layers import GATConv, GCNConv, GINConv, MessagePassing, SAGEConv
+from trellis.nn.executor import InputAggregation
+from trellis.nn.layers import GATConv, GCNConv, GINConv, MessagePassing, PushdownConv, SAGEConv
 from trellis.nn.view import IDENTITY, GraphView
 from trellis.ops.dropout import dropout as hash_dropout
 from trellis.ops.graph import CSRGraph
@@ -155,6 +156,17 @@ class GNN(nn.Module):
                     g = g.with_self_loops()
                 plans.append(conv.plan(g))
         return format_plans(plans)
+
+
+def input_aggregation(model: nn.Module) -> InputAggregation | None:
+    """``model``'s first-layer aggregation of constant input rows, when that layer is pushed down (GCN, SAGE, GIN).
+
+    What a partition buffer's kept rehearsal batch precomputes (:class:`trellis.loader.buffer.Kept`); None for a
+    model whose first layer reads its sources otherwise (attention, a user layer, an MLP).
+    """
+    if isinstance(model, GNN) and isinstance(model.convs[0], PushdownConv):
+        return InputAggregation(model.convs[0])
+    return None
 
 
 class GAT(GNN):

@@ -121,6 +121,12 @@ class CSRGraph:
             (a distributed rank under push or mirror-reduce ownership): layers hand it their aggregation
             (:func:`trellis.nn.executor.run_layer`) instead of calling :func:`trellis.ops.spmm` on this
             graph. None for a graph that holds every in-edge of its destinations.
+        fixed_aggregation: Optional ``float [num_dst, F]``: a first layer's aggregation of this block's
+            sources, computed once from the constant input features (undropped). A partition buffer keeps its
+            rehearsal batches this way (:class:`trellis.loader.buffer.Kept`): the block then has no edges and
+            its sources are only its destinations, whose rows the root terms read; a pushed-down layer
+            (:func:`trellis.nn.executor.run_layer`) reads the aggregation instead of computing one. Only valid
+            for the layer whose aggregation it is (the loader is told which, by the model).
     """
 
     indptr: torch.Tensor
@@ -137,6 +143,7 @@ class CSRGraph:
     src_weighted_degree: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     edge_ids: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
     exchange: Exchange | None = field(default=None, repr=False, kw_only=True)
+    fixed_aggregation: torch.Tensor | None = field(default=None, repr=False, kw_only=True)
 
     @property
     def num_dst(self) -> int:
@@ -308,7 +315,8 @@ class CSRGraph:
         g = CSRGraph(self.indptr.to(device), self.indices.to(device), self.num_src, mv(self.edge_weight),
                      mv(self.edge_feat), mv(self.node_ids), src_degree=mv(self.src_degree),
                      dst_degree=mv(self.dst_degree), edge_ids=mv(self.edge_ids), exchange=self.exchange,
-                     src_weighted_degree=mv(self.src_weighted_degree))
+                     src_weighted_degree=mv(self.src_weighted_degree),
+                     fixed_aggregation=mv(self.fixed_aggregation))
         if self.rev is not None:
             g.rev = CSRGraph(self.rev.indptr.to(device), self.rev.indices.to(device), self.num_dst)
             g.perm = mv(self.perm)

@@ -29,10 +29,11 @@ from trellis.loader.blocks import parse_fanouts
 from trellis.loader.buffer import LayoutRows, PartitionBuffer
 from trellis.loader.buffer_inference import buffer_inference
 from trellis.loader.features import NormalizedRows
+from trellis.nn.models import input_aggregation
 from trellis.partition.base import methods_of_ownership
 from trellis.partition.layout import PartitionedGraph, open_layout_of, part_dir_name
 from trellis.plan.residency import BufferCosts, BufferPlan, plan_buffer
-from trellis.train.build import ModelSpec
+from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_labels
 from trellis.train.options import NO_BUFFER_SAMPLERS, NO_RANKS_CACHE
@@ -219,6 +220,14 @@ class BufferedMini(BatchStrategy):
             print(f"buffer: {self.plan.capacity} of {self.layout.num_parts} parts resident, cache of "
                   f"{self.plan.cache_rows:,} rows filled in {buf.cache_fill_s:.1f} s", file=sys.stderr)
         return buf
+
+    def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> torch.nn.Module:
+        """The run's model; rehearsal batches are then kept with its first layer's aggregation where it has one."""
+        model = super().build_model(factory, cfg)
+        loader = getattr(self, "loader", None)
+        if loader is not None and loader.replay:
+            loader.collapse = input_aggregation(model)
+        return model
 
     def _infer(self, model: torch.nn.Module, rows: np.ndarray | None = None) -> torch.Tensor:
         """Exact layer-wise inference without a budget; under one, layer-wise over the buffer (within it)."""
