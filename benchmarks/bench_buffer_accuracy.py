@@ -11,16 +11,21 @@ validation epoch (exact layer-wise evaluation in every case):
   probability (the design Trellis uses under a budget);
 * ``in-buffer only``: ``--buffer-parts K`` and ``--buffer-cache 0`` (MariusGNN's in-buffer sampling);
 * ``buffer + replay``: in-buffer sampling plus ``--buffer-replay R`` rehearsal batches (``--replay``), which
-  keep min-cut parts that follow the labels from skewing the model (``--configs`` picks among these).
+  keep min-cut parts that follow the labels from skewing the model, each step rehearsing
+  ``--replay-share`` of a batch's targets (the model's first-layer aggregation kept, not the input rows);
+* ``replay (input rows)``: the design before that: every input row of a rehearsal batch kept, and a step
+  rehearsing a whole batch's targets (``--configs`` picks among these).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +39,20 @@ def _store(name: str, root: Path) -> Path:
     if not src.exists():
         raise SystemExit(f"{src}: not found; set TRELLIS_DATA_DIR")
     return import_graph(src, root / name, progress=False)
+
+
+@contextlib.contextmanager
+def _input_rows(on: bool) -> Iterator[None]:
+    """Rehearsal batches kept with every input row (the design before collapsed ones), while ``on``."""
+    import trellis.train.strategies.buffered as buffered
+
+    keep = buffered.input_aggregation
+    if on:
+        buffered.input_aggregation = lambda model: None
+    try:
+        yield
+    finally:
+        buffered.input_aggregation = keep
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-buffer-parts", type=int, default=0,
                    help="resident parts of the buffer+cache configuration (default: --buffer-parts)")
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--replay-share", type=float, default=0.5,
+                   help="--buffer-replay-share of the 'buffer + replay' configuration (default: 0.5)")
     p.add_argument("--replay", type=int, default=128,
                    help="--buffer-replay of the 'buffer + replay' configuration (in-buffer sampling plus "
                         "rehearsal batches; default: 128)")
@@ -82,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                                                           buffer_cache=str(cache)),
                        "in-buffer only": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0"),
                        "buffer + replay": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0",
-                                               buffer_replay=a.replay)}
+                                               buffer_replay=a.replay, buffer_replay_share=a.replay_share)}
+            # the design before collapsed rehearsal batches: every input row kept, a step rehearsing a whole batch
+            configs["replay (input rows)"] = dict(configs["buffer + replay"], buffer_replay_share=1.0)
             configs = {k: v for k, v in configs.items() if k in a.configs.split(",")}
             acc: dict[str, list[float]] = {k: [] for k in configs}
             epoch_s: dict[str, list[float]] = {k: [] for k in configs}
@@ -93,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                                       seed=seed, split_seed=seed if per_class else None,
                                       out=str(root / f"{name}-{label}-{seed}"), progress=False, device="cpu",
                                       checkpoint_every=0, **kw)
-                    summary = train(cfg)
+                    with _input_rows(label == "replay (input rows)"):
+                        summary = train(cfg)
                     acc[label].append(float(summary["test_acc_mean"]))
                     last = (root / f"{name}-{label}-{seed}" / "metrics.jsonl").read_text().splitlines()[-1]
                     if "replay_rows" in last:  # the rehearsal batches' rows and bytes, against the data's

@@ -5,7 +5,7 @@ import torch
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import check_nested, parse_fanouts
 from trellis.loader.features import FeatureGather
-from trellis.loader.sampler import NeighborLoader, NeighborSampler, reverse_csr
+from trellis.loader.sampler import NeighborLoader, NeighborSampler, reverse_csr, split_batch
 
 from .conftest import random_csr
 
@@ -193,6 +193,37 @@ def test_merged_batches_compute_as_each_alone(csr, model_name, layers):
     torch.cat(alone).square().sum().backward()
     assert torch.allclose(out, torch.cat(alone), atol=1e-6)
     assert all(torch.allclose(a, p.grad, atol=1e-5) for a, p in zip(merged_grads, model.parameters()))
+
+
+@pytest.mark.parametrize("model_name,layers", [("sage", 2), ("gcn", 3)])
+def test_split_batches_compute_as_the_batch(csr, model_name, layers):
+    """A batch split into sub-batches of its targets: each keeps exactly its targets' sampled neighbourhood
+    (every edge one of the batch's, with its id), so its targets get the batch's logits."""
+    from trellis.nn import build_model
+
+    indptr, indices = csr
+    sampler = NeighborSampler(indptr, indices, [4, 3, 2][:layers], degrees=np.diff(indptr).astype(np.float32))
+    x_all = torch.randn(len(indptr) - 1, 6, generator=torch.Generator().manual_seed(0))
+    batch = sampler.sample(np.array([40, 3, 17, 5, 0, 22, 9]), 4)
+    batch.x = x_all[batch.node_ids]
+    cuts = [(0, 3), (3, 4), (4, 7)]
+    subs = split_batch(batch, cuts)
+    torch.manual_seed(0)
+    model = build_model(model_name, 6, 3, hidden=5, layers=layers, dropout=0.0).eval()
+    want = model(batch.graph, batch.x)
+    pairs = {(int(e), int(d)) for g in batch.blocks
+             for d, e in zip(np.repeat(g.node_ids.numpy()[:g.num_dst], np.diff(g.indptr.numpy())),
+                             g.edge_ids.numpy())}
+    for (lo, hi), (sub, at) in zip(cuts, subs):
+        assert torch.equal(sub.targets, batch.targets[lo:hi]) and torch.equal(sub.node_ids, batch.node_ids[at])
+        check_nested(sub.blocks)
+        for g in sub.blocks:  # every edge is one of the batch's edges, into the same destination
+            dst = np.repeat(g.node_ids.numpy()[:g.num_dst], np.diff(g.indptr.numpy()))
+            assert {(int(e), int(d)) for d, e in zip(dst, g.edge_ids.numpy())} <= pairs
+            assert np.array_equal(indices[g.edge_ids.numpy()], g.node_ids.numpy()[g.indices.numpy()])
+        sub.x = x_all[sub.node_ids]
+        alone = sampler.merge([sub])  # the degrees and reverse graphs a trained batch has
+        assert torch.allclose(model(alone.graph, alone.x), want[lo:hi], atol=1e-6)
 
 
 def test_bad_input(csr):

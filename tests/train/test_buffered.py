@@ -119,6 +119,8 @@ def test_real_data_bag_of_words_all_resident_equals_mini(dataset, tmp_path):
     (dict(nproc=5), "more ranks than the 4 parts"),
     (dict(memory_budget="64M"), "smallest budget that works"),
     (dict(buffer_cache="lots"), "--buffer-cache"),
+    (dict(buffer_replay=8, buffer_replay_share=0.0), r"--buffer-replay-share must be in \(0, 8\]"),
+    (dict(buffer_replay_share=0.25), "--buffer-replay-share applies to rehearsal: add --buffer-replay"),
 ])
 def test_bad_input(sbm_store, p4, tmp_path, kw, match):
     with pytest.raises(TrellisUserError, match=match):

@@ -29,6 +29,7 @@ features, not the store's.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -47,7 +48,7 @@ from trellis.loader.blocks import Batch, attach_edge_data
 from trellis.loader.cluster import induced_subgraph, prefix_blocks
 from trellis.loader.features import FeatureGather, FeatureSource, expand_ranges, gather_rows, normalize_rows_, np_int64
 from trellis.loader.prefetch import prefetch_iter
-from trellis.loader.sampler import NeighborSampler, batch_seed, merged_positions, mix64
+from trellis.loader.sampler import NeighborSampler, batch_seed, merged_positions, mix64, split_batch
 from trellis.ops.graph import CSRGraph
 from trellis.partition.layout import PartitionedGraph, part_dir_name
 from trellis.utils.memory import proc_io
@@ -518,7 +519,8 @@ class Kept:
         """``batch``'s CSR and ``rows`` (float ``[n, F]``, quantized); its store edge ids if ``edge_ids``.
 
         With ``fixed`` (``[n1, F]``, the first layer's aggregation on ``batch.blocks[0]``), the collapsed form:
-        the input block becomes one without edges over its ``n1`` destinations, and only their rows are kept.
+        the input block becomes one without edges over its ``n1`` destinations, and only their rows are kept
+        (``rows`` may then hold only those).
         """
         blocks = [CSRGraph(b.indptr, b.indices.to(torch.int32), b.num_src,
                            edge_ids=b.edge_ids if edge_ids else None) for b in batch.blocks]
@@ -591,8 +593,9 @@ class PartitionBuffer:
             parts not resident, so a state whose parts hold few classes (min-cut parts of a homophilous
             graph) does not drive the model to those classes (see ``docs/minibatch.md``). A part's batches
             are replaced each time the part is resident and kept across epochs (:meth:`state_dict` holds them).
-        replay_batch: Targets per rehearsal batch; a step trains one of each part not resident, in turn
-            (default: ``batch_size / (P - K)``, so a step rehearses about as many targets as it trains).
+        replay_share: Targets a step rehearses, as a fraction of ``batch_size``: each step trains one kept
+            batch of every part not resident, of ``replay_share * batch_size / (P - K)`` targets (default: 0.5;
+            measured in ``docs/minibatch.md``).
         parts: The parts this buffer reads and draws its states from (default: every part of the layout): a
             distributed rank's parts. Its targets must lie in them; the cache may hold rows of any part.
     """
@@ -601,7 +604,7 @@ class PartitionBuffer:
                  batch_size: int, *, y: Tensor | None, degree: np.ndarray, feature_norm: str = "none",
                  cache_rows: int = 0, labor: bool = False, seed: int = 0, device: torch.device | str = "cpu",
                  prefetch: int = 2, edge_weight: Tensor | None = None, edge_feat: Tensor | None = None,
-                 cluster_layers: int = 0, replay: int = 0, replay_batch: int = 0,
+                 cluster_layers: int = 0, replay: int = 0, replay_share: float = 0.5,
                  parts: Sequence[int] | None = None) -> None:
         self.layout = layout
         self.path = Path(layout.path)
@@ -622,9 +625,9 @@ class PartitionBuffer:
         self.edge_weight, self.edge_feat = edge_weight, edge_feat
         self.cluster_layers = int(cluster_layers)
         self.replay = int(replay)
-        # default: a step rehearses about as many targets as it trains (one batch per part not resident)
+        # a step rehearses replay_share of a batch's targets, one kept batch per part not resident
         away = max(1, len(self.parts) - int(capacity))
-        self.replay_batch = int(replay_batch) if replay_batch > 0 else max(1, -(-int(batch_size) // away))
+        self.replay_batch = max(1, math.ceil(float(replay_share) * int(batch_size) / away))
         parts_info = layout.manifest["parts"]
         self.part_rows = np.array([int(p["num_local"]) for p in parts_info], dtype=np.int64)
         self.max_rows = int(self.part_rows[self.parts].max()) if self.parts else 0
@@ -857,8 +860,9 @@ class PartitionBuffer:
                   pool: dict[int, list[Kept]]) -> None:
         """Keep up to ``replay`` of ``state``'s targets per resident part as that part's rehearsal batches.
 
-        The targets are cut into batches of ``replay_batch``, each sampled from the state's graph with its rows
-        copied out of the arena (in 4 bits, :class:`Kept`), so they stay valid after the part is evicted.
+        The targets, in random order, are sampled from the state's graph as one batch, which is split into
+        batches of ``replay_batch`` (:func:`~trellis.loader.sampler.split_batch`); their rows are copied out of
+        the arena (in 4 bits, :class:`Kept`), so they stay valid after the part is evicted.
         """
         rng = np.random.default_rng(mix64(self.seed, plan.epoch, 0x4E91, k) >> 1)
         of_part = self.node_part[state.targets]
@@ -868,15 +872,19 @@ class PartitionBuffer:
             if mine.shape[0] == 0:
                 continue
             pick = mine[rng.choice(mine.shape[0], size=min(self.replay, mine.shape[0]), replace=False)]
-            chunks = []
-            for c in range(0, pick.shape[0], self.replay_batch):
-                rb = sampler.sample(np.sort(pick[c:c + self.replay_batch]), int(rng.integers(0, 2**62)))
-                for b in rb.blocks if edge_data else ():  # the state CSR's positions -> store edge ids
-                    assert b.edge_ids is not None
-                    b.edge_ids = torch.from_numpy(eids[b.edge_ids.numpy()])
-                rows = self.arena[self.slot_of[rb.node_ids.numpy()]]
-                chunks.append(Kept.of(rb, rows, edge_ids=edge_data, fixed=self._input_aggregation(rb.blocks[0], rows)))
-            pool[int(p)] = chunks
+            rb = sampler.sample(pick, int(rng.integers(0, 2**62)))
+            for b in rb.blocks if edge_data else ():  # the state CSR's positions -> store edge ids
+                assert b.edge_ids is not None
+                b.edge_ids = torch.from_numpy(eids[b.edge_ids.numpy()])
+            rows = self.arena[self.slot_of[rb.node_ids.numpy()]]
+            fixed = self._input_aggregation(rb.blocks[0], rows)
+            cuts = [(c, min(c + self.replay_batch, pick.shape[0])) for c in range(0, pick.shape[0], self.replay_batch)]
+            kept = []
+            for sub, at in split_batch(rb, cuts):
+                if fixed is not None:  # collapsed: only the first hop's rows and their aggregations
+                    at = at[:sub.blocks[0].num_dst]
+                kept.append(Kept.of(sub, rows[at], edge_ids=edge_data, fixed=None if fixed is None else fixed[at]))
+            pool[int(p)] = kept
 
     def _input_aggregation(self, block: CSRGraph, rows: np.ndarray) -> np.ndarray | None:
         """The first layer's aggregation of ``rows`` on ``block`` (:attr:`collapse`), on the CPU; None without one."""

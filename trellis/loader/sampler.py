@@ -35,7 +35,7 @@ from torch import Tensor
 
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import Batch, attach_edge_data, parse_fanouts
-from trellis.loader.features import FeatureGather, FeatureSource, np_int64
+from trellis.loader.features import FeatureGather, FeatureSource, expand_ranges, np_int64
 from trellis.loader.prefetch import Prefetcher
 from trellis.loader.source import iter_epoch
 from trellis.ops.graph import CSRGraph
@@ -496,6 +496,49 @@ class NeighborSampler:
             g.src_degree = deg
             g.dst_degree = deg[: g.num_dst]
         return g
+
+
+def split_batch(batch: Batch, cuts: Sequence[tuple[int, int]]) -> list[tuple[Batch, np.ndarray]]:
+    """The sub-batches of ``batch``'s targets ``[lo, hi)``, each with only its own targets' sampled neighbourhood.
+
+    Why: a partition buffer keeps many small rehearsal batches per part; sampling them as one batch and
+    splitting it costs one sampler call instead of one per small batch. A node sampled for two sub-batches
+    keeps one neighbour sample in both (each alone would draw its own): independent across targets still,
+    as every target's neighbours are drawn independently of the others'.
+
+    Returns:
+        Per cut, the sub-batch (its blocks hold their CSR, store edge ids and node ids; no reverse graphs or
+        degrees: :meth:`NeighborSampler.merge` rebuilds them) and the positions of its rows in ``batch``'s
+        rows, level by level as :meth:`NeighborSampler.sample` orders them (its first ``hi - lo`` are the
+        targets).
+    """
+    where = np.full(batch.num_inputs, -1, dtype=np.int64)
+    out = []
+    for lo, hi in cuts:
+        rows = np.arange(lo, hi, dtype=np.int64)
+        blocks: list[CSRGraph] = []
+        for g in reversed(batch.blocks):  # the target block first: each block's sources are the next's rows
+            ip, ix = g.indptr.numpy(), g.indices.numpy()
+            edges = expand_ranges(ip[rows], ip[rows + 1])
+            src = ix[edges]
+            where[rows] = 1
+            seen = np.unique(src[where[src] < 0])  # sources that are not destinations, after them
+            where[rows] = -1
+            srcs = np.concatenate([rows, seen])
+            where[srcs] = np.arange(srcs.shape[0])
+            local = where[src]
+            where[srcs] = -1
+            indptr = np.zeros(rows.shape[0] + 1, dtype=np.int64)
+            np.cumsum(ip[rows + 1] - ip[rows], out=indptr[1:])
+            eid = None if g.edge_ids is None else g.edge_ids[torch.from_numpy(edges)]
+            blocks.insert(0, CSRGraph(torch.from_numpy(indptr), torch.from_numpy(local), int(srcs.shape[0]),
+                                      edge_ids=eid))
+            rows = srcs
+        ids = batch.node_ids[torch.from_numpy(rows)]
+        for g in blocks:
+            g.node_ids = ids[:g.num_src]
+        out.append((Batch(blocks=blocks, node_ids=ids, num_targets=hi - lo, seed=batch.seed), rows))
+    return out
 
 
 def _levels(batches: Sequence[Batch]) -> np.ndarray:

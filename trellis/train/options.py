@@ -206,7 +206,8 @@ class _Buffer(_Parts, _Budget, _Loader):
         _Budget.validate(self, cfg)
         _Parts.validate(self, cfg)
         _at_least("buffer_parts", self.buffer_parts, 1)
-        self._needs_parts(["memory_budget", "spill_dir", "buffer_parts", "buffer_cache", "buffer_replay"])
+        self._needs_parts(["memory_budget", "spill_dir", "buffer_parts", "buffer_cache", "buffer_replay",
+                           "buffer_replay_share"])
         if self.samplers > 0 and self.parts_dir is not None and (self.nproc or 1) == 1:
             raise TrellisUserError(NO_BUFFER_SAMPLERS)
 
@@ -268,9 +269,12 @@ class MiniOptions(_Buffer, _Batched):
                                 "their rows in 4 bits, while the part is resident; kept across epochs); every step "
                                 "also trains one of each part not resident (merged into one batch), weighted as a "
                                 "resident part, so states whose parts hold few classes do not skew the model; "
-                                "512 brought 1 of 16 label-following parts within 0.74 points of memory; "
+                                "512 brings 1 of 16 label-following parts to in-memory accuracy; "
                                 "0 = off (default: 0)",
                              metavar="R")
+    buffer_replay_share: float = opt(0.5, "mini with --buffer-replay: targets each step rehearses, as a fraction "
+                                          "of --batch-size (spread over the parts not resident); 1 trains twice "
+                                          "the targets per step (default: 0.5)", metavar="F")
 
     sampler_ranks: int = opt(0, "mini with --parts-dir --nproc P > 1: K more ranks of the job that only sample "
                                 "(batches sent to the trainer ranks over torch.distributed, the same batches as "
@@ -290,6 +294,12 @@ class MiniOptions(_Buffer, _Batched):
         _Buffer.validate(self, cfg)
         _Batched.validate(self, cfg)
         _at_least("buffer_replay", self.buffer_replay, 0)
+        if not 0.0 < self.buffer_replay_share <= 8.0:
+            raise TrellisUserError(f"--buffer-replay-share must be in (0, 8] (got {self.buffer_replay_share}): the "
+                                   "targets a step rehearses, as a fraction of --batch-size")
+        if self.given("buffer_replay_share") and not self.buffer_replay:
+            raise TrellisUserError("--buffer-replay-share applies to rehearsal: add --buffer-replay R (e.g. 512) or "
+                                   "drop --buffer-replay-share")
         parse_fanouts(self.fanouts or "", cfg.layers)
         if self.buffer_cache is not None:
             parse_size(self.buffer_cache, flag="--buffer-cache")

@@ -215,7 +215,8 @@ class BufferedMini(BatchStrategy):
                               cache_rows=self.plan.cache_rows, labor=cfg.labor, device=self.device,
                               prefetch=cfg.prefetch, edge_weight=d.edge_weight, edge_feat=d.edge_feat,
                               cluster_layers=cfg.layers if self.cluster_mode else 0,
-                              replay=0 if self.cluster_mode else cfg.buffer_replay)
+                              replay=0 if self.cluster_mode else cfg.buffer_replay,
+                              replay_share=cfg.buffer_replay_share)
         if cfg.progress and self.plan.cache_rows:
             print(f"buffer: {self.plan.capacity} of {self.layout.num_parts} parts resident, cache of "
                   f"{self.plan.cache_rows:,} rows filled in {buf.cache_fill_s:.1f} s", file=sys.stderr)
