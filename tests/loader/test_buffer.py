@@ -136,6 +136,30 @@ def test_buffer_batches_only_read_resident_rows(layout, sbm_store, capacity, cac
         buf.close()
 
 
+def test_a_step_that_spans_states_is_one_batch(layout, sbm_store):
+    """Steps are cut from the epoch's targets in state order; one that crosses a swap is sampled in each state
+    and trained as one batch: every batch is a whole step of ``batch_size`` targets (the last one the rest),
+    with the rows and labels of its targets, each trained once."""
+    store = GraphStore(sbm_store)
+    train = np.asarray(store.split("train"), dtype=np.int64)
+    degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
+    x, y = np.asarray(store.x), torch.from_numpy(np.array(store.y))
+    buf = PartitionBuffer(layout, 1, [5, 5], train, 24, y=y, degree=degree, prefetch=1)
+    try:
+        plan = buf.plan(2)
+        assert any(not cut[2] for st in plan.states for cut in st.cuts)  # some step does span states
+        batches = list(buf.epoch(2))
+        sizes = [b.num_targets for b in batches]
+        assert sizes == [24] * (len(train) // 24) + ([len(train) % 24] if len(train) % 24 else [])
+        assert all(b.step_end and b.step_weight == 1.0 for b in batches)
+        for b in batches:
+            assert torch.equal(b.x, torch.from_numpy(x[b.node_ids.numpy()])) and torch.equal(b.y, y[b.targets])
+        got = np.concatenate([b.targets.numpy() for b in batches])
+        assert np.array_equal(np.sort(got), np.sort(train))
+    finally:
+        buf.close()
+
+
 @pytest.mark.parametrize("collapsed", [False, True])
 def test_replay_rehearses_the_parts_not_resident(layout, sbm_store, collapsed):
     """After each step's last batch comes one batch of every part not resident (their kept batches side by
@@ -156,12 +180,17 @@ def test_replay_rehearses_the_parts_not_resident(layout, sbm_store, collapsed):
     try:
         targets, rehearsed = [], 0
         resident: set[int] = set()
+        plan = buf.plan(1)
+        state_of = np.full(len(part_of), -1)
+        for k, st in enumerate(plan.states):
+            state_of[st.targets] = k
         for batch in buf.epoch(1):
             want = torch.from_numpy(x[batch.node_ids.numpy()])
             if not batch.replay:
                 assert torch.equal(batch.x, want)  # the right rows
                 targets.append(batch.targets.numpy())
-                resident = set(part_of[batch.targets.numpy()].tolist())
+                # a step that spans states is one batch; it ends in the state of its last target
+                resident = set(plan.states[state_of[int(batch.targets[-1])]].parts)
                 continue
             # kept in 4 bits: within half a quantization step (a row's largest |value| / KEPT_LEVELS)
             step = want.abs().amax(dim=1, keepdim=True) / KEPT_LEVELS

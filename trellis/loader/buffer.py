@@ -828,7 +828,8 @@ class PartitionBuffer:
         return piece, graph, time.perf_counter() - t0
 
     def _build(self, sampler: NeighborSampler, eids: np.ndarray, state: BufferState, plan: BufferEpoch,
-               j: int) -> Batch:
+               j: int, *, alone: bool = True) -> Batch:
+        """Batch ``j`` of ``state``; unless it is a whole step (``alone`` and its step's end), a piece of one."""
         index = state.first_batch + j
         lo, hi, step_end, weight = state.cuts[j]
         batch = sampler.sample(state.targets[lo:hi], batch_seed(self.seed, plan.epoch, index))
@@ -840,9 +841,24 @@ class PartitionBuffer:
             if self.cache_piece is not None:
                 self.stats.cache_inputs += int(np.count_nonzero(self.slot_of[ids] >= self.cache_base))
         batch.x = self.features.gather(batch.node_ids, index)
-        return self._finish(batch, eids)
+        if step_end and alone:
+            return self._finish(batch, eids)
+        if not step_end:  # the step goes on in the next state: its rows out of the rotating buffers
+            batch.x = batch.x.clone()
+        return self._finish(batch, eids, move=False)  # a piece of a step, merged on the CPU
 
-    def _finish(self, batch: Batch, eids: np.ndarray | None) -> Batch:
+    def _whole_step(self, pieces: list[Batch]) -> Batch:
+        """The pieces of a step that spans buffer states (each sampled in its own state) as one batch.
+
+        Why: one forward and backward pass instead of one per piece (the trainer's accumulated gradient is
+        the same: each piece weighed its share of the step's targets).
+        """
+        merged = self.sampler.merge(pieces)  # rows carried over; store edge ids already
+        merged.index = pieces[-1].index
+        merged.step_end, merged.step_weight = True, 1.0
+        return self._finish(merged, None)
+
+    def _finish(self, batch: Batch, eids: np.ndarray | None, *, move: bool = True) -> Batch:
         """Labels, edge data (``eids``: the state CSR's positions -> store edge ids; None: already store ids)."""
         if self.y is not None:
             batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
@@ -852,7 +868,7 @@ class PartitionBuffer:
                     assert b.edge_ids is not None
                     b.edge_ids = torch.from_numpy(eids[b.edge_ids.numpy()])
             attach_edge_data(batch.blocks, self.edge_weight, self.edge_feat)
-        if self.device.type != "cpu":
+        if move and self.device.type != "cpu":
             return batch.to(self.device, non_blocking=True)
         return batch
 
@@ -969,6 +985,7 @@ class PartitionBuffer:
         pending: Future[tuple[PartRows, StateGraph, float]] | None = None
         pending_slot = -1
         pool = self.pool
+        pieces: list[Batch] = []  # the batches so far of a step that spans buffer states
         t0 = time.perf_counter()
         graph = self._state_graph(plan.states[0])
         stats.extra["state_build_s"] = time.perf_counter() - t0
@@ -997,7 +1014,13 @@ class PartitionBuffer:
                 if self.replay:
                     self._rehearse(sampler, eids, state, plan, k, pool)
                 for j in range(state.num_batches):
-                    batch = self._build(sampler, eids, state, plan, j)
+                    batch = self._build(sampler, eids, state, plan, j, alone=not pieces)
+                    if not batch.step_end:
+                        pieces.append(batch)
+                        continue
+                    if pieces:
+                        batch = self._whole_step([*pieces, batch])
+                        pieces = []
                     if self.replay:
                         yield from self._with_replay(batch, state, pool)
                     else:
