@@ -71,6 +71,9 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
               prebuilt: Tensor | None = None) -> list[Tensor]:
     """Run one layer's plan for every configuration: one SpMM over the concatenated inputs.
 
+    A graph that carries its :attr:`~trellis.ops.graph.CSRGraph.fixed_aggregation` (a kept rehearsal batch's
+    input block) has no SpMM to run: every configuration's epilogue reads that aggregation (aggregate-first).
+
     Args:
         convs: Per configuration, its layer (all of one kind: the aggregation is the first one's).
         graph: The layer's graph.
