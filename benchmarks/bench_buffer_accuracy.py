@@ -13,8 +13,8 @@ validation epoch (exact layer-wise evaluation in every case):
 * ``buffer + replay``: in-buffer sampling plus ``--buffer-replay R`` rehearsal batches (``--replay``), which
   keep min-cut parts that follow the labels from skewing the model, each step rehearsing
   ``--replay-share`` of a batch's targets (the model's first-layer aggregation kept, not the input rows);
-* ``replay (input rows)``: the design before that: every input row of a rehearsal batch kept, and a step
-  rehearsing a whole batch's targets (``--configs`` picks among these).
+* ``replay (input rows)``: the design before that: every input row of a rehearsal batch kept (a step
+  rehearsing a whole batch's targets) (``--configs`` picks among these).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-buffer-parts", type=int, default=0,
                    help="resident parts of the buffer+cache configuration (default: --buffer-parts)")
     p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--replay-share", type=float, default=0.5,
-                   help="--buffer-replay-share of the 'buffer + replay' configuration (default: 0.5)")
+    p.add_argument("--replay-share", type=float, default=1.0,
+                   help="--buffer-replay-share of the 'buffer + replay' configuration (default: 1)")
     p.add_argument("--replay", type=int, default=128,
                    help="--buffer-replay of the 'buffer + replay' configuration (in-buffer sampling plus "
                         "rehearsal batches; default: 128)")

@@ -594,8 +594,8 @@ class PartitionBuffer:
             graph) does not drive the model to those classes (see ``docs/minibatch.md``). A part's batches
             are replaced each time the part is resident and kept across epochs (:meth:`state_dict` holds them).
         replay_share: Targets a step rehearses, as a fraction of ``batch_size``: each step trains one kept
-            batch of every part not resident, of ``replay_share * batch_size / (P - K)`` targets (default: 0.5;
-            measured in ``docs/minibatch.md``).
+            batch of every part not resident, of ``replay_share * batch_size / (P - K)`` targets (default: 1,
+            as many as it trains; measured in ``docs/minibatch.md``).
         parts: The parts this buffer reads and draws its states from (default: every part of the layout): a
             distributed rank's parts. Its targets must lie in them; the cache may hold rows of any part.
     """
@@ -604,7 +604,7 @@ class PartitionBuffer:
                  batch_size: int, *, y: Tensor | None, degree: np.ndarray, feature_norm: str = "none",
                  cache_rows: int = 0, labor: bool = False, seed: int = 0, device: torch.device | str = "cpu",
                  prefetch: int = 2, edge_weight: Tensor | None = None, edge_feat: Tensor | None = None,
-                 cluster_layers: int = 0, replay: int = 0, replay_share: float = 0.5,
+                 cluster_layers: int = 0, replay: int = 0, replay_share: float = 1.0,
                  parts: Sequence[int] | None = None) -> None:
         self.layout = layout
         self.path = Path(layout.path)
