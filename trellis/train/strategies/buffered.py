@@ -29,6 +29,7 @@ from trellis.loader.blocks import parse_fanouts
 from trellis.loader.buffer import LayoutRows, PartitionBuffer
 from trellis.loader.buffer_inference import buffer_inference
 from trellis.loader.features import NormalizedRows
+from trellis.nn.layers import PUSHDOWN_LAYERS
 from trellis.nn.models import input_aggregation
 from trellis.partition.base import methods_of_ownership
 from trellis.partition.layout import PartitionedGraph, open_layout_of, part_dir_name
@@ -106,12 +107,14 @@ def store_edge_data(store: GraphStore, device: torch.device) -> tuple[torch.Tens
 def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, batch_size: int | None = None) -> int:
     """Bytes of the neighbour batches in flight (their input rows), and of the rehearsal batches kept."""
     batch = int(batch_size or cfg.batch_size)
-    inputs, frontier = batch, batch
+    levels = [batch]  # rows per level, targets first (at most; sampling repeats nodes)
     for f in parse_fanouts(cfg.fanouts, cfg.layers):
-        frontier *= max(1, f) if f > 0 else 32
-        inputs += frontier
-    inputs = min(inputs, layout.num_nodes)
-    replay = min(layout.num_nodes, layout.num_parts * int(getattr(cfg, "buffer_replay", 0)) * inputs // max(1, batch))
+        levels.append(levels[-1] * (max(1, f) if f > 0 else 32))
+    inputs = min(sum(levels), layout.num_nodes)
+    # a kept rehearsal batch of a built-in pushed-down model holds its first hop's rows and their first-layer
+    # aggregations instead of its input rows (collapsed, loader.buffer.Kept)
+    kept = 2 * sum(levels[:-1]) if cfg.model in PUSHDOWN_LAYERS else sum(levels)
+    replay = min(layout.num_nodes, layout.num_parts * int(getattr(cfg, "buffer_replay", 0)) * kept // max(1, batch))
     # rehearsal rows are kept in 4 bits with a float32 scale each (loader.buffer.Kept)
     return int(inputs * dim * 4 * (cfg.prefetch + 2) * 1.5 + replay * ((dim + 1) // 2 + 4) * 1.5)
 
