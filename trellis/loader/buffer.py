@@ -142,9 +142,10 @@ def cut_steps(states: Sequence[BufferState], batch_size: int) -> None:
     Why steps span states: a state holds about ``T / (P - K + 1)`` targets; cut per state, an epoch would take
     many more, smaller and more skewed optimizer steps than in memory (on a small training set, one tiny step
     per state). Here step ``j`` is targets ``[jB, (j+1)B)`` of the concatenation, and a step that crosses a
-    state boundary is built as one batch per state whose gradients the trainer accumulates (``weight`` is a
-    batch's share of the step's targets; ``step_end`` marks the step's last batch). With one state every
-    batch is a whole step, as ``--strategy mini`` cuts them.
+    state boundary is cut into one piece per state (``weight`` is a piece's share of the step's targets;
+    ``step_end`` marks the step's last piece); each piece is sampled in its state and the pieces are trained
+    as one batch (:meth:`PartitionBuffer._whole_step`). With one state every batch is a whole step, as
+    ``--strategy mini`` cuts them.
     """
     total = sum(int(s.targets.shape[0]) for s in states)
     start = 0
