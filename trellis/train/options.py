@@ -273,8 +273,9 @@ class MiniOptions(_Buffer, _Batched):
                                 "0 = off (default: 0)",
                              metavar="R")
     buffer_replay_share: float = opt(1.0, "mini with --buffer-replay: targets each step rehearses, as a fraction "
-                                          "of --batch-size (spread over the parts not resident); 0.5 was 6 to 10 percent "
-                                          "faster and cost 0.4 points on one planted graph (default: 1)", metavar="F")
+                                          "of --batch-size (spread over the parts not resident); 0.5 was 6 to 10 "
+                                          "percent faster and cost 0.4 points on one planted graph (default: 1)",
+                                     metavar="F")
 
     sampler_ranks: int = opt(0, "mini with --parts-dir --nproc P > 1: K more ranks of the job that only sample "
                                 "(batches sent to the trainer ranks over torch.distributed, the same batches as "
