@@ -203,6 +203,8 @@ def test_replay_rehearses_the_parts_not_resident(layout, sbm_store, collapsed):
                 # a mean of rows lies within their range (up to a half quantization step)
                 assert float(first.fixed_aggregation.abs().max()) <= float(np.abs(x).max()) * (1 + 0.5 / KEPT_LEVELS)
             rehearsed += 1
+            # sampled at the rehearsal fanouts: the target layer's halved (5 -> 3)
+            assert buf.replay_fanouts == [3, 5] and int(torch.diff(batch.blocks[-1].indptr).max()) <= 3
             parts = set(part_of[batch.targets.numpy()].tolist())
             assert parts and not parts & resident and batch.num_targets <= 4 * len(parts)
             assert batch.step_end and batch.step_weight == len(parts) / 2 and torch.equal(batch.y, y[batch.targets])
@@ -228,6 +230,32 @@ def test_replay_rehearses_the_parts_not_resident(layout, sbm_store, collapsed):
                    and (a[4] is None and b[4] is None or torch.equal(a[4], b[4])) for a, b in zip(again, first))
     finally:
         buf.close()
+
+
+def test_rehearsal_fanouts(layout, sbm_store):
+    """Rehearsal batches take their own fanouts (default: the target layer's halved, -1 kept); live ones the run's."""
+    from trellis.loader.buffer import default_replay_fanouts
+
+    assert default_replay_fanouts([10, 5]) == [5, 5]
+    assert default_replay_fanouts([15, 10, 5]) == [8, 10, 5]
+    assert default_replay_fanouts([1, 3]) == [1, 3]
+    assert default_replay_fanouts([-1, 4]) == [-1, 4]
+    store = GraphStore(sbm_store)
+    train = np.asarray(store.split("train"), dtype=np.int64)
+    degree = np.diff(np.asarray(store.indptr)).astype(np.float32)
+    buf = PartitionBuffer(layout, 1, [6, 4], train, 16, y=torch.from_numpy(np.array(store.y)), degree=degree,
+                          prefetch=1, replay=8, replay_fanouts=[1, 2])
+    try:
+        most = {True: 0, False: 0}
+        for batch in buf.epoch(0):
+            degs = [int(torch.diff(b.indptr).max()) for b in batch.blocks]
+            most[batch.replay] = max(most[batch.replay], degs[-1])
+            assert degs[-1] <= (1 if batch.replay else 6) and degs[0] <= (2 if batch.replay else 4)
+        assert most == {True: 1, False: 6}  # both drawn at their full fanout somewhere
+    finally:
+        buf.close()
+    with pytest.raises(ValueError, match="one per layer"):
+        PartitionBuffer(layout, 1, [6, 4], train, 16, y=None, degree=degree, replay=8, replay_fanouts=[1])
 
 
 @pytest.mark.parametrize("width", [1, 5, 16])

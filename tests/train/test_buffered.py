@@ -121,6 +121,9 @@ def test_real_data_bag_of_words_all_resident_equals_mini(dataset, tmp_path):
     (dict(buffer_cache="lots"), "--buffer-cache"),
     (dict(buffer_replay=8, buffer_replay_share=0.0), r"--buffer-replay-share must be in \(0, 8\]"),
     (dict(buffer_replay_share=0.25), "--buffer-replay-share applies to rehearsal: add --buffer-replay"),
+    (dict(buffer_replay_fanouts="5,5"), "--buffer-replay-fanouts applies to rehearsal: add --buffer-replay"),
+    (dict(buffer_replay=8, buffer_replay_fanouts="5"), r"--buffer-replay-fanouts '5': give 2 fanouts"),
+    (dict(buffer_replay=8, buffer_replay_fanouts="a,b"), r"--buffer-replay-fanouts 'a,b': give 2 fanouts"),
 ])
 def test_bad_input(sbm_store, p4, tmp_path, kw, match):
     with pytest.raises(TrellisUserError, match=match):

@@ -378,6 +378,13 @@ class NeighborSampler:
             raise ValueError("with_graph: the new CSR must have the same number of rows")
         return other
 
+    def with_fanouts(self, fanouts: Sequence[int]) -> NeighborSampler:
+        """This sampler over the same graph with other fanouts (a partition buffer's rehearsal batches)."""
+        other = object.__new__(NeighborSampler)
+        other.__dict__.update(self.__dict__)
+        other.fanouts = parse_fanouts(fanouts)
+        return other
+
     @property
     def num_layers(self) -> int:
         """Number of sampled layers (blocks per batch)."""

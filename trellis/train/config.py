@@ -186,6 +186,7 @@ class TrainConfig:
     buffer_cache: str | None = _opt("buffer_cache")
     buffer_replay: int = _opt("buffer_replay")
     buffer_replay_share: float = _opt("buffer_replay_share")
+    buffer_replay_fanouts: str | None = _opt("buffer_replay_fanouts")
     feature_cache: str | None = _opt("feature_cache")
     nproc: int | None = _opt("nproc")
     timeout: float = _opt("timeout")

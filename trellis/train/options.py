@@ -207,7 +207,7 @@ class _Buffer(_Parts, _Budget, _Loader):
         _Parts.validate(self, cfg)
         _at_least("buffer_parts", self.buffer_parts, 1)
         self._needs_parts(["memory_budget", "spill_dir", "buffer_parts", "buffer_cache", "buffer_replay",
-                           "buffer_replay_share"])
+                           "buffer_replay_share", "buffer_replay_fanouts"])
         if self.samplers > 0 and self.parts_dir is not None and (self.nproc or 1) == 1:
             raise TrellisUserError(NO_BUFFER_SAMPLERS)
 
@@ -276,6 +276,10 @@ class MiniOptions(_Buffer, _Batched):
                                           "of --batch-size (spread over the parts not resident); 0.5 was 6 to 10 "
                                           "percent faster and cost 0.4 points on one planted graph (default: 1)",
                                      metavar="F")
+    buffer_replay_fanouts: str | None = opt(None, "mini with --buffer-replay: fanouts of the rehearsal batches, "
+                                                  "target layer first; fewer first-hop rows make a rehearsal "
+                                                  "cheaper to train (default: --fanouts with the target layer's "
+                                                  "halved, e.g. 5,5 for 10,5)", metavar="F1,F2")
 
     sampler_ranks: int = opt(0, "mini with --parts-dir --nproc P > 1: K more ranks of the job that only sample "
                                 "(batches sent to the trainer ranks over torch.distributed, the same batches as "
@@ -289,6 +293,8 @@ class MiniOptions(_Buffer, _Batched):
     def __post_init__(self) -> None:
         if isinstance(self.fanouts, (list, tuple)):  # the library may pass [15, 10]
             object.__setattr__(self, "fanouts", ",".join(str(int(f)) for f in self.fanouts))
+        if isinstance(self.buffer_replay_fanouts, (list, tuple)):
+            object.__setattr__(self, "buffer_replay_fanouts", ",".join(str(int(f)) for f in self.buffer_replay_fanouts))
 
     def validate(self, cfg: TrainConfig) -> None:
         """The buffer's rules, and one fanout per layer."""
@@ -298,9 +304,17 @@ class MiniOptions(_Buffer, _Batched):
         if not 0.0 < self.buffer_replay_share <= 8.0:
             raise TrellisUserError(f"--buffer-replay-share must be in (0, 8] (got {self.buffer_replay_share}): the "
                                    "targets a step rehearses, as a fraction of --batch-size")
-        if self.given("buffer_replay_share") and not self.buffer_replay:
-            raise TrellisUserError("--buffer-replay-share applies to rehearsal: add --buffer-replay R (e.g. 512) or "
-                                   "drop --buffer-replay-share")
+        for flag in ("buffer_replay_share", "buffer_replay_fanouts"):
+            if self.given(flag) and not self.buffer_replay:
+                raise TrellisUserError(f"{_flag(flag)} applies to rehearsal: add --buffer-replay R (e.g. 512) or "
+                                       f"drop {_flag(flag)}")
+        if self.buffer_replay_fanouts is not None:
+            try:
+                parse_fanouts(self.buffer_replay_fanouts, cfg.layers)
+            except TrellisUserError:
+                raise TrellisUserError(f"--buffer-replay-fanouts {self.buffer_replay_fanouts!r}: give {cfg.layers} "
+                                       "fanouts (one per layer, target layer first; -1 = all neighbours), "
+                                       "e.g. 5,5") from None
         parse_fanouts(self.fanouts or "", cfg.layers)
         if self.buffer_cache is not None:
             parse_size(self.buffer_cache, flag="--buffer-cache")

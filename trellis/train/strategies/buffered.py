@@ -26,7 +26,7 @@ import torch
 from trellis.data.store import GraphStore, feature_norm_of
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
-from trellis.loader.buffer import LayoutRows, PartitionBuffer
+from trellis.loader.buffer import LayoutRows, PartitionBuffer, default_replay_fanouts
 from trellis.loader.buffer_inference import buffer_inference
 from trellis.loader.features import NormalizedRows
 from trellis.nn.layers import PUSHDOWN_LAYERS
@@ -104,6 +104,14 @@ def store_edge_data(store: GraphStore, device: torch.device) -> tuple[torch.Tens
     return ew, ef
 
 
+def replay_fanouts(cfg: TrainConfig) -> list[int]:
+    """The rehearsal batches' fanouts: ``--buffer-replay-fanouts``, else the buffer's default for ``--fanouts``."""
+    given = getattr(cfg, "buffer_replay_fanouts", None)
+    if given:
+        return parse_fanouts(given, cfg.layers)
+    return default_replay_fanouts(parse_fanouts(cfg.fanouts, cfg.layers))
+
+
 def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, batch_size: int | None = None) -> int:
     """Bytes of the neighbour batches in flight (their input rows), and of the rehearsal batches kept."""
     batch = int(batch_size or cfg.batch_size)
@@ -111,6 +119,9 @@ def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, 
     for f in parse_fanouts(cfg.fanouts, cfg.layers):
         levels.append(levels[-1] * (max(1, f) if f > 0 else 32))
     inputs = min(sum(levels), layout.num_nodes)
+    levels = [batch]  # a rehearsal batch's, at its own fanouts
+    for f in replay_fanouts(cfg):
+        levels.append(levels[-1] * (max(1, f) if f > 0 else 32))
     # a kept rehearsal batch of a built-in pushed-down model holds its first hop's rows and their first-layer
     # aggregations instead of its input rows (collapsed, loader.buffer.Kept)
     kept = 2 * sum(levels[:-1]) if cfg.model in PUSHDOWN_LAYERS else sum(levels)
@@ -219,7 +230,7 @@ class BufferedMini(BatchStrategy):
                               prefetch=cfg.prefetch, edge_weight=d.edge_weight, edge_feat=d.edge_feat,
                               cluster_layers=cfg.layers if self.cluster_mode else 0,
                               replay=0 if self.cluster_mode else cfg.buffer_replay,
-                              replay_share=cfg.buffer_replay_share)
+                              replay_share=cfg.buffer_replay_share, replay_fanouts=replay_fanouts(cfg))
         if cfg.progress and self.plan.cache_rows:
             print(f"buffer: {self.plan.capacity} of {self.layout.num_parts} parts resident, cache of "
                   f"{self.plan.cache_rows:,} rows filled in {buf.cache_fill_s:.1f} s", file=sys.stderr)

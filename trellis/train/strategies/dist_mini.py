@@ -77,7 +77,8 @@ from trellis.utils.sizes import parse_size
 RANK_CHUNK_EDGES = 250_000
 
 #: Options of the single-process partition buffer.
-BUFFER_ONLY = ("buffer_parts", "memory_budget", "buffer_cache", "buffer_replay", "buffer_replay_share", "spill_dir")
+BUFFER_ONLY = ("buffer_parts", "memory_budget", "buffer_cache", "buffer_replay", "buffer_replay_share",
+               "buffer_replay_fanouts", "spill_dir")
 #: Those a mini-batch rank takes: they make it train its parts through its own partition buffer.
 RANK_BUFFER = ("buffer_parts", "memory_budget", "buffer_cache")
 
