@@ -12,9 +12,11 @@ validation epoch (exact layer-wise evaluation in every case):
 * ``in-buffer only``: ``--buffer-parts K`` and ``--buffer-cache 0`` (MariusGNN's in-buffer sampling);
 * ``buffer + replay``: in-buffer sampling plus ``--buffer-replay R`` rehearsal batches (``--replay``), which
   keep min-cut parts that follow the labels from skewing the model, each step rehearsing
-  ``--replay-share`` of a batch's targets (the model's first-layer aggregation kept, not the input rows);
-* ``replay (input rows)``: the design before that: every input row of a rehearsal batch kept (a step
-  rehearsing a whole batch's targets) (``--configs`` picks among these).
+  ``--replay-share`` of a batch's targets (the model's first-layer aggregation kept, not the input rows),
+  sampled at ``--replay-fanouts`` (default: the buffer's, the target layer's fanout halved);
+* ``replay (run's fanouts)``: the same with rehearsal batches sampled at ``--fanouts``;
+* ``replay (input rows)``: the design before collapsed rehearsal batches: every input row of a rehearsal
+  batch kept (a step rehearsing a whole batch's targets, at ``--fanouts``) (``--configs`` picks among these).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--replay-share", type=float, default=1.0,
                    help="--buffer-replay-share of the 'buffer + replay' configuration (default: 1)")
+    p.add_argument("--replay-fanouts", default=None,
+                   help="--buffer-replay-fanouts of the 'buffer + replay' configuration (default: the buffer's)")
     p.add_argument("--replay", type=int, default=128,
                    help="--buffer-replay of the 'buffer + replay' configuration (in-buffer sampling plus "
                         "rehearsal batches; default: 128)")
@@ -103,9 +107,13 @@ def main(argv: list[str] | None = None) -> None:
                                                           buffer_cache=str(cache)),
                        "in-buffer only": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0"),
                        "buffer + replay": dict(parts_dir=str(layout), buffer_parts=a.buffer_parts, buffer_cache="0",
-                                               buffer_replay=a.replay, buffer_replay_share=a.replay_share)}
+                                               buffer_replay=a.replay, buffer_replay_share=a.replay_share,
+                                               buffer_replay_fanouts=a.replay_fanouts)}
+            # rehearsal batches sampled at the run's fanouts (the default before they had their own)
+            configs["replay (run's fanouts)"] = dict(configs["buffer + replay"], buffer_replay_fanouts=a.fanouts)
             # the design before collapsed rehearsal batches: every input row kept, a step rehearsing a whole batch
-            configs["replay (input rows)"] = dict(configs["buffer + replay"], buffer_replay_share=1.0)
+            configs["replay (input rows)"] = dict(configs["buffer + replay"], buffer_replay_share=1.0,
+                                                  buffer_replay_fanouts=a.fanouts)
             configs = {k: v for k, v in configs.items() if k in a.configs.split(",")}
             acc: dict[str, list[float]] = {k: [] for k in configs}
             epoch_s: dict[str, list[float]] = {k: [] for k in configs}

@@ -220,8 +220,13 @@ def buffer_states(num_parts: int | Sequence[int], capacity: int, part_of: np.nda
 
 # ---- the state's sampling graph ----------------------------------------------------------------------
 @njit(cache=True, nogil=True)
-def _count_available(rows, indptr, src, avail, skip, counts):  # pragma: no cover - compiled
-    """``counts[rows[i]] += #available sources of row i`` (rows with ``skip`` set contribute nothing)."""
+def _count_available(rows, indptr, src, local, avail, skip, counts):  # pragma: no cover - compiled
+    """``counts[rows[i]] += #available sources of row i`` (rows with ``skip`` set contribute nothing).
+
+    With ``local`` (a resident part's local source ids), a source among the part's own rows (local id below
+    ``len(rows)``) is available without a look-up: most sources of a min-cut part are its own.
+    """
+    own = rows.shape[0] if local.shape[0] > 0 else 0
     kept = 0
     for i in range(rows.shape[0]):
         v = rows[i]
@@ -229,7 +234,7 @@ def _count_available(rows, indptr, src, avail, skip, counts):  # pragma: no cove
             continue
         c = 0
         for k in range(indptr[i], indptr[i + 1]):
-            if avail[src[k]]:
+            if (own > 0 and local[k] < own) or avail[src[k]]:
                 c += 1
         counts[v + 1] += c
         kept += c
@@ -237,11 +242,14 @@ def _count_available(rows, indptr, src, avail, skip, counts):  # pragma: no cove
 
 
 @njit(cache=True, nogil=True)
-def _place_available(rows, indptr, src, eid, avail, skip, out_ptr, out_src, out_eid):  # pragma: no cover
+def _place_available(rows, indptr, src, local, eid, avail, skip, out_ptr, out_src, out_eid):  # pragma: no cover
     """Scatter each row's available sources (in stored order) to its slice of the state's CSR.
 
-    Each row comes from one piece, so its slice starts at ``out_ptr[v]`` and is filled in one go.
+    Each row comes from one piece, so its slice starts at ``out_ptr[v]`` and is filled in one go. Store edge
+    ids are written only when the piece has them (``eid`` not empty).
     """
+    own = rows.shape[0] if local.shape[0] > 0 else 0
+    with_eid = eid.shape[0] > 0
     for i in range(rows.shape[0]):
         v = rows[i]
         if skip[v]:
@@ -249,9 +257,10 @@ def _place_available(rows, indptr, src, eid, avail, skip, out_ptr, out_src, out_
         at = out_ptr[v]
         for k in range(indptr[i], indptr[i + 1]):
             s = src[k]
-            if avail[s]:
+            if (own > 0 and local[k] < own) or avail[s]:
                 out_src[at] = s
-                out_eid[at] = eid[k]
+                if with_eid:
+                    out_eid[at] = eid[k]
                 at += 1
 
 
@@ -264,7 +273,10 @@ class PartRows:
         rows: ``int64 [L]`` global ids of the destinations (ascending).
         indptr: ``int64 [L + 1]`` CSR over ``rows``.
         src: ``int64 [M]`` global source of each in-edge, in the store's order within a row.
-        eid: ``int64 [M]`` the store's edge id of each in-edge.
+        eid: ``int64 [M]`` the store's edge id of each in-edge; empty when the run has no edge data.
+        local: ``[M]`` a part's local source ids, as its layout stores them (its own rows first, then its
+            halo): a state's graph takes a source among the part's own rows without looking it up. Empty
+            for the cache's rows.
     """
 
     part: int
@@ -272,11 +284,12 @@ class PartRows:
     indptr: np.ndarray
     src: np.ndarray
     eid: np.ndarray
+    local: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def nbytes(self) -> int:
         """Bytes held."""
-        return int(self.rows.nbytes + self.indptr.nbytes + self.src.nbytes + self.eid.nbytes)
+        return int(self.rows.nbytes + self.indptr.nbytes + self.src.nbytes + self.eid.nbytes + self.local.nbytes)
 
 
 #: A state's graph: ``(indptr, indices, edge_ids, kept, total)`` (see :class:`StateGraphs`).
@@ -313,15 +326,15 @@ class StateGraphs:
         total = 0
         skips = [cache_skip if p.part < 0 else self._no_skip for p in pieces]
         for p, skip in zip(pieces, skips):
-            kept += int(_count_available(p.rows, p.indptr, p.src, avail, skip, counts))
+            kept += int(_count_available(p.rows, p.indptr, p.src, p.local, avail, skip, counts))
             total += int(p.src.shape[0])
         indptr = np.cumsum(counts, out=self._indptr, dtype=np.int64)
         for p in pieces:
             counts[p.rows + 1] = 0
         indices = np.empty(kept, dtype=np.int64)
-        eids = np.empty(kept, dtype=np.int64)
+        eids = np.empty(kept if any(p.eid.shape[0] for p in pieces) else 0, dtype=np.int64)
         for p, skip in zip(pieces, skips):
-            _place_available(p.rows, p.indptr, p.src, p.eid, avail, skip, indptr, indices, eids)
+            _place_available(p.rows, p.indptr, p.src, p.local, p.eid, avail, skip, indptr, indices, eids)
         return indptr, indices, eids, kept, total
 
 
@@ -705,8 +718,8 @@ class PartitionBuffer:
             raise TrellisUserError(f"{self.path}: part {part} is not destination-owned (its halo rows hold edges); "
                                    "partition with a destination-owned method (grem, metis, ldg, fennel, random)")
         src = l2g[indices]
-        return PartRows(part, np.ascontiguousarray(l2g[:nl]), np.ascontiguousarray(indptr[: nl + 1]), src,
-                        eid if need_eid else np.zeros(src.shape[0], dtype=np.int64))
+        return PartRows(part, np.ascontiguousarray(l2g[:nl]), np.ascontiguousarray(indptr[: nl + 1]), src, eid,
+                        local=indices)
 
     def _count(self, *arrays: np.ndarray) -> None:
         with self._lock:
@@ -786,7 +799,7 @@ class PartitionBuffer:
             take = expand_ranges(piece.indptr[local], piece.indptr[local + 1])
             lens.append(np.diff(piece.indptr)[local])
             srcs.append(piece.src[take])
-            eids.append(piece.eid[take])
+            eids.append(piece.eid[take] if piece.eid.shape[0] else np.zeros(0, dtype=np.int64))
         indptr = np.zeros(rows + 1, dtype=np.int64)
         if lens:
             np.cumsum(np.concatenate(lens), out=indptr[1:])
