@@ -915,6 +915,7 @@ class PartitionBuffer:
         """
         rng = np.random.default_rng(mix64(self.seed, plan.epoch, 0x4E91, k) >> 1)
         of_part = self.node_part[state.targets]
+        fresh: dict[int, list[Kept]] = {}
         edge_data = self.edge_weight is not None or self.edge_feat is not None
         rehearsal = sampler.with_fanouts(self.replay_fanouts)
         for p in state.parts:
@@ -934,7 +935,9 @@ class PartitionBuffer:
                 if fixed is not None:  # collapsed: only the first hop's rows and their aggregations
                     at = at[:sub.blocks[0].num_dst]
                 kept.append(Kept.of(sub, rows[at], edge_ids=edge_data, fixed=None if fixed is None else fixed[at]))
-            pool[int(p)] = kept
+            fresh[int(p)] = kept
+        with self._lock:  # the producer thread reads the pool's other parts meanwhile
+            pool.update(fresh)
 
     def _input_aggregation(self, block: CSRGraph, rows: np.ndarray) -> np.ndarray | None:
         """The first layer's aggregation of ``rows`` on ``block`` (:attr:`collapse`), on the CPU; None without one."""
@@ -951,13 +954,15 @@ class PartitionBuffer:
         Each part's rehearsal targets weigh as one resident part's share of the step, so every part weighs
         the same in the step's gradient whichever parts are resident.
         """
-        away = [p for p in sorted(pool) if p not in state.parts]
+        with self._lock:  # the reading thread may be keeping a resident part's batches
+            away = [p for p in sorted(pool) if p not in state.parts]
         if not (batch.step_end and away):
             yield batch
             return
         batch.step_end = False
         yield batch
-        kept = [pool[p][batch.index % len(pool[p])] for p in away]
+        with self._lock:
+            kept = [pool[p][batch.index % len(pool[p])] for p in away]
         parts = [c.batch for c in kept]
         positions = merged_positions(parts)
         merged = self.sampler.merge(parts, positions)
@@ -1018,6 +1023,7 @@ class PartitionBuffer:
         stats.load_wait_s += time.perf_counter() - t0
         pending: Future[tuple[PartRows, StateGraph, float]] | None = None
         pending_slot = -1
+        rehearsing: Future[None] | None = None  # the current state's rehearsal batches, kept on the reading thread
         pool = self.pool
         pieces: list[Batch] = []  # the batches so far of a step that spans buffer states
         t0 = time.perf_counter()
@@ -1028,25 +1034,31 @@ class PartitionBuffer:
                 if k > 0:
                     assert pending is not None and state.leaves is not None and state.enters is not None
                     t0 = time.perf_counter()
+                    if rehearsing is not None:  # the leaving part's rows are read until its batches are kept
+                        rehearsing.result()
+                        rehearsing = None
                     piece, graph, build_s = pending.result()
                     pending = None
                     stats.load_wait_s += time.perf_counter() - t0
                     stats.extra["state_build_s"] += build_s
                     self._evict(state.leaves)  # every batch of the previous state is built: its slot is free
                     self._activate(state.enters, pending_slot, piece)
+                indptr, indices, eids, kept, total = graph
+                sampler = self.sampler.with_graph(indptr, indices)
+                if self.replay and not self.cluster_layers:
+                    # Kept on the reading thread while this state's batches are built: the kept batches of a
+                    # resident part are not read before it leaves, and the state's graph and rows stay valid
+                    # until then (the next state's graph goes to the other builder).
+                    rehearsing = self._io.submit(self._rehearse, sampler, eids, state, plan, k, pool)
                 if k + 1 < len(plan.states):  # read the next state's part while this state's batches train
                     pending_slot = self.free_slots.pop()
                     pending = self._io.submit(self._load_ahead, plan.states[k + 1], pending_slot)
-                indptr, indices, eids, kept, total = graph
-                sampler = self.sampler.with_graph(indptr, indices)
                 stats.edges_kept += kept
                 stats.edges_total += total
                 stats.states += 1
                 if self.cluster_layers:
                     yield self._cluster_batch(sampler, eids, state, plan, k)
                     continue
-                if self.replay:
-                    self._rehearse(sampler, eids, state, plan, k, pool)
                 for j in range(state.num_batches):
                     batch = self._build(sampler, eids, state, plan, j, alone=not pieces)
                     if not batch.step_end:
@@ -1059,7 +1071,12 @@ class PartitionBuffer:
                         yield from self._with_replay(batch, state, pool)
                     else:
                         yield batch
+            if rehearsing is not None:  # the last state's, before the epoch counts as produced
+                rehearsing.result()
+                rehearsing = None
         finally:
+            if rehearsing is not None:  # stopped early: its rows stay valid until it ends
+                rehearsing.result()
             if pending is not None:  # stopped early: the slot being read is free again once the read ends
                 try:
                     pending.result()
