@@ -115,13 +115,15 @@ def replay_fanouts(cfg: TrainConfig) -> list[int]:
 def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, batch_size: int | None = None) -> int:
     """Bytes of the neighbour batches in flight (their input rows), and of the rehearsal batches kept."""
     batch = int(batch_size or cfg.batch_size)
-    levels = [batch]  # rows per level, targets first (at most; sampling repeats nodes)
-    for f in parse_fanouts(cfg.fanouts, cfg.layers):
-        levels.append(levels[-1] * (max(1, f) if f > 0 else 32))
-    inputs = min(sum(levels), layout.num_nodes)
-    levels = [batch]  # a rehearsal batch's, at its own fanouts
-    for f in replay_fanouts(cfg):
-        levels.append(levels[-1] * (max(1, f) if f > 0 else 32))
+
+    def rows_per_level(fanouts: list[int]) -> list[int]:  # targets first (at most; sampling repeats nodes)
+        levels = [batch]
+        for f in fanouts:
+            levels.append(levels[-1] * (max(1, f) if f > 0 else 32))
+        return levels
+
+    inputs = min(sum(rows_per_level(parse_fanouts(cfg.fanouts, cfg.layers))), layout.num_nodes)
+    levels = rows_per_level(replay_fanouts(cfg))  # a rehearsal batch's, at its own fanouts
     # a kept rehearsal batch of a built-in pushed-down model holds its first hop's rows and their first-layer
     # aggregations instead of its input rows (collapsed, loader.buffer.Kept)
     kept = 2 * sum(levels[:-1]) if cfg.model in PUSHDOWN_LAYERS else sum(levels)
