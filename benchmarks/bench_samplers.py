@@ -2,15 +2,19 @@
 
     python -m benchmarks.bench_samplers --store STORE [--samplers 0,1,2,4,8] [--device cpu|cuda]
 
-``--strategy mini`` (GraphSAGE, ``--fanouts``, ``--batch-size``) on ``--store``, in this process. First the
-trainer's ceiling: the epoch's batches prepared beforehand and kept in memory, then trained with no preparation
-(training only). Then, for each K in ``--samplers``: a warm-up epoch (worker start, compiled kernels), the
-epoch's batches from K sampler processes with no model (sampling only: first with a fresh shared buffer per
-batch, the producer's default and what training used before, then with recycled buffers, what training uses
-now), and the timed training epoch with
-``--samplers K`` (K = 0: batches prepared on the loader's thread, as ``--strategy mini`` does by default).
-Printed per K: sampling-only batches per second, the epoch, training targets per second, and the epoch over the
-training-only one (1.0 = the trainer is saturated; preparation is hidden). Runs one configuration at a time.
+``--strategy mini`` (GraphSAGE, ``--fanouts``, ``--batch-size``) on ``--store``, in this process, imported the way
+the ``trellis`` command imports it (trellis before torch, so its thread settings apply). First the trainer's
+ceiling: the epoch's batches prepared beforehand and kept in memory, then trained with no preparation
+(training only). Then, for each K in ``--samplers``: the epoch's batches from K sampler processes with no model
+(sampling only: first with a fresh shared buffer per batch, then with recycled buffers, what training uses),
+and the training epoch with ``--samplers K`` (K = 0: batches prepared on the loader's thread, as ``--strategy
+mini`` does by default) after a warm-up epoch (worker start, compiled kernels). The training-only pass and the
+epochs are timed ``--repeats`` times, interleaved, and their medians compared (one pass of each swung by up
+to 30% on the 2-core machine). ``--compare-background``: for K >= 1, the epoch both with the sampler processes
+in the background (``ProducerOptions.background``, what training does when they share the trainer's cores)
+and at normal priority, alternating. Printed per K: sampling-only batches per second, the epoch, training
+targets per second, and the epoch over the training-only one (1.0 = the trainer is saturated; preparation is
+hidden).
 """
 
 from __future__ import annotations
@@ -18,10 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from typing import Any
 
+# isort: off
+import trellis  # noqa: F401  - first, as the trellis command does: its thread settings precede torch's start
 import torch
+
+# isort: on
 
 
 def _strategy(a: argparse.Namespace, samplers: int) -> Any:
@@ -62,17 +71,14 @@ def _train_pass(strategy: Any, model: Any, opt: Any, batches: list[Any], device:
     return time.perf_counter() - t0
 
 
-def training_only(a: argparse.Namespace) -> tuple[float, int]:
-    """Seconds to train one epoch's batches held in memory (on the device), and the epoch's targets."""
+def training_only(a: argparse.Namespace) -> tuple[Any, Any, Any, list[Any]]:
+    """The strategy, model, optimizer and one epoch's batches held in memory (on the device), warmed up."""
     strategy = _strategy(a, 0)
     kept = [b.to(strategy.device) for b in strategy.loader.epoch(1)]
     model, opt = _model(strategy)
     model.train()
     _train_pass(strategy, model, opt, kept, a.device)  # warms the kernels and the allocator
-    seconds = _train_pass(strategy, model, opt, kept, a.device)
-    targets = sum(int(b.num_targets) for b in kept)
-    strategy.close()
-    return seconds, targets
+    return strategy, model, opt, kept
 
 
 def sampling_only(a: argparse.Namespace, samplers: int, recycle: bool = True) -> float:
@@ -93,20 +99,33 @@ def sampling_only(a: argparse.Namespace, samplers: int, recycle: bool = True) ->
     return n / seconds
 
 
-def epoch_with(a: argparse.Namespace, samplers: int) -> dict[str, float]:
-    """One timed training epoch with ``--samplers`` (after a warm-up epoch)."""
+def epoch_strategy(a: argparse.Namespace, samplers: int, background: bool | None = None) -> Any:
+    """A ``--samplers`` strategy and its model after a warm-up epoch; ``background`` None: as training decides."""
+    from trellis.loader.producer import BatchProducer, ProducerOptions
+    from trellis.train.strategies.batches import leave_cores
+
+    from trellis.utils.priority import PriorityTrial
+
     strategy = _strategy(a, samplers)
+    if samplers > 0 and background is not None:  # the strategy's own producer, with the priority forced
+        strategy._threads = leave_cores(samplers)
+        opts = ProducerOptions.from_flags(samplers, prefetch=a.prefetch, recycle=True, background=background)
+        strategy._producer = BatchProducer(strategy.loader, opts).start()
+        strategy._priority = trial = PriorityTrial()
+        trial.choice = background  # no trial: this priority in every epoch
     model, opt = _model(strategy)
     strategy.train_step(model, opt, strategy.task, 0)
-    _sync(a.device)
+    return strategy, model, opt
+
+
+def timed_epoch(strategy: Any, model: Any, opt: Any, epoch: int, device: str) -> dict[str, float]:
+    """One timed training epoch."""
+    _sync(device)
     t0 = time.perf_counter()
-    strategy.train_step(model, opt, strategy.task, 1)
-    _sync(a.device)
-    seconds = time.perf_counter() - t0
-    out = {"epoch_s": seconds, "targets": strategy.last_epoch["targets"], "wait_s": strategy.last_epoch["wait_s"],
-           "trainer_threads": torch.get_num_threads()}
-    strategy.close()
-    return out
+    strategy.train_step(model, opt, strategy.task, epoch)
+    _sync(device)
+    return {"epoch_s": time.perf_counter() - t0, "targets": strategy.last_epoch["targets"],
+            "wait_s": strategy.last_epoch["wait_s"], "trainer_threads": torch.get_num_threads()}
 
 
 def _build_alone(a: argparse.Namespace, shared: bool, q: Any) -> None:
@@ -211,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fanouts", default="15,10")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes of each, interleaved (medians reported)")
+    p.add_argument("--compare-background", action="store_true",
+                   help="for K >= 1, time the epoch with the samplers in the background and at normal priority")
     p.add_argument("--diagnose", action="store_true",
                    help="instead: K processes building batches at once, timed in parts (no producer, no trainer)")
     a = p.parse_args(argv)
@@ -218,21 +240,39 @@ def main(argv: list[str] | None = None) -> None:
     if a.diagnose:
         diagnose(a, counts)
         return
-    train_s, targets = training_only(a)
-    print(f"device {a.device}, {torch.get_num_threads()} torch threads; training only (batches in memory): "
-          f"{train_s:.2f} s = {targets / train_s:,.0f} targets/s", flush=True)
-    print(f"{'samplers':>8} {'fresh buffers batches/s':>24} {'sampling-only batches/s':>24} {'epoch s':>8} "
-          f"{'targets/s':>10} {'trainer threads':>16} "
+    base, base_model, base_opt, kept = training_only(a)
+    targets = sum(int(b.num_targets) for b in kept)
+    print(f"device {a.device}, {torch.get_num_threads()} torch threads, {a.repeats} interleaved repeats "
+          "(medians)", flush=True)
+    print(f"{'samplers':>8} {'priority':>10} {'fresh buffers batches/s':>24} {'sampling-only batches/s':>24} "
+          f"{'training only s':>16} {'epoch s':>8} {'targets/s':>10} {'trainer threads':>16} "
           f"{'epoch / training-only':>22}", flush=True)
     rows = []
     for k in counts:
         fresh = sampling_only(a, k, recycle=False) if k > 0 else float("nan")
         rate = sampling_only(a, k) if k > 0 else float("nan")
-        e = epoch_with(a, k)
-        rows.append({"samplers": k, "sampling_fresh_batches_per_s": fresh, "sampling_batches_per_s": rate, **e})
-        print(f"{k:>8} {fresh:>24.2f} {rate:>24.2f} {e['epoch_s']:>8.2f} {e['targets'] / e['epoch_s']:>10,.0f} "
-              f"{e['trainer_threads']:>16} {e['epoch_s'] / train_s:>21.2f}x", flush=True)
-    print(json.dumps({"device": a.device, "training_only_s": train_s, "targets": targets, "rows": rows}))
+        modes: list[bool | None] = [True, False] if k > 0 and a.compare_background else [None]
+        runs = {m: epoch_strategy(a, k, m) for m in modes}
+        train_s: list[float] = []
+        got: dict[bool | None, list[dict[str, float]]] = {m: [] for m in modes}
+        for r in range(a.repeats):
+            train_s.append(_train_pass(base, base_model, base_opt, kept, a.device))
+            for m in modes if r % 2 == 0 else modes[::-1]:
+                got[m].append(timed_epoch(*runs[m], 2 + r, a.device))
+        for s, _, _ in runs.values():
+            s.close()
+        t = statistics.median(train_s)
+        for m in modes:
+            e = {key: statistics.median(x[key] for x in got[m]) for key in got[m][0]}
+            label = "auto" if m is None else ("background" if m else "normal")
+            rows.append({"samplers": k, "priority": label, "sampling_fresh_batches_per_s": fresh,
+                         "sampling_batches_per_s": rate, "training_only_s": t, "training_only_runs": train_s,
+                         "epoch_runs": [x["epoch_s"] for x in got[m]], **e})
+            print(f"{k:>8} {label:>10} {fresh:>24.2f} {rate:>24.2f} {t:>16.2f} {e['epoch_s']:>8.2f} "
+                  f"{targets / e['epoch_s']:>10,.0f} {int(e['trainer_threads']):>16} {e['epoch_s'] / t:>21.2f}x",
+                  flush=True)
+    base.close()
+    print(json.dumps({"device": a.device, "targets": targets, "rows": rows}))
 
 
 if __name__ == "__main__":

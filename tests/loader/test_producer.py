@@ -109,6 +109,65 @@ def test_neighbor_batches_from_processes_equal_threads_and_sequential(store, wei
     check_epochs(lambda **kw: neighbor(store, weights, labor=labor, **kw), workers)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="scheduling policies are Linux's")
+def test_background_workers_run_at_idle_priority_and_give_the_same_batches(store, weights):
+    """``background``: every worker runs under ``SCHED_IDLE`` (only CPU time nothing else wants), batches unchanged;
+    without it they run at the normal policy."""
+    ld, ref = neighbor(store, weights, batch_size=20), neighbor(store, weights, batch_size=20, prefetch=0)
+    for background in (True, False):
+        opts = ProducerOptions.from_flags(2, recycle=True, background=background)
+        with BatchProducer(ld, opts) as prod:
+            plan = ref.plan(3)
+            assert sum(1 for i, b in enumerate(prod.epoch(3)) if same_batch(b, ref.get(plan, i)) is None) == len(plan)
+            want = os.SCHED_IDLE if background else os.SCHED_OTHER
+            assert [os.sched_getscheduler(pid) for pid in prod.pids] == [want, want]
+
+
+def test_training_runs_samplers_in_background_only_where_they_share_the_trainers_cores(monkeypatch):
+    """The trainer keeps every core (``leave_cores`` frees none): samplers in the background; else normal."""
+    from trellis.train.strategies import batches as batches_mod
+
+    seen: list[bool] = []
+    real = ProducerOptions.from_flags
+
+    def spy(*args, **kw):
+        seen.append(kw.get("background", False))
+        return real(*args, **kw)
+
+    class Stub(batches_mod.BatchStrategy):
+        def __init__(self) -> None:
+            self.cfg = type("Cfg", (), {"samplers": 1, "prefetch": 2})()
+            self.loader = object()
+
+    class NoStart:
+        def __init__(self, *a, **kw) -> None:
+            pass
+
+        def start(self):
+            return self
+
+        def epoch(self, seed):
+            return []
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(batches_mod.ProducerOptions, "from_flags", staticmethod(spy))
+    monkeypatch.setattr(batches_mod, "BatchProducer", NoStart)
+    threads = torch.get_num_threads()
+    try:
+        for have, background in ((2, True), (16, False)):
+            torch.set_num_threads(have)
+            stub = Stub()
+            stub._epoch_batches(0)
+            stub._producer = None  # (not a real producer: nothing to close)
+            if stub._threads is not None:
+                torch.set_num_threads(stub._threads[0])
+            assert seen[-1] is background, (have, seen)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_recycled_buffers_give_the_same_batches_in_few_slots(store, weights, workers):
     """``recycle``: batches taken one at a time equal threads' and sequential ``get``'s, epoch after epoch

@@ -80,6 +80,7 @@ from trellis.loader.features import FeatureGather
 from trellis.loader.prefetch import Prefetcher
 from trellis.loader.source import BatchSource, iter_epoch
 from trellis.utils.memory import proc_io
+from trellis.utils.priority import background_wanted, set_background
 
 T = TypeVar("T")
 
@@ -116,6 +117,9 @@ class ProducerOptions:
             trainer's threads and freed by the consumer. On 16 cores that capped the producer at about 20
             batches per second whatever the number of workers, and training on such memory took 1.8x as long
             (docs/benchmarks.md). Training loops turn it on.
+        background: Workers run at the lowest CPU priority (:mod:`trellis.utils.priority`): they take only the
+            CPU time the trainer leaves idle (:meth:`BatchProducer.set_background` switches). Training loops turn
+            it on when the trainer keeps every core (``leave_cores`` freed none) and then choose by measurement.
     """
 
     mode: str = "threads"
@@ -125,6 +129,7 @@ class ProducerOptions:
     start_method: str = "forkserver"
     timeout_s: float | None = 600.0
     recycle: bool = False
+    background: bool = False
 
     def __post_init__(self) -> None:
         """Validate, naming the flag a user would change."""
@@ -153,7 +158,8 @@ class ProducerOptions:
 
     @classmethod
     def from_flags(cls, samplers: int = 0, *, prefetch: int = 2, workers: int = 1,
-                   threads_per_worker: int = 1, recycle: bool = False) -> ProducerOptions:
+                   threads_per_worker: int = 1, recycle: bool = False,
+                   background: bool = False) -> ProducerOptions:
         """Options from command-line flags: ``--samplers K`` > 0 selects K worker processes, 0 threads.
 
         Raises:
@@ -163,7 +169,8 @@ class ProducerOptions:
             raise TrellisUserError(f"--samplers {samplers}: give the number of sampler processes (1 or more), or 0 "
                                    "to prepare batches on threads")
         if int(samplers) > 0:
-            return cls("processes", int(samplers), int(prefetch), int(threads_per_worker), recycle=recycle)
+            return cls("processes", int(samplers), int(prefetch), int(threads_per_worker), recycle=recycle,
+                       background=background)
         return cls("threads", int(workers), int(prefetch), int(threads_per_worker), recycle=recycle)
 
     @property
@@ -704,11 +711,13 @@ class _Slots:
         os.close(fd)
 
 
-def _worker_main(rank: int, conn: Connection, threads: int, recycle: bool = False) -> None:
+def _worker_main(rank: int, conn: Connection, threads: int, recycle: bool = False, background: bool = False) -> None:
     """A worker process: load the source, then build the batches it is asked for until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle; it stops us
     parent = os.getppid()
     try:
+        if background:  # before any thread pool starts, so that its threads inherit the policy
+            set_background(True)
         _limit_threads(threads)
         _, skeleton, sizes = conn.recv()
         source = _load_shared(conn, skeleton, sizes)
@@ -878,6 +887,8 @@ class _Pool:
         self.options = options
         self.workers: list[_Worker] = []
         self.broken: str | None = None
+        #: Whether the workers run in the background now (:meth:`set_background`).
+        self.background = bool(options.background and background_wanted())
         ctx = _context(options.start_method)
         try:
             shared = _Shared.dump(source)
@@ -888,7 +899,8 @@ class _Pool:
             for rank in range(options.workers):
                 here, there = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=_worker_main,
-                                   args=(rank, there, options.threads_per_worker, options.recycle),
+                                   args=(rank, there, options.threads_per_worker, options.recycle,
+                                         self.background),
                                    name=f"trellis-sampler-{rank}", daemon=True)
                 try:
                     proc.start()
@@ -923,6 +935,20 @@ class _Pool:
                                     "before it received the epoch's plan") from exc
         finally:
             shared.close()
+
+    def set_background(self, on: bool) -> None:
+        """Workers in the background (``on``, only with ``ProducerOptions.background``) or at normal priority."""
+        on = bool(on and self.options.background)
+        if on == self.background:
+            return
+        self.background = on
+        for w in self.workers:
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{w.pid}/task")]  # every thread of the worker
+            except OSError:
+                tids = [w.pid]
+            for tid in tids:
+                set_background(on, tid)
 
     def release(self, w: _Worker, slots: list[int]) -> None:
         """Hand ``slots`` back to ``w`` (``recycle``); a worker that is gone needs nothing back."""
@@ -1266,6 +1292,15 @@ class BatchProducer(Generic[T]):
             # else: a worker's "ready", or a batch of an epoch closed early: dropped (its memory with it)
         if self._epoch is not None:
             self.read_bytes = self._epoch.read_bytes
+
+    def set_background(self, on: bool) -> None:
+        """Sampler processes in the background (``on``; only with ``ProducerOptions.background``) or not.
+
+        Why: a training loop chooses the builders' priority by measurement (:class:`trellis.utils.priority
+        .PriorityTrial`); processes already running take the choice here, threads when they start.
+        """
+        if self._pool is not None:
+            self._pool.set_background(on)
 
     def _epoch_closed(self, epoch: _ProcessEpoch[T]) -> None:
         if self._epoch is epoch:

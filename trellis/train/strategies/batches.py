@@ -6,6 +6,7 @@ of those strategies -- the partition buffer -- build on it without importing the
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from trellis.train.data import load_graph_data
 from trellis.train.strategies.full import GraphStrategy
 from trellis.train.tasks import Task, split_metrics
 from trellis.utils.numba import get_num_threads, set_num_threads
+from trellis.utils.priority import PriorityTrial
 
 
 def _epoch_seed() -> int:
@@ -45,6 +47,24 @@ def leave_cores(busy: int) -> tuple[int, int] | None:
     torch.set_num_threads(have - busy)
     set_num_threads(max(1, min(before[1], have - busy)))
     return before
+
+
+class _Waits:
+    """An epoch's batches, with the seconds the trainer spent waiting for them (any source, any producer)."""
+
+    def __init__(self, batches: Any) -> None:
+        self._it = iter(batches)
+        self.wait_s = 0.0
+
+    def __iter__(self) -> _Waits:
+        return self
+
+    def __next__(self) -> Batch:
+        t0 = time.perf_counter()
+        try:
+            return next(self._it)
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
 
 class BatchStrategy(GraphStrategy):
@@ -101,10 +121,17 @@ class BatchStrategy(GraphStrategy):
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         steps = 0
+        if self._priority is None:
+            self._priority = PriorityTrial()
+        background = self._priority.before()
+        t0 = time.perf_counter()
         batches = self._epoch_batches(_epoch_seed())
+        if self._producer is not None:  # its processes already run: they take this epoch's priority now
+            self._producer.set_background(background)
         open_step = False  # gradients were zeroed for the step in progress
         backed = False  # some batch of the step in progress back-propagated a loss
-        for batch in batches:
+        waited = _Waits(batches)
+        for batch in waited:
             if not open_step:
                 optimizer.zero_grad(set_to_none=True)
                 open_step = True
@@ -120,14 +147,15 @@ class BatchStrategy(GraphStrategy):
                     optimizer.step()
                     steps += 1
                 open_step = backed = False
-        self.last_epoch = {"batches": float(steps), "targets": float(count),
-                           "wait_s": float(getattr(batches, "wait_s", 0.0))}
+        self.last_epoch = {"batches": float(steps), "targets": float(count), "wait_s": waited.wait_s}
+        self._priority.after(time.perf_counter() - t0)
         if self._producer is not None:
             self.last_epoch["sampler_read_bytes"] = float(getattr(batches, "read_bytes", 0))
         return (total / max(count, 1)).to(torch.float32)
 
     _producer: BatchProducer[Any] | None = None
     _threads: tuple[int, int] | None = None
+    _priority: PriorityTrial | None = None
 
     def _epoch_batches(self, epoch_seed: int) -> Any:
         """The epoch's batches: from the loader's own threads, or from ``--samplers K`` worker processes.
@@ -139,9 +167,11 @@ class BatchStrategy(GraphStrategy):
         if samplers <= 0:
             return self.loader.epoch(epoch_seed)
         if self._producer is None:
-            opts = ProducerOptions.from_flags(samplers, prefetch=self.cfg.prefetch, recycle=True)
+            # Cores the trainer keeps are shared with the samplers: they run in the trainer's idle time
+            self._threads = leave_cores(samplers)  # (one thread each, the producer's default)
+            opts = ProducerOptions.from_flags(samplers, prefetch=self.cfg.prefetch, recycle=True,
+                                              background=self._threads is None)
             self._producer = BatchProducer(self.loader, opts).start()
-            self._threads = leave_cores(samplers * opts.threads_per_worker)
         return self._producer.epoch(epoch_seed)
 
     def close(self) -> None:
