@@ -103,7 +103,6 @@ def epoch_strategy(a: argparse.Namespace, samplers: int, background: bool | None
     """A ``--samplers`` strategy and its model after a warm-up epoch; ``background`` None: as training decides."""
     from trellis.loader.producer import BatchProducer, ProducerOptions
     from trellis.train.strategies.batches import leave_cores
-
     from trellis.utils.priority import PriorityTrial
 
     strategy = _strategy(a, samplers)
