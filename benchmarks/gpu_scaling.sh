@@ -28,14 +28,14 @@ $T data generate sbm --nodes "${NODES:-1000000}" --avg-degree 10 --features 128 
 $T partition "$W/g" --parts 8 --out "$W/p8" --json | tail -c 200; echo
 echo "data ready in $((SECONDS - s)) s"
 echo "== samplers, trainer on cpu"
-timeout "${T1:-110}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4 --device cpu \
+timeout "${T1:-110}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4 --device cpu --repeats 1 \
   2>&1 | tee "$OUT/samplers_cpu.txt"
 echo "== trainer ranks (cpu)"
 timeout "${T2:-220}" $PY -m benchmarks.bench_dist_mini --store "$W/g" --layout "$W/p8" --ranks 2,4,8 --seeds 1 \
   --epochs 2 2>&1 | tee "$OUT/ranks.txt"
 if [ "$DEV" != cpu ]; then
   echo "== samplers, trainer on $DEV"
-  timeout "${T3:-100}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4,8 --device "$DEV" \
+  timeout "${T3:-100}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4,8 --device "$DEV" --repeats 1 \
     2>&1 | tee "$OUT/samplers_$DEV.txt"
 fi
 if [ "${T4:-150}" != 0 ]; then
