@@ -121,13 +121,8 @@ class BatchStrategy(GraphStrategy):
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         steps = 0
-        if self._priority is None:
-            self._priority = PriorityTrial()
-        background = self._priority.before()
         t0 = time.perf_counter()
-        batches = self._epoch_batches(_epoch_seed())
-        if self._producer is not None:  # its processes already run: they take this epoch's priority now
-            self._producer.set_background(background)
+        batches = self._open_epoch(_epoch_seed())
         open_step = False  # gradients were zeroed for the step in progress
         backed = False  # some batch of the step in progress back-propagated a loss
         waited = _Waits(batches)
@@ -148,7 +143,7 @@ class BatchStrategy(GraphStrategy):
                     steps += 1
                 open_step = backed = False
         self.last_epoch = {"batches": float(steps), "targets": float(count), "wait_s": waited.wait_s}
-        self._priority.after(time.perf_counter() - t0)
+        self._close_epoch(time.perf_counter() - t0)
         if self._producer is not None:
             self.last_epoch["sampler_read_bytes"] = float(getattr(batches, "read_bytes", 0))
         return (total / max(count, 1)).to(torch.float32)
@@ -156,6 +151,21 @@ class BatchStrategy(GraphStrategy):
     _producer: BatchProducer[Any] | None = None
     _threads: tuple[int, int] | None = None
     _priority: PriorityTrial | None = None
+
+    def _open_epoch(self, epoch_seed: int) -> Any:
+        """The epoch's batches (:meth:`_epoch_batches`), their builders at the priority the run's trial gives."""
+        if self._priority is None:
+            self._priority = PriorityTrial()
+        background = self._priority.before()
+        batches = self._epoch_batches(epoch_seed)
+        if self._producer is not None:  # its processes already run: they take this epoch's priority now
+            self._producer.set_background(background)
+        return batches
+
+    def _close_epoch(self, seconds: float) -> None:
+        """The epoch's training took ``seconds`` (the priority trial's measurement)."""
+        assert self._priority is not None
+        self._priority.after(seconds)
 
     def _epoch_batches(self, epoch_seed: int) -> Any:
         """The epoch's batches: from the loader's own threads, or from ``--samplers K`` worker processes.

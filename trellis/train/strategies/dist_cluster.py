@@ -192,7 +192,7 @@ class DistributedCluster(DistributedMini):
         assert comm is not None
         model.train()
         t0 = time.perf_counter()
-        batches = self._epoch_batches(self._shared_seed())
+        batches = self._open_epoch(self._shared_seed())
         params: list[Tensor] = [p for p in model.parameters() if p.requires_grad]
         y = self.data.y
         assert y is not None
@@ -229,6 +229,7 @@ class DistributedCluster(DistributedMini):
         close = getattr(batches, "close", None)
         if close is not None:
             close()
+        self._close_epoch(time.perf_counter() - t0)
         total, count_all, exchanged_all = (comm.sum([total, float(count), float(exchanged)]) if comm.world_size > 1
                                            else (total, float(count), float(exchanged)))
         self._epoch = {"batches": steps, "targets": int(count_all), "epoch_s": time.perf_counter() - t0,

@@ -469,7 +469,7 @@ class DistributedMini(BatchStrategy):
             # Each rank's dropout draws start from (epoch seed, rank): a resumed run restores rank 0's generator
             # only, and this makes every rank's epoch the uninterrupted run's all the same.
             torch.manual_seed(mix64(seed, comm.rank, 0xD209) >> 1)
-        batches = self._epoch_batches(seed)  # on a thread, or from --samplers K processes
+        batches = self._open_epoch(seed)  # on a thread, or from --samplers K processes
         params: list[Tensor] = [p for p in model.parameters() if p.requires_grad]
         total, count, steps, fetch_s = 0.0, 0, 0, 0.0
         it = iter(batches)
@@ -500,6 +500,7 @@ class DistributedMini(BatchStrategy):
         close = getattr(batches, "close", None)
         if close is not None:
             close()
+        self._close_epoch(time.perf_counter() - t0)  # (each rank chooses its builders' priority alone)
         comm.average_buffers(model)  # one model: every rank's normalization statistics the same
         total, count_all = comm.sum([total, float(count)]) if comm.world_size > 1 else (total, float(count))
         # times are this rank's (rank 0 writes the record); counts and bytes are the job's
