@@ -11,12 +11,16 @@ import torch
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.loader.buffer import (
+    DIRECT_BLOCK,
     KEPT_LEVELS,
+    NPY_HEADER,
     PartitionBuffer,
     PartRows,
     buffer_states,
+    direct_slot_stride,
     inclusion_probability,
     read_npy,
+    read_npy_direct,
     state_graph,
 )
 from trellis.loader.sampler import NeighborLoader, NeighborSampler
@@ -77,6 +81,41 @@ def test_read_npy_sequential_and_checked(tmp_path):
     (tmp_path / "c.npy").write_bytes((tmp_path / "a.npy").read_bytes()[:-8])
     with pytest.raises(TrellisUserError, match="truncated"):
         read_npy(tmp_path / "c.npy")
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1000, 128), (777, 3), (5, 100)])
+def test_direct_read_lands_a_part_in_its_slot_and_leaves_the_neighbouring_slots_alone(tmp_path, rows, width):
+    """One O_DIRECT read per part file into slots of ``direct_slot_stride``: every slot aligned as the first, the
+    header and the block's tail written into slack only; where O_DIRECT cannot serve, nothing is read."""
+    row_bytes = width * 4
+    stride = direct_slot_stride(rows, row_bytes)
+    assert stride * row_bytes % DIRECT_BLOCK == 0 and (stride - rows) * row_bytes >= 2 * DIRECT_BLOCK
+    raw = np.empty(3 * stride * row_bytes + 2 * DIRECT_BLOCK, dtype=np.uint8)
+    first = (NPY_HEADER - raw.ctypes.data) % DIRECT_BLOCK + DIRECT_BLOCK
+    arena = raw[first: first + 3 * stride * row_bytes].view(np.float32).reshape(3 * stride, width)
+    arena[:] = -1.0
+    parts = [np.random.default_rng(k).standard_normal((rows - k, width)).astype(np.float32) for k in range(3)]
+    for k, part in enumerate(parts):
+        np.save(tmp_path / f"x{k}.npy", part)
+        assert (tmp_path / f"x{k}.npy").stat().st_size == NPY_HEADER + part.nbytes
+    order = [1, 0, 2]  # slot k takes part order[k] (the middle slot has full neighbours on both sides)
+    direct = [read_npy_direct(tmp_path / f"x{p}.npy", raw, first + k * stride * row_bytes,
+                              arena[k * stride: k * stride + parts[p].shape[0]]) for k, p in enumerate(order)]
+    if not any(direct):  # a file system without O_DIRECT (tmpfs): the buffered path reads instead
+        pytest.skip("O_DIRECT is refused on this file system")
+    assert all(direct)
+    for k, p in enumerate(order):
+        assert np.array_equal(arena[k * stride: k * stride + parts[p].shape[0]], parts[p])
+    # a misaligned destination is refused with nothing read
+    out = arena[1: 1 + parts[0].shape[0]]
+    out[:] = -1.0
+    assert not read_npy_direct(tmp_path / "x0.npy", raw, first + row_bytes, out) or row_bytes % DIRECT_BLOCK == 0
+    if row_bytes % DIRECT_BLOCK:
+        assert (out == -1.0).all()
+    with pytest.raises(TrellisUserError, match="fit the buffer"):
+        read_npy_direct(tmp_path / "x0.npy", raw, first, arena[: rows - 1])
+    with pytest.raises(TrellisUserError, match="missing"):
+        read_npy_direct(tmp_path / "none.npy", raw, first, arena[:rows])
 
 
 def test_inclusion_probability_matches_simulation():
