@@ -139,3 +139,26 @@ def test_explain_describes_the_batches_and_the_model_plan(sbm_store, capsys, str
                  "cpu"]) == 0
     out = capsys.readouterr().out
     assert f"{strategy}: " in out and "batches per epoch" in out and "gcn: pushdown=" in out
+
+
+def test_waited_batches_tells_a_starving_trial_while_the_trainer_still_waits(monkeypatch):
+    """The watcher reports the wait in progress (a starved sampler may take minutes for one batch), and the total
+    wait is the time spent in ``next``."""
+    import time as _time
+
+    from trellis.train.strategies import batches as batches_mod
+    from trellis.utils import priority
+
+    monkeypatch.setattr(priority, "_state", {"on": True})
+    seen: list[tuple[float, float]] = []
+
+    def slow():
+        _time.sleep(0.8)
+        yield 1
+        yield 2
+
+    waited = batches_mod.WaitedBatches(slow(), lambda w, e: seen.append((w, e)))
+    assert list(waited) == [1, 2]
+    mid = [w for w, _ in seen if w < 0.79]  # the watcher's reports, before the first batch arrived
+    assert len(mid) >= 2 and min(mid) >= 0.2, seen
+    assert 0.8 <= waited.wait_s < 1.5

@@ -28,7 +28,7 @@ def test_trial_runs_epoch_1_in_the_background_epoch_2_normal_then_keeps_the_fast
         seen.append(trial.before())
         assert background_wanted() is seen[-1]
         trial.after(seconds)
-    assert seen == [True, True, False, chosen, chosen]
+    assert seen == [False, True, False, chosen, chosen]
     assert trial.choice is chosen
 
 
@@ -65,3 +65,21 @@ def test_set_background_moves_a_thread_to_idle_priority_and_back():
     t.join()
     assert got["idle"] == os.SCHED_IDLE and got["after"] == os.SCHED_OTHER
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own priority is untouched
+
+
+def test_a_starving_trial_gives_up_at_once(monkeypatch):
+    """Samplers in the background that starve the trainer (a busy shared machine): the normal priority from then
+    on; a trainer that waits little, or briefly, keeps the trial going."""
+    monkeypatch.setattr(priority, "_FIXED", "")
+    trial = PriorityTrial()
+    assert trial.before() is False  # epoch 0 warms up at the normal priority
+    assert not trial.starving(5.0, 6.0)  # (nothing in the background to give up)
+    trial.after(6.0)
+    assert trial.before() is True
+    assert not trial.starving(0.9, 1.5)  # too early to tell
+    assert not trial.starving(0.8, 2.0)  # waited less than half the time
+    assert trial.starving(1.2, 2.0)
+    assert not trial.starving(5.0, 6.0)  # decided once
+    assert background_wanted() is False and trial.choice is False
+    trial.after(3.0)
+    assert trial.before() is False and trial.before() is False  # and it stays so

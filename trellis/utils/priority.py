@@ -1,18 +1,24 @@
-"""Batch preparation in the background: batch builders take the CPU time the trainer leaves idle.
+"""Sampler processes in the background: batch builders take the CPU time the trainer leaves idle.
 
-The threads and processes that build batches can run at the lowest priority (Linux ``SCHED_IDLE``). Why: on a
-machine whose cores the trainer keeps busy (its torch and numba threads, one per core), a builder at the same
-priority preempts one of the trainer's threads, and each of the trainer's parallel regions then waits for the
-thread that lost its core: training slows by more than the preparation's own work. Between its parallel regions
-the trainer runs serial stretches (Python, small ops) that leave a core idle, and a builder at the lowest priority
-runs exactly there. Measured on 2 cores (docs/benchmarks.md): one sampler process beside the trainer, the epoch
-went from 1.24x to 1.15x the training alone.
+The sampler processes (``--samplers K``) can run at the lowest priority (Linux ``SCHED_IDLE``). Why: on a machine
+whose cores the trainer keeps busy (its torch and numba threads, one per core), a sampler at the same priority
+preempts one of the trainer's threads, and each of the trainer's parallel regions then waits for the thread that
+lost its core: training slows by more than the sampler's own work. Between its parallel regions the trainer runs
+serial stretches (Python, small ops) that leave a core idle, and a sampler at the lowest priority runs exactly
+there. Measured on 2 cores (docs/benchmarks.md): one sampler process beside the trainer, the epoch was 5-11%
+shorter in every run.
 
 It does not always pay: where preparation needs more than those idle stretches, the trainer waits for batches
-instead of sharing its cores, and on a machine shared with other busy processes a builder at the lowest priority
+instead of sharing its cores, and on a machine shared with other busy processes a sampler at the lowest priority
 gets almost no CPU. So the training loop measures instead of guessing (:class:`PriorityTrial`): its second epoch
-runs with the builders in the background, its third at the normal priority, and the faster of the two decides the
-rest of the run. ``TRELLIS_BACKGROUND=0`` (or ``1``) fixes the choice.
+runs with the samplers in the background, its third at the normal priority, and the faster of the two decides the
+rest of the run; a background epoch in which the trainer waits for more than half of its first seconds ends the
+trial at once. ``TRELLIS_BACKGROUND=0`` (or ``1``) fixes the choice.
+
+Threads of the trainer's own process (the loaders' prefetching) stay at the normal priority: a thread at the lowest
+priority that holds the GIL stalls every other thread of the process until it is scheduled again. Measured with
+two busy processes beside a run on 2 cores: an in-memory epoch whose prefetching thread was in the background took
+42-51 s instead of 2-3 s, even with the trial giving up as soon as it could run.
 """
 
 from __future__ import annotations
@@ -20,11 +26,16 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["PriorityTrial", "background_wanted", "set_background"]
+__all__ = ["STARVING", "PriorityTrial", "background_wanted", "set_background"]
 
 _FIXED = os.environ.get("TRELLIS_BACKGROUND", "").strip().lower()
 _state = {"on": _FIXED not in ("0", "false", "off")}
 _lock = threading.Lock()
+
+#: A trial in the background gives up at once when the trainer has waited for batches more than this fraction of
+#: an epoch's first seconds (:meth:`PriorityTrial.starving`): on a machine other processes keep busy, the lowest
+#: priority gets almost nothing, and an epoch would crawl.
+STARVING = 0.5
 
 
 def background_wanted() -> bool:
@@ -40,9 +51,10 @@ def _choose(on: bool) -> None:
 class PriorityTrial:
     """The training loop's choice of the builders' priority, by measurement (see the module's docstring).
 
-    Epoch 0 warms up (compiled kernels, page faults) in the background; epoch 1 runs in the background, epoch 2 at
-    the normal priority; from epoch 3 on, the faster of those two. Call :meth:`before` at each epoch's start (it
-    returns the priority to apply to builders that already run) and :meth:`after` with the epoch's seconds.
+    Epoch 0 warms up (compiled kernels, page faults) at the normal priority; epoch 1 runs in the background, epoch 2
+    at the normal priority; from epoch 3 on, the faster of those two. Call :meth:`before` at each epoch's start (it
+    returns the priority to apply to builders that already run), :meth:`starving` as batches arrive, and
+    :meth:`after` with the epoch's seconds. A trial that starves the trainer ends at once at the normal priority.
     """
 
     def __init__(self) -> None:
@@ -53,13 +65,28 @@ class PriorityTrial:
 
     def before(self) -> bool:
         """This epoch's priority (True: background); builders started from now on take it."""
-        on = self.choice if self.choice is not None else self.epoch != 2
+        on = self.choice if self.choice is not None else self.epoch == 1
         _choose(on)
         return on
 
+    def starving(self, wait_s: float, elapsed_s: float) -> bool:
+        """Mid-epoch: whether builders in the background starve the trainer; if so, the normal priority from now on.
+
+        Called as batches arrive and while the trainer waits. True (once) when this epoch's builders run in the
+        background, at least two seconds have passed and the trainer waited more than :data:`STARVING` of them:
+        the choice is then made (normal priority), and the caller moves its sampler processes.
+        """
+        if self.fixed or self.choice is False or not background_wanted():
+            return False
+        if elapsed_s < 2.0 or wait_s <= STARVING * elapsed_s:
+            return False
+        self.choice = False
+        _choose(False)
+        return True
+
     def after(self, seconds: float) -> None:
         """Record the epoch just trained; after epoch 2, keep the faster priority."""
-        if self.choice is None and self.epoch in (1, 2):
+        if self.choice is None and self.epoch in (1, 2):  # (no choice made yet, e.g. by starving)
             self.seconds[self.epoch == 1] = float(seconds)
             if self.epoch == 2:
                 self.choice = self.seconds[True] <= self.seconds[False]

@@ -6,6 +6,7 @@ of those strategies -- the partition buffer -- build on it without importing the
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from trellis.train.data import load_graph_data
 from trellis.train.strategies.full import GraphStrategy
 from trellis.train.tasks import Task, split_metrics
 from trellis.utils.numba import get_num_threads, set_num_threads
-from trellis.utils.priority import PriorityTrial
+from trellis.utils.priority import PriorityTrial, background_wanted
 
 
 def _epoch_seed() -> int:
@@ -49,22 +50,50 @@ def leave_cores(busy: int) -> tuple[int, int] | None:
     return before
 
 
-class _Waits:
-    """An epoch's batches, with the seconds the trainer spent waiting for them (any source, any producer)."""
+class WaitedBatches:
+    """An epoch's batches, with the seconds the trainer spent waiting for them (any source, any producer).
 
-    def __init__(self, batches: Any) -> None:
+    ``starving(wait_s, elapsed_s)``: told after each batch and, while builders run in the background, every quarter
+    second by a watcher thread while the trainer waits (the priority trial gives up mid-wait: a builder starved by
+    other processes may take minutes for one batch).
+    """
+
+    def __init__(self, batches: Any, starving: Any = None) -> None:
         self._it = iter(batches)
+        self._starving = starving
+        self._t0 = time.perf_counter()
+        self._since: float | None = None  # when the current wait began
+        self._done = threading.Event()
         self.wait_s = 0.0
+        if starving is not None and background_wanted():
+            threading.Thread(target=self._watch, name="trellis-starving", daemon=True).start()
 
-    def __iter__(self) -> _Waits:
+    def _watch(self) -> None:
+        while not self._done.wait(0.25) and background_wanted():
+            since = self._since
+            if since is not None:
+                now = time.perf_counter()
+                self._starving(self.wait_s + (now - since), now - self._t0)
+
+    def __iter__(self) -> WaitedBatches:
         return self
 
+    def __del__(self) -> None:
+        self._done.set()  # the watcher stops with the epoch, however the epoch ended
+
     def __next__(self) -> Batch:
-        t0 = time.perf_counter()
+        t0 = self._since = time.perf_counter()
         try:
             return next(self._it)
+        except BaseException:
+            self._done.set()
+            raise
         finally:
-            self.wait_s += time.perf_counter() - t0
+            now = time.perf_counter()
+            self._since = None
+            self.wait_s += now - t0
+            if self._starving is not None:
+                self._starving(self.wait_s, now - self._t0)
 
 
 class BatchStrategy(GraphStrategy):
@@ -125,7 +154,7 @@ class BatchStrategy(GraphStrategy):
         batches = self._open_epoch(_epoch_seed())
         open_step = False  # gradients were zeroed for the step in progress
         backed = False  # some batch of the step in progress back-propagated a loss
-        waited = _Waits(batches)
+        waited = WaitedBatches(batches, self._starving_check())
         for batch in waited:
             if not open_step:
                 optimizer.zero_grad(set_to_none=True)
@@ -161,6 +190,16 @@ class BatchStrategy(GraphStrategy):
         if self._producer is not None:  # its processes already run: they take this epoch's priority now
             self._producer.set_background(background)
         return batches
+
+    def _starving_check(self) -> Any:
+        """:meth:`_starving` where sampler processes may run in the background this run, else None (no watcher)."""
+        producer = self._producer
+        return self._starving if producer is not None and producer.options.background else None
+
+    def _starving(self, wait_s: float, elapsed_s: float) -> None:
+        """Builders in the background starve the trainer this epoch: all of them to the normal priority now."""
+        if self._priority is not None and self._priority.starving(wait_s, elapsed_s) and self._producer is not None:
+            self._producer.set_background(False)
 
     def _close_epoch(self, seconds: float) -> None:
         """The epoch's training took ``seconds`` (the priority trial's measurement)."""
@@ -233,4 +272,4 @@ class BatchStrategy(GraphStrategy):
         return self._infer(model)
 
 
-__all__ = ["BatchStrategy"]
+__all__ = ["BatchStrategy", "WaitedBatches"]

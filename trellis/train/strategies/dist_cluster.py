@@ -47,6 +47,7 @@ from trellis.ops.dropout import keyed_rows
 from trellis.partition.layout import LocalGraph
 from trellis.plan.cost import GraphStats
 from trellis.train.config import TrainConfig
+from trellis.train.strategies.batches import WaitedBatches
 from trellis.train.strategies.dist_mini import DistributedMini, rank_of_part
 from trellis.train.tasks import Task
 from trellis.utils.memory import trim_heap
@@ -197,7 +198,7 @@ class DistributedCluster(DistributedMini):
         y = self.data.y
         assert y is not None
         total, count, steps, exchanged = 0.0, 0, 0, 0
-        for batch in batches:
+        for batch in WaitedBatches(batches, self._starving_check()):
             optimizer.zero_grad(set_to_none=True)
             logits, mine, rg = self._forward(model, batch)  # even a batch without loss rows draws its masks
             targets = mine < batch.num_targets

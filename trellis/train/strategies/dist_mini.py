@@ -56,7 +56,7 @@ from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_labels
 from trellis.train.options import DEFAULT_TIMEOUT_S, NO_RANKS_CACHE
-from trellis.train.strategies.batches import BatchStrategy, _epoch_seed
+from trellis.train.strategies.batches import BatchStrategy, WaitedBatches, _epoch_seed
 from trellis.train.strategies.buffered import (
     BufferedMini,
     layout_feature_norm,
@@ -472,7 +472,7 @@ class DistributedMini(BatchStrategy):
         batches = self._open_epoch(seed)  # on a thread, or from --samplers K processes
         params: list[Tensor] = [p for p in model.parameters() if p.requires_grad]
         total, count, steps, fetch_s = 0.0, 0, 0, 0.0
-        it = iter(batches)
+        it = WaitedBatches(batches, self._starving_check())
         for step in range(self.steps):
             group = _step_batches(it) if step < len(self.loader) else []
             if not self.buffered:  # a buffer's batches carry their rows; the others fetch them (collectively)
