@@ -130,8 +130,9 @@ def read_npy_direct(path: Path, raw: np.ndarray, at: int, out: np.ndarray) -> bo
 
     ``out`` lies at byte ``at`` of ``raw`` (a ``uint8`` buffer); the read also writes the file's header into the
     bytes before ``at`` and up to a block past the data: the slot stride of :func:`direct_slot_stride` keeps
-    those bytes free. Why: the page cache's copy costs CPU time (about 6 ms of a core per 32 MB part on this
-    project's machine, against 1 ms read directly) and, under a memory cgroup, memory the run is charged for.
+    those bytes free. Why: the page cache's copy costs CPU time (3.1 ms of a core per 31 MB part on this
+    project's machine, against 0.9 ms read directly: ``benchmarks/bench_direct_read.py``) and, under a memory
+    cgroup, memory the run is charged for.
     Falls back (returns False, nothing read) where O_DIRECT is missing or refused (tmpfs), where the header is
     not :data:`NPY_HEADER` bytes, or where the addresses do not align.
 
