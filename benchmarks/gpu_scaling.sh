@@ -12,28 +12,38 @@
 # 3. the samplers table with the trainer on the GPU (Armada Fig. 8);
 # 4. hybrid-parallel cluster-batch on 2 and 4 ranks against one process (GCN, 8 of 64 hash clusters),
 #    `python -m benchmarks.bench_dist_cluster --ranks 2,4` (T4=0 skips it).
-# Each step has its own timeout so one slow table leaves the others. CI never runs this.
+# Each step has its own timeout so one slow table leaves the others (T1..T4 seconds; 0 skips that step).
+# DATA=DIR keeps the graph and its layout in DIR and reuses them when they are there; PREP=1 only builds them
+# (so a device call can build them while benchmarks/gpu.sh runs). CI never runs this.
 set -uo pipefail
 OUT=${1:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 T="$PY -m trellis.cli.main"
-W=$(mktemp -d)
+W=${DATA:-$(mktemp -d)}
+mkdir -p "$W"
 DEV=${DEV:-cuda}
 nproc; $PY -c 'import torch; print("torch", torch.__version__, torch.get_num_threads(), "threads")'
 s=$SECONDS
-$T data generate sbm --nodes "${NODES:-1000000}" --avg-degree 10 --features 128 --classes 16 --seed 1 \
-  --homophily 0.8 --train-frac 0.05 --val-frac 0.05 --out "$W/g" | tail -1
-$T partition "$W/g" --parts 8 --out "$W/p8" --json | tail -c 200; echo
-echo "data ready in $((SECONDS - s)) s"
+if [ ! -f "$W/ready" ]; then
+  rm -rf "$W/g" "$W/p8"
+  $T data generate sbm --nodes "${NODES:-1000000}" --avg-degree 10 --features 128 --classes 16 --seed 1 \
+    --homophily 0.8 --train-frac 0.05 --val-frac 0.05 --out "$W/g" | tail -1
+  $T partition "$W/g" --parts 8 --out "$W/p8" --json | tail -c 200; echo
+  [ -d "$W/g" ] && [ -d "$W/p8" ] && touch "$W/ready"
+  echo "data ready in $((SECONDS - s)) s"
+fi
+[ "${PREP:-0}" = 1 ] && exit 0
 echo "== samplers, trainer on cpu"
 timeout "${T1:-110}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4 --device cpu --repeats 1 \
   2>&1 | tee "$OUT/samplers_cpu.txt"
-echo "== trainer ranks (cpu)"
-timeout "${T2:-220}" $PY -m benchmarks.bench_dist_mini --store "$W/g" --layout "$W/p8" --ranks 2,4,8 --seeds 1 \
-  --epochs 2 2>&1 | tee "$OUT/ranks.txt"
-if [ "$DEV" != cpu ]; then
+if [ "${T2:-220}" != 0 ]; then
+  echo "== trainer ranks (cpu)"
+  timeout "${T2:-220}" $PY -m benchmarks.bench_dist_mini --store "$W/g" --layout "$W/p8" --ranks 2,4,8 --seeds 1 \
+    --epochs 2 2>&1 | tee "$OUT/ranks.txt"
+fi
+if [ "$DEV" != cpu ] && [ "${T3:-100}" != 0 ]; then
   echo "== samplers, trainer on $DEV"
   timeout "${T3:-100}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers 0,1,2,4,8 --device "$DEV" --repeats 1 \
     2>&1 | tee "$OUT/samplers_$DEV.txt"
@@ -44,4 +54,4 @@ if [ "${T4:-150}" != 0 ]; then
     --epochs 2 --cluster-method hash 2>&1 | tee "$OUT/cluster_ranks.txt"
 fi
 echo "total $((SECONDS - s)) s"
-rm -rf "$W"
+[ -n "${DATA:-}" ] || rm -rf "$W"
