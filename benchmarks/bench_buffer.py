@@ -176,10 +176,9 @@ def producer(a: argparse.Namespace) -> None:
     from trellis.train.strategies import strategy_class
 
     if a.trainer_threads:  # torch's and numba's: one core each for the trainer and the sampler on 2 cores
-        from trellis.utils.numba import set_num_threads
+        from trellis.utils.numba import set_threads
 
-        torch.set_num_threads(a.trainer_threads)
-        set_num_threads(a.trainer_threads)
+        set_threads(a.trainer_threads)
     cfg = TrainConfig(store=a.store, strategy="mini", model="sage", hidden=a.hidden, fanouts=a.fanouts,
                       batch_size=a.batch_size, epochs=1, progress=False, device="cpu", prefetch=2, samplers=1)
     strategy = strategy_class("mini").for_config(cfg)(cfg, torch.device("cpu"))

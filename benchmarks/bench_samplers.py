@@ -92,11 +92,36 @@ def sampling_only(a: argparse.Namespace, samplers: int, recycle: bool = True) ->
     opts = ProducerOptions.from_flags(samplers, prefetch=max(a.prefetch, 2 * samplers), recycle=recycle)
     with BatchProducer(strategy.loader, opts).start() as prod:
         list(prod.epoch(0))  # warm-up
+        pids = [w.pid for w in prod._pool.workers] if prod._pool is not None else []
+        before = _cpu(pids)
         t0 = time.perf_counter()
         n = sum(1 for _ in prod.epoch(1))
         seconds = time.perf_counter() - t0
+        after = _cpu(pids)
     strategy.close()
+    # Where the epoch's CPU went, per batch: the sampler processes together and the consumer. Workers busy for
+    # less than the wall time mean they wait (on the consumer, the pipe); system time growing with K means they
+    # contend in the kernel (page faults, shared memory).
+    used = {key: (after[key] - before[key]) / n * 1e3 for key in before}
+    print(f"   K={samplers} {'recycled' if recycle else 'fresh'} buffers: {n / seconds:.1f} batches/s, "
+          f"{seconds / n * 1e3:.1f} ms/batch wall; CPU ms/batch: samplers user {used['w_user']:.1f} "
+          f"sys {used['w_sys']:.1f}, consumer user {used['c_user']:.1f} sys {used['c_sys']:.1f}", flush=True)
     return n / seconds
+
+
+def _cpu(pids: list[int]) -> dict[str, float]:
+    """User and system CPU seconds of the processes ``pids`` together and of this one."""
+    import resource
+
+    tick = os.sysconf("SC_CLK_TCK")
+    w_user = w_sys = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        w_user += int(fields[11]) / tick
+        w_sys += int(fields[12]) / tick
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return {"w_user": w_user, "w_sys": w_sys, "c_user": me.ru_utime, "c_sys": me.ru_stime}
 
 
 def epoch_strategy(a: argparse.Namespace, samplers: int, background: bool | None = None) -> Any:
@@ -130,10 +155,9 @@ def timed_epoch(strategy: Any, model: Any, opt: Any, epoch: int, device: str) ->
 def _build_alone(a: argparse.Namespace, shared: bool, q: Any) -> None:
     """In a fresh process: build the epoch's batches in this thread, timing sampling+gather and encoding."""
     from trellis.loader.producer import _shared_buffer, encode_batch
-    from trellis.utils.numba import set_num_threads
+    from trellis.utils.numba import set_threads
 
-    torch.set_num_threads(1)
-    set_num_threads(1)
+    set_threads(1)
     strategy = _strategy(a, 0)
     loader = strategy.loader
     plan = loader.plan(0)

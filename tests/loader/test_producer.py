@@ -312,6 +312,29 @@ class ToySource:
         return {"i": i, "epoch": plan.epoch, "t": torch.arange(i + plan.epoch)}
 
 
+class ThreadsSource(ToySource):
+    """Reports the thread counts a worker builds with, after a parallel numba kernel and a torch op."""
+
+    def get(self, plan: ToyPlan, i: int) -> dict:
+        import numpy as np
+
+        from trellis.loader.features import gather_rows
+        from trellis.utils.numba import get_num_threads
+
+        src = np.ones((20_000, 64), dtype=np.float32)
+        out = np.empty_like(src)
+        gather_rows(src, np.arange(20_000, dtype=np.int64), out)  # large enough for the parallel kernel
+        torch.ones(100_000).sum()
+        return {"i": i, "torch": torch.get_num_threads(), "numba": get_num_threads()}
+
+
+def test_workers_build_on_the_threads_they_are_given():
+    """``threads_per_worker`` holds for torch as for numba. numba's threading layer, started by the worker's first
+    numba call, used to reset torch's count to every core (measured: one-thread workers on all 16 cores)."""
+    with BatchProducer(ThreadsSource(n=3), ProducerOptions("processes", 2, threads_per_worker=1)) as prod:
+        assert [(b["torch"], b["numba"]) for b in prod.epoch(0)] == [(1, 1)] * 3
+
+
 def test_worker_exception_reaches_the_consumer_in_order():
     with BatchProducer(ToySource(fail_at=3), ProducerOptions("processes", 2, prefetch=3)) as prod:
         got = []

@@ -80,6 +80,7 @@ from trellis.loader.features import FeatureGather
 from trellis.loader.prefetch import Prefetcher
 from trellis.loader.source import BatchSource, iter_epoch
 from trellis.utils.memory import proc_io
+from trellis.utils.numba import set_threads
 from trellis.utils.priority import background_wanted, set_background
 
 T = TypeVar("T")
@@ -613,15 +614,8 @@ def _read_bytes() -> int:
 
 
 def _limit_threads(n: int) -> None:
-    torch.set_num_threads(n)
     try:
-        from trellis.utils.numba import WITH_NUMBA, set_num_threads
-
-        if WITH_NUMBA:
-            import numba
-
-            limit = int(getattr(numba.config, "NUMBA_NUM_THREADS", n))
-            set_num_threads(max(1, min(n, limit)))
+        set_threads(n)
     except Exception:  # noqa: BLE001 - thread limits are an optimization, never a reason to fail
         pass
 

@@ -22,7 +22,7 @@ from trellis.train.build import ModelSpec
 from trellis.train.data import load_graph_data
 from trellis.train.strategies.full import GraphStrategy
 from trellis.train.tasks import Task, split_metrics
-from trellis.utils.numba import get_num_threads, set_num_threads
+from trellis.utils.numba import get_num_threads, launch_threads, set_threads
 from trellis.utils.priority import PriorityTrial, background_wanted
 
 
@@ -41,12 +41,12 @@ def leave_cores(busy: int) -> tuple[int, int] | None:
     time alone. On fewer than 4 cores every thread with the sampler beside them is still faster, so nothing
     changes there. Returns the previous ``(torch, numba)`` threads to restore, or None when unchanged.
     """
+    launch_threads()  # numba's start would undo torch's count set here
     have = torch.get_num_threads()
     if busy <= 0 or have - busy < 3:
         return None
     before = (have, get_num_threads())
-    torch.set_num_threads(have - busy)
-    set_num_threads(max(1, min(before[1], have - busy)))
+    set_threads(have - busy, min(before[1], have - busy))
     return before
 
 
@@ -229,8 +229,7 @@ class BatchStrategy(GraphStrategy):
             self._producer.close()
             self._producer = None
         if self._threads is not None:  # the caller's thread counts again
-            torch.set_num_threads(self._threads[0])
-            set_num_threads(self._threads[1])
+            set_threads(*self._threads)
             self._threads = None
         super().close()
 

@@ -69,6 +69,7 @@ from trellis.train.strategies.outofcore import budget_and_baseline
 from trellis.train.strategy import Prediction, PredictRequest
 from trellis.train.tasks import Task
 from trellis.utils.memory import PeakMemory, proc_status, trim_heap
+from trellis.utils.numba import set_threads
 from trellis.utils.sizes import parse_size
 
 #: In-edges per chunk of split evaluation, a sixteenth of one process's default: a chunk's input rows arrive
@@ -88,7 +89,7 @@ def rank_env() -> RankEnv:
     env = RankEnv.from_environ()
     if env is None:
         return RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
-    torch.set_num_threads(rank_threads(env.local_world_size))
+    set_threads(rank_threads(env.local_world_size))
     return env
 
 
@@ -166,7 +167,7 @@ def serve_batches(cfg: TrainConfig, env: RankEnv) -> int:
     k = int(cfg.sampler_ranks)
     trainers_n = env.world_size - k
     me = env.rank - trainers_n
-    torch.set_num_threads(rank_threads(env.local_world_size))
+    set_threads(rank_threads(env.local_world_size))
     comm = Comm(env, torch.device("cpu"), float(getattr(cfg, "timeout", DEFAULT_TIMEOUT_S)), members=trainers_n)
     try:
         assert cfg.store is not None

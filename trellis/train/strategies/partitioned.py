@@ -48,6 +48,7 @@ from trellis.train.features import parse_features
 from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task, evaluate_logits
 from trellis.utils.memory import PeakMemory, trim_heap
+from trellis.utils.numba import set_threads
 
 #: Models that aggregate by themselves (attention): on the pull graph under destination ownership, through
 #: the exchange's two-phase softmax elsewhere (:mod:`trellis.distributed.attention`).
@@ -190,7 +191,7 @@ class PartitionedFull(Strategy):
         if env is None:  # one process, no launcher: a world of one
             env = RankEnv(0, 1, 0, 1, "127.0.0.1", free_port())
         else:
-            torch.set_num_threads(rank_threads(env.local_world_size))
+            set_threads(rank_threads(env.local_world_size))
         if self.device.type == "cuda":  # one GPU per rank: "cuda" now means this rank's
             torch.cuda.set_device(env.local_rank)
             self.device = torch.device("cuda", env.local_rank)
