@@ -73,8 +73,8 @@ def launch_threads() -> None:
     Why: numba starts its OpenMP layer lazily, at its first parallel kernel or thread call, and the start sets
     the calling thread's OpenMP thread count, which torch shares (the same ``libgomp``), to
     ``NUMBA_NUM_THREADS`` (every core). A ``torch.set_num_threads`` made before that start was silently
-    undone: sampler processes set to one thread ran torch on all 16 cores of a 16-core machine (5.5 cores busy
-    per process, 115 ms of CPU per batch against 13.5 ms on one thread), and ranks their cores' share.
+    undone: sampler processes set to one thread ran torch on all 16 cores of a 16-core machine (5.6 cores busy
+    per process, 115 ms of CPU per batch against 13.5 ms on one thread).
     """
     if not WITH_NUMBA:
         return
