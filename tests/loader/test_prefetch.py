@@ -1,4 +1,3 @@
-import os
 import threading
 import time
 
@@ -88,21 +87,3 @@ def test_prefetch_iter():
     assert next(it) == 0
     it.close()
     assert not _threads()
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="scheduling policies are Linux's")
-@pytest.mark.parametrize("wanted", [True, False])
-def test_builder_threads_take_the_chosen_priority(wanted):
-    """Both producers' threads run in the background exactly when it is wanted (trellis.utils.priority)."""
-    from trellis.utils import priority
-
-    before = priority.background_wanted()
-    priority._choose(wanted)
-    try:
-        want = os.SCHED_IDLE if wanted else os.SCHED_OTHER
-        with Prefetcher(lambda i: os.sched_getscheduler(0), 4, depth=2, workers=2) as it:
-            assert list(it) == [want] * 4
-        assert list(prefetch_iter((os.sched_getscheduler(0) for _ in range(3)), depth=2)) == [want] * 3
-        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the consumer's priority is untouched
-    finally:
-        priority._choose(before)

@@ -1,6 +1,7 @@
 """Mini-batch and cluster-batch strategies through the real trainer and the real models."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -141,15 +142,13 @@ def test_explain_describes_the_batches_and_the_model_plan(sbm_store, capsys, str
     assert f"{strategy}: " in out and "batches per epoch" in out and "gcn: pushdown=" in out
 
 
-def test_waited_batches_tells_a_starving_trial_while_the_trainer_still_waits(monkeypatch):
+def test_waited_batches_tells_a_starving_trial_while_the_trainer_still_waits():
     """The watcher reports the wait in progress (a starved sampler may take minutes for one batch), and the total
     wait is the time spent in ``next``."""
     import time as _time
 
     from trellis.train.strategies import batches as batches_mod
-    from trellis.utils import priority
 
-    monkeypatch.setattr(priority, "_state", {"on": True})
     seen: list[tuple[float, float]] = []
 
     def slow():
@@ -162,3 +161,28 @@ def test_waited_batches_tells_a_starving_trial_while_the_trainer_still_waits(mon
     mid = [w for w, _ in seen if w < 0.79]  # the watcher's reports, before the first batch arrived
     assert len(mid) >= 2 and min(mid) >= 0.2, seen
     assert 0.8 <= waited.wait_s < 1.5
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="scheduling policies are Linux's")
+def test_loader_threads_keep_the_normal_priority_in_every_epoch(sbm, monkeypatch):
+    """Only sampler processes go to the background. The loader's own threads stay at the normal priority, also in
+    the priority trial's background epoch (1): a thread of the trainer at the lowest priority that holds the GIL
+    stalls the whole process (docs/benchmarks.md, "Batch builders in the background")."""
+    from trellis.train.build import build_run_optimizer, default_model_factory
+    from trellis.train.strategies import strategy_class
+
+    monkeypatch.delenv("TRELLIS_BACKGROUND", raising=False)
+    c = TrainConfig(store=sbm, strategy="mini", model="sage", fanouts="5,5", batch_size=256, progress=False)
+    strategy = strategy_class("mini").for_config(c)(c, torch.device("cpu"))
+    strategy.load()
+    loader, policies = strategy.loader, []
+    get = loader.get
+    monkeypatch.setattr(loader, "get", lambda *a, **kw: policies.append(os.sched_getscheduler(0)) or get(*a, **kw))
+    model = strategy.build_model(default_model_factory)
+    opt = build_run_optimizer(c, model)
+    try:
+        for epoch in range(4):
+            strategy.train_step(model, opt, strategy.task, epoch)
+    finally:
+        strategy.close()
+    assert len(policies) == 4 * len(loader) and set(policies) == {os.SCHED_OTHER}

@@ -7,26 +7,18 @@ import threading
 
 import pytest
 
-from trellis.utils import priority
-from trellis.utils.priority import PriorityTrial, background_wanted, set_background
-
-
-@pytest.fixture(autouse=True)
-def _restore_state():
-    before = background_wanted()
-    yield
-    priority._choose(before)
+from trellis.utils.priority import PriorityTrial, set_background
 
 
 @pytest.mark.parametrize(("background_s", "normal_s", "chosen"), [(1.0, 1.2, True), (1.3, 1.1, False)])
 def test_trial_runs_epoch_1_in_the_background_epoch_2_normal_then_keeps_the_faster(monkeypatch, background_s,
                                                                                    normal_s, chosen):
-    monkeypatch.setattr(priority, "_FIXED", "")
+    monkeypatch.delenv("TRELLIS_BACKGROUND", raising=False)
     trial = PriorityTrial()
     seen = []
     for seconds in (5.0, background_s, normal_s, 9.0, 9.0):  # epoch 0 is a warm-up: its time says nothing
         seen.append(trial.before())
-        assert background_wanted() is seen[-1]
+        assert trial.on is seen[-1]
         trial.after(seconds)
     assert seen == [False, True, False, chosen, chosen]
     assert trial.choice is chosen
@@ -34,8 +26,7 @@ def test_trial_runs_epoch_1_in_the_background_epoch_2_normal_then_keeps_the_fast
 
 @pytest.mark.parametrize(("value", "on"), [("0", False), ("1", True)])
 def test_environment_variable_fixes_the_choice(monkeypatch, value, on):
-    monkeypatch.setattr(priority, "_FIXED", value)
-    priority._choose(on)
+    monkeypatch.setenv("TRELLIS_BACKGROUND", value)
     trial = PriorityTrial()
     seen = []
     for seconds in (1.0, 1.0, 2.0, 1.0):
@@ -70,7 +61,7 @@ def test_set_background_moves_a_thread_to_idle_priority_and_back():
 def test_a_starving_trial_gives_up_at_once(monkeypatch):
     """Samplers in the background that starve the trainer (a busy shared machine): the normal priority from then
     on; a trainer that waits little, or briefly, keeps the trial going."""
-    monkeypatch.setattr(priority, "_FIXED", "")
+    monkeypatch.delenv("TRELLIS_BACKGROUND", raising=False)
     trial = PriorityTrial()
     assert trial.before() is False  # epoch 0 warms up at the normal priority
     assert not trial.starving(5.0, 6.0)  # (nothing in the background to give up)
@@ -80,6 +71,6 @@ def test_a_starving_trial_gives_up_at_once(monkeypatch):
     assert not trial.starving(0.8, 2.0)  # waited less than half the time
     assert trial.starving(1.2, 2.0)
     assert not trial.starving(5.0, 6.0)  # decided once
-    assert background_wanted() is False and trial.choice is False
+    assert trial.on is False and trial.choice is False
     trial.after(3.0)
     assert trial.before() is False and trial.before() is False  # and it stays so

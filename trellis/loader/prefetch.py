@@ -24,8 +24,6 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from trellis.utils.priority import background_wanted, set_background
-
 T = TypeVar("T")
 
 
@@ -79,8 +77,7 @@ class Prefetcher(Generic[T]):
             self._next += 1
             return item
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="trellis-prefetch",
-                                            initializer=_builder_thread)
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="trellis-prefetch")
             self._fill()
         fut = self._pending.popleft()
         t0 = time.perf_counter()
@@ -114,12 +111,6 @@ class Prefetcher(Generic[T]):
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _builder_thread() -> None:
-    """A thread that builds batches runs in the background while that is wanted (:mod:`trellis.utils.priority`)."""
-    if background_wanted():
-        set_background(True)
-
-
 _DONE = object()
 
 
@@ -151,7 +142,6 @@ def prefetch_iter(items: Iterable[T], depth: int = 2) -> Iterator[T]:
 
     def work() -> None:
         try:
-            _builder_thread()
             for item in items:
                 if not put(item):
                     return

@@ -81,7 +81,7 @@ from trellis.loader.prefetch import Prefetcher
 from trellis.loader.source import BatchSource, iter_epoch
 from trellis.utils.memory import proc_io
 from trellis.utils.numba import set_threads
-from trellis.utils.priority import background_wanted, set_background
+from trellis.utils.priority import set_background
 
 T = TypeVar("T")
 
@@ -882,7 +882,7 @@ class _Pool:
         self.workers: list[_Worker] = []
         self.broken: str | None = None
         #: Whether the workers run in the background now (:meth:`set_background`).
-        self.background = bool(options.background and background_wanted())
+        self.background = bool(options.background)
         ctx = _context(options.start_method)
         try:
             shared = _Shared.dump(source)
@@ -1290,11 +1290,16 @@ class BatchProducer(Generic[T]):
     def set_background(self, on: bool) -> None:
         """Sampler processes in the background (``on``; only with ``ProducerOptions.background``) or not.
 
-        Why: a training loop chooses the builders' priority by measurement (:class:`trellis.utils.priority
-        .PriorityTrial`); processes already running take the choice here, threads when they start.
+        Why: a training loop chooses the sampler processes' priority by measurement (:class:`trellis.utils
+        .priority.PriorityTrial`), and running processes take each epoch's choice here.
         """
         if self._pool is not None:
             self._pool.set_background(on)
+
+    @property
+    def background(self) -> bool:
+        """Whether the sampler processes run in the background now."""
+        return self._pool is not None and self._pool.background
 
     def _epoch_closed(self, epoch: _ProcessEpoch[T]) -> None:
         if self._epoch is epoch:

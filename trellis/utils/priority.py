@@ -24,13 +24,8 @@ two busy processes beside a run on 2 cores: an in-memory epoch whose prefetching
 from __future__ import annotations
 
 import os
-import threading
 
-__all__ = ["STARVING", "PriorityTrial", "background_wanted", "set_background"]
-
-_FIXED = os.environ.get("TRELLIS_BACKGROUND", "").strip().lower()
-_state = {"on": _FIXED not in ("0", "false", "off")}
-_lock = threading.Lock()
+__all__ = ["STARVING", "PriorityTrial", "set_background"]
 
 #: A trial in the background gives up at once when the trainer has waited for batches more than this fraction of
 #: an epoch's first seconds (:meth:`PriorityTrial.starving`): on a machine other processes keep busy, the lowest
@@ -38,36 +33,36 @@ _lock = threading.Lock()
 STARVING = 0.5
 
 
-def background_wanted() -> bool:
-    """Whether batch builders started now should run in the background (what :class:`PriorityTrial` chose)."""
-    return bool(_state["on"])
-
-
-def _choose(on: bool) -> None:
-    with _lock:
-        _state["on"] = on
+def _fixed() -> bool | None:
+    """The choice ``TRELLIS_BACKGROUND`` fixes (``1``/``0``), or None (measure)."""
+    value = os.environ.get("TRELLIS_BACKGROUND", "").strip().lower()
+    return True if value in ("1", "true", "on") else False if value in ("0", "false", "off") else None
 
 
 class PriorityTrial:
-    """The training loop's choice of the builders' priority, by measurement (see the module's docstring).
+    """The training loop's choice of the sampler processes' priority, by measurement (see the module's docstring).
 
     Epoch 0 warms up (compiled kernels, page faults) at the normal priority; epoch 1 runs in the background, epoch 2
     at the normal priority; from epoch 3 on, the faster of those two. Call :meth:`before` at each epoch's start (it
-    returns the priority to apply to builders that already run), :meth:`starving` as batches arrive, and
-    :meth:`after` with the epoch's seconds. A trial that starves the trainer ends at once at the normal priority.
+    returns the priority to apply to the sampler processes), :meth:`starving` as batches arrive, and :meth:`after`
+    with the epoch's seconds. A trial that starves the trainer ends at once at the normal priority.
+
+    Attributes:
+        on: This epoch's priority (True: background), as :meth:`before` or :meth:`starving` last set it.
+        choice: The priority of every later epoch once chosen (None while the trial runs).
     """
 
     def __init__(self) -> None:
-        self.fixed = _FIXED in ("0", "1", "false", "true", "off", "on")
+        self.choice: bool | None = _fixed()
+        self.fixed = self.choice is not None
+        self.on = False
         self.seconds: dict[bool, float] = {}
         self.epoch = 0
-        self.choice: bool | None = background_wanted() if self.fixed else None
 
     def before(self) -> bool:
-        """This epoch's priority (True: background); builders started from now on take it."""
-        on = self.choice if self.choice is not None else self.epoch == 1
-        _choose(on)
-        return on
+        """This epoch's priority (True: background)."""
+        self.on = self.choice if self.choice is not None else self.epoch == 1
+        return self.on
 
     def starving(self, wait_s: float, elapsed_s: float) -> bool:
         """Mid-epoch: whether builders in the background starve the trainer; if so, the normal priority from now on.
@@ -76,12 +71,9 @@ class PriorityTrial:
         background, at least two seconds have passed and the trainer waited more than :data:`STARVING` of them:
         the choice is then made (normal priority), and the caller moves its sampler processes.
         """
-        if self.fixed or self.choice is False or not background_wanted():
+        if self.fixed or not self.on or elapsed_s < 2.0 or wait_s <= STARVING * elapsed_s:
             return False
-        if elapsed_s < 2.0 or wait_s <= STARVING * elapsed_s:
-            return False
-        self.choice = False
-        _choose(False)
+        self.choice = self.on = False
         return True
 
     def after(self, seconds: float) -> None:

@@ -23,7 +23,7 @@ from trellis.train.data import load_graph_data
 from trellis.train.strategies.full import GraphStrategy
 from trellis.train.tasks import Task, split_metrics
 from trellis.utils.numba import get_num_threads, launch_threads, set_threads
-from trellis.utils.priority import PriorityTrial, background_wanted
+from trellis.utils.priority import PriorityTrial
 
 
 def _epoch_seed() -> int:
@@ -65,11 +65,11 @@ class WaitedBatches:
         self._since: float | None = None  # when the current wait began
         self._done = threading.Event()
         self.wait_s = 0.0
-        if starving is not None and background_wanted():
+        if starving is not None:
             threading.Thread(target=self._watch, name="trellis-starving", daemon=True).start()
 
     def _watch(self) -> None:
-        while not self._done.wait(0.25) and background_wanted():
+        while not self._done.wait(0.25):
             since = self._since
             if since is not None:
                 now = time.perf_counter()
@@ -192,9 +192,10 @@ class BatchStrategy(GraphStrategy):
         return batches
 
     def _starving_check(self) -> Any:
-        """:meth:`_starving` where sampler processes may run in the background this run, else None (no watcher)."""
-        producer = self._producer
-        return self._starving if producer is not None and producer.options.background else None
+        """:meth:`_starving` where sampler processes run in the background this epoch, else None (no watcher)."""
+        producer, trial = self._producer, self._priority
+        background = producer is not None and producer.background and trial is not None and trial.on
+        return self._starving if background else None
 
     def _starving(self, wait_s: float, elapsed_s: float) -> None:
         """Builders in the background starve the trainer this epoch: all of them to the normal priority now."""
