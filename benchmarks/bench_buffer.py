@@ -37,17 +37,11 @@ MEMCAP = ROOT.parent / "shared" / "tools" / "memcap"
 MIB = 1 << 20
 
 
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def sequential_rate(path: Path) -> float:
     """Bytes per second reading ``path`` cold in 1 MiB blocks."""
-    _drop(path)
+    from trellis.utils.spill import drop_file_cache
+
+    drop_file_cache(path)
     buf = bytearray(MIB)
     t0 = time.perf_counter()
     n = 0
@@ -55,7 +49,7 @@ def sequential_rate(path: Path) -> float:
         while k := f.readinto(buf):
             n += k
     rate = n / (time.perf_counter() - t0)
-    _drop(path)
+    drop_file_cache(path)
     return rate
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -22,14 +21,7 @@ import numpy as np
 
 from trellis.loader.buffer import DIRECT_BLOCK, NPY_HEADER, direct_slot_stride, read_npy, read_npy_direct
 from trellis.partition.layout import part_dir_name
-
-
-def _uncache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+from trellis.utils.spill import drop_file_cache
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             out = slot[: shape[0]]
             seen = {}
             for mode in ("direct", "buffered") if r % 2 == 0 else ("buffered", "direct"):
-                _uncache(f)
+                drop_file_cache(f)
                 w0, c0 = time.perf_counter(), time.thread_time()
                 if mode == "direct":
                     if not read_npy_direct(f, raw, first, out):
