@@ -92,7 +92,7 @@ def sampling_only(a: argparse.Namespace, samplers: int, recycle: bool = True) ->
     opts = ProducerOptions.from_flags(samplers, prefetch=max(a.prefetch, 2 * samplers), recycle=recycle)
     with BatchProducer(strategy.loader, opts).start() as prod:
         list(prod.epoch(0))  # warm-up
-        pids = [w.pid for w in prod._pool.workers] if prod._pool is not None else []
+        pids = prod.pids
         before = _cpu(pids)
         t0 = time.perf_counter()
         n = sum(1 for _ in prod.epoch(1))
