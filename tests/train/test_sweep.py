@@ -236,6 +236,50 @@ def test_out_of_core_configurations_with_equal_dropout_streams_aggregate_their_f
     assert recs[-1]["spill_gathered_bytes"] < 0.75 * 4 * solo_gathered
 
 
+def test_out_of_core_configurations_with_equal_masks_drop_out_each_feature_tile_once(tmp_path, monkeypatch):
+    """Transform-first configurations (300 features, hidden 8) recompute their dropped-out features per tile; with
+    one dropout rate and seed the mask is applied once per tile and pass for all four, not once per configuration,
+    and each still equals its solo run exactly."""
+    from trellis.nn import tiled_batch
+    from trellis.train.strategies.outofcore import OutOfCoreFull
+
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 50)
+    wide = str(make_sbm_store(tmp_path / "wide", n=240, features=300))
+    widths: list[int] = []
+    apply = tiled_batch.hash_dropout.apply_
+
+    def counted(t, *args, **kwargs):
+        widths.append(int(t.shape[-1]))
+        return apply(t, *args, **kwargs)
+
+    monkeypatch.setattr(tiled_batch.hash_dropout, "apply_", counted)
+    out = tmp_path / "sweep"
+    run_sweep(SweepConfig(store=wide, model="gcn", grid=parse_grid(["lr=0.05,0.01", "weight_decay=0,5e-4"]),
+                          epochs=2, patience=2, out=str(out),
+                          base={"memory_budget": "3G", "dropout": "0.5", "hidden": "8"}, progress=False))
+    monkeypatch.setattr(tiled_batch.hash_dropout, "apply_", apply)
+    tiles = json.loads((out / "configs" / "c00" / "summary.json").read_text())["tiles"]
+    # per epoch: the forward's transform pass and the backward's weight-gradient pass, 2 epochs
+    assert widths.count(300) == 2 * 2 * tiles
+    for cid in ("c00", "c03"):
+        solo = solo_metrics(out / "configs" / cid / "config.json", tmp_path / f"solo-{cid}")
+        assert _losses(out / "configs" / cid / "metrics.jsonl") == [r["loss"] for r in solo]
+
+
+def test_out_of_core_batch_tiles_hold_one_configurations_dense_work_at_a_time():
+    """K configurations' tiles hold their aggregations and outputs side by side but one configuration's dense
+    work at a time: four transform-first configurations (256 -> 16) plan rows far narrower than four solo rows."""
+    from trellis.plan.outofcore import LayerShape, joint_shape
+
+    solo = LayerShape(256, 16, aggregate_first=False, root=False)
+    joint = joint_shape([solo] * 4, first=True)
+    assert (joint.w_in, joint.w_out, joint.w_agg) == (1024, 64, 64) and not joint.aggregate_first
+    assert joint.row_floats == solo.row_floats + 2 * 4 * (16 + 16) + 256
+    assert solo.row_floats < joint.row_floats < 3 * solo.row_floats
+    later = joint_shape([LayerShape(16, 10, aggregate_first=True, root=True)] * 4, first=False)
+    assert later.w_agg == 64 and later.root and later.row_floats == later.busiest
+
+
 def test_out_of_core_batches_drop_configurations_that_stop_early(store, tmp_path):
     """Early stopping inside a shared out-of-core batch: a stopped configuration leaves the passes, the others go on
     exactly as alone."""

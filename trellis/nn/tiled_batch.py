@@ -112,6 +112,7 @@ class BatchedTiledGNN:
         self.io = EpochIO()
         self._masks0: dict[int, tuple[float, int | None]] = {}
         self._xtile: tuple[int, Tensor] | None = None
+        self._dropped: tuple[tuple[float, int | None], Tensor] | None = None
 
     # ---- spill access ---------------------------------------------------------------------------------
     def _read(self, b: Block, r0: int, r1: int) -> Tensor:
@@ -130,17 +131,23 @@ class BatchedTiledGNN:
     def _input(self, j: int, i: int, b: Block, r0: int, r1: int) -> Tensor:
         """Configuration ``j``'s input rows of layer ``i``: read, or (its dropped-out features) recomputed.
 
-        The feature tile is read once for every configuration that recomputes its mask on it.
+        The feature tile is read once for every configuration that recomputes its mask on it, and the dropped-out
+        tile is kept for the next configuration with the same rate and seed (a grid over learning rate or weight
+        decay draws every configuration's mask from the same seed): callers only read it.
         """
         if i > 0 or j not in self._masks0:
             return self._read(b, r0, r1)
         if self._xtile is None or self._xtile[0] != r0:
             self._xtile = (r0, self._read(Block.whole(self.x), r0, r1))
+            self._dropped = None
         p, seed = self._masks0[j]
-        t = self._xtile[1].clone()
-        e = self.engines[self.active[j]]
-        hash_dropout.apply_(t, p, seed=e._seed_at(seed, r0, t))
-        return t
+        x = self._xtile[1]
+        key = (p, self.engines[self.active[j]]._seed_at(seed, r0, x))
+        if self._dropped is None or self._dropped[0] != key:  # equal rate and seed: the same mask, drawn once
+            t = x.clone()
+            hash_dropout.apply_(t, p, seed=key[1])
+            self._dropped = (key, t)
+        return self._dropped[1]
 
     def _aggregate(self, layer: int, r0: int, r1: int, src: np.ndarray, reverse: bool = False) -> Tensor:
         """Rows ``[r0, r1)`` of layer ``layer``'s aggregation of ``src`` (the transposed one with ``reverse``)."""
@@ -207,7 +214,7 @@ class BatchedTiledGNN:
         # spilled); one that aggregates them first needs them whole, in its source block.
         inputs: list[list[Block]] = [[Block.whole(self.x)] for _ in E]
         self._masks0 = {j: (ps[j], seeds[j][0]) for j, p in enumerate(ps) if p > 0.0 and not af[0][j]}
-        self._xtile = None
+        self._xtile = self._dropped = None
         blocks0 = [j for j in range(len(E)) if af[0][j] and not cached[j]]
         for j in blocks0:
             inputs[j][0] = input_block(0, j)
@@ -364,6 +371,7 @@ class BatchedTiledGNN:
                             gh = gh + self._read(gh_root, r0, r1)
                         self._write(g_in[j], r0, r1, gh)
             g_out = [g_in.get(j, g_out[j]) for j in range(len(E))]
+        self._xtile = self._dropped = None  # the last tile's features: not held between steps
 
     def drop(self, k: int) -> None:
         """Configuration ``k`` stopped."""

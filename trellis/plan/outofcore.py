@@ -64,6 +64,41 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
+class JointShape(LayerShape):
+    """One layer of K configurations trained in shared passes (:func:`joint_shape`)."""
+
+    agg: int = 0
+    busiest: int = 0
+
+    @property
+    def w_agg(self) -> int:
+        """Width of the configurations' aggregations side by side."""
+        return self.agg
+
+    @property
+    def row_floats(self) -> int:
+        """Float32 values per tile row in the busiest shared pass (see :func:`joint_shape`)."""
+        return self.busiest
+
+
+def joint_shape(group: Sequence[LayerShape], first: bool) -> JointShape:
+    """One layer of K configurations trained in shared passes, as the memory plan sees it.
+
+    Their spills sit side by side, so widths add. A tile's memory does not add up K solo tiles: the passes
+    hold the configurations' aggregation rows and their queued output rows side by side (each written once
+    per tile, through one concatenation), while each configuration's own dense work -- its input rows, its
+    epilogue's intermediates and their gradients, a solo tile's row -- runs one configuration at a time.
+    The first layer also keeps the feature tile and one dropped-out copy of it, shared by the
+    configurations that draw the same mask.
+    """
+    shared = 2 * sum(s.w_agg + s.w_out for s in group)
+    busiest = max(s.row_floats for s in group) + shared + (max(s.w_in for s in group) if first else 0)
+    return JointShape(sum(s.w_in for s in group), sum(s.w_out for s in group),
+                      all(s.aggregate_first for s in group), any(s.root for s in group),
+                      agg=sum(s.w_agg for s in group), busiest=busiest)
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where one tensor lives: ``resident`` (RAM), ``spilled`` (file), ``recomputed`` (per tile, in backward)."""
 

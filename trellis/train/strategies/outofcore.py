@@ -31,7 +31,7 @@ from trellis.nn.tiled import EpochIO, Gather, TiledGNN, layer_shapes
 from trellis.nn.tiled_batch import BatchedTiledGNN
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
-from trellis.plan.outofcore import LayerShape, OutOfCorePlan, in_memory_estimate, plan_out_of_core
+from trellis.plan.outofcore import OutOfCorePlan, in_memory_estimate, joint_shape, plan_out_of_core
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import SPLITS, load_labels, normalize_features
@@ -228,7 +228,7 @@ class OutOfCoreFull(Strategy):
         g = self.graph
         stats = GraphStats(g.num_nodes, g.num_nodes, g.num_edges)
         shapes = [layer_shapes(m, stats) for m in models]
-        layers = shapes[0] if len(shapes) == 1 else [joint_shape(group) for group in zip(*shapes)]
+        layers = shapes[0] if len(shapes) == 1 else [joint_shape(group, i == 0) for i, group in enumerate(zip(*shapes))]
         params = sum(p.numel() for m in models for p in m.parameters())
         return plan_out_of_core(
             num_nodes=g.num_nodes, max_degree=max(g.max_degree, g.max_out_degree), layers=layers, params=params,
@@ -387,15 +387,6 @@ class OutOfCoreFull(Strategy):
         widths = [self.spec.in_dim] + [int(cfg.hidden) * heads] * (int(cfg.layers) - 1) + [self.spec.out_dim]
         return in_memory_estimate(self.store.num_nodes, self.graph.num_edges, widths,
                                   edge_floats=6 * heads * int(cfg.layers))
-
-
-def joint_shape(group: Sequence[LayerShape]) -> LayerShape:
-    """One layer of K configurations trained in shared passes, as the memory plan sees it.
-
-    Their tiles sit side by side, so widths add; the order that makes the busiest pass widest is assumed.
-    """
-    w_in, w_out, root = sum(s.w_in for s in group), sum(s.w_out for s in group), any(s.root for s in group)
-    return max((LayerShape(w_in, w_out, af, root) for af in (True, False)), key=lambda s: s.row_floats)
 
 
 class SharedTiles(ModelBatch):
