@@ -140,6 +140,8 @@ class TiledGNN:
         self.cold = cold
         self.halo, self.source_bounds = halo, bounds if source_bounds is None else source_bounds
         self._maps = [graph.indptr, graph.indices, graph.rev_indptr, graph.rev_indices, x]
+        #: The first layer's dropout (rate, seed) when its dropped-out input is recomputed per tile.
+        self._drop0: tuple[float, int] | None = None
 
     def plan(self, training: bool) -> ModelPlan:
         """The in-memory run's plan (per-layer order, cached first aggregation) for this mode."""
@@ -180,6 +182,16 @@ class TiledGNN:
         """Rows ``[r0, r1)`` of ``arr``: a view of a (writable) spill map, a copy of a read-only store map."""
         t = torch.from_numpy(arr[r0:r1]) if arr.flags.writeable else _t(arr[r0:r1])
         self.io.read += t.numel() * 4
+        return t
+
+    def _input(self, i: int, h: np.ndarray, r0: int, r1: int) -> Tensor:
+        """Layer ``i``'s input rows ``[r0, r1)``: read from ``h``, or the dropped-out features recomputed."""
+        if i > 0 or self._drop0 is None:
+            return self._read(h, r0, r1)
+        p, seed = self._drop0
+        t = _t(h[r0:r1])
+        self.io.read += t.numel() * 4
+        hash_dropout.apply_(t, p, seed=self._seed_at(seed, r0, t))
         return t
 
     def _write(self, arr: np.ndarray, r0: int, r1: int, t: Tensor) -> None:
@@ -227,7 +239,13 @@ class TiledGNN:
         L = len(self.convs)
         self._seeds: list[int | None] = []
         h: np.ndarray = self.x
-        if p > 0.0:
+        self._drop0 = None
+        if p > 0.0 and self.halo is None and not plan.layers[0].order(0):
+            # Transform first: every read of the dropped-out features is a tile's rows, so they are recomputed
+            # per tile from the features and the counter-based mask (the same values as a spill, bit for bit)
+            # instead of written and read back: N x F bytes less to write, to read and to hold on disk.
+            self._drop0 = (p, hash_dropout.draw_seed())
+        elif p > 0.0:
             seed = hash_dropout.draw_seed()
             h0 = self.spill.array("h0", self.x.shape)
             for r0, r1 in self._pass([self.x]):
@@ -235,6 +253,7 @@ class TiledGNN:
                 with self._keyed(r0, r1 - r0):
                     hash_dropout.apply_(t, p, seed=self._seed_at(seed, r0, t))
                 self._write(h0, r0, r1, t)
+                del t  # a tile's tensors go before the next tile's are made: one tile at a time, as planned
             if self.halo is not None:
                 self.halo.fill(h0)
             h = h0
@@ -251,7 +270,7 @@ class TiledGNN:
                     w = conv.transform_weight()
                     z = self.spill.array(f"z{i}", (h.shape[0], w.shape[0]))
                     for r0, r1 in self._pass([h]):
-                        self._write(z, r0, r1, F.linear(self._read(h, r0, r1), w))
+                        self._write(z, r0, r1, F.linear(self._input(i, h, r0, r1), w))
                     if self.halo is not None:
                         self.halo.fill(z, i)
                 src = h if af else z
@@ -267,7 +286,7 @@ class TiledGNN:
                     else:
                         a_t = self._read(a, r0, r1)
                     uses_h, uses_z = self._reads(i, af)
-                    h_t = self._read(h, r0, r1) if uses_h else None
+                    h_t = self._input(i, h, r0, r1) if uses_h else None
                     z_t = self._read(z, r0, r1) if (z is not None and uses_z) else None
                     y = self._dense(i, a_t, h_t, z_t, aggregate_first=af, p=p, seed=seed_i, r0=r0)
                     if nxt is not None:
@@ -277,6 +296,7 @@ class TiledGNN:
                         if hi > lo:
                             local = torch.from_numpy(rows.ids[lo:hi] - r0)
                             out.index_copy_(0, rows.dest[lo:hi], y.index_select(0, local))
+                    del a_t, h_t, z_t, y
                 if nxt is not None:
                     if self.halo is not None and plan.layers[i + 1].order(0):  # the next layer reads its halo
                         self.halo.fill(nxt, i + 1)
@@ -313,7 +333,7 @@ class TiledGNN:
             gz_root = self.spill.array(f"gz_root{i}", (n, self.decls[i].out_dim)) if uses_z else None
             for r0, r1 in self._pass([a, h, z, g_out]):
                 a_t = self._read(a, r0, r1).requires_grad_(need_a)
-                h_t = self._read(h, r0, r1).requires_grad_(need_in) if uses_h else None
+                h_t = self._input(i, h, r0, r1).requires_grad_(need_in) if uses_h else None
                 z_t = self._read(z, r0, r1).requires_grad_(True) if (uses_z and z is not None) else None
                 with torch.enable_grad():
                     y = self._dense(i, a_t, h_t, z_t, aggregate_first=af, p=p, seed=self._seeds[i], r0=r0)
@@ -324,6 +344,7 @@ class TiledGNN:
                     self._write(gh_root, r0, r1, _grad(h_t))
                 if gz_root is not None:
                     self._write(gz_root, r0, r1, _grad(z_t))
+                del a_t, h_t, z_t, y
             if ga is None:
                 continue
             g_in = self.spill.array(f"g{i}", h.shape) if need_in else None
@@ -340,15 +361,17 @@ class TiledGNN:
                 gh: Tensor | None = gs
                 if not af:
                     gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)
-                    h_t = self._read(h, r0, r1).requires_grad_(need_in)
+                    h_t = self._input(i, h, r0, r1).requires_grad_(need_in)
                     with torch.enable_grad():
                         F.linear(h_t, w).backward(gz)
                     gh = h_t.grad
+                    del gz, h_t
                 if g_in is not None:
                     assert gh is not None
                     if gh_root is not None:
                         gh = gh + self._read(gh_root, r0, r1)
                     self._write(g_in, r0, r1, gh)
+                del gs, gh
             g_out = g_in if g_in is not None else g_out
 
 

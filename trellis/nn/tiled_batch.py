@@ -138,12 +138,13 @@ class BatchedTiledGNN:
         if i > 0 or j not in self._masks0:
             return self._read(b, r0, r1)
         if self._xtile is None or self._xtile[0] != r0:
+            self._xtile = self._dropped = None  # the last tile's go first: one tile of features at a time
             self._xtile = (r0, self._read(Block.whole(self.x), r0, r1))
-            self._dropped = None
         p, seed = self._masks0[j]
         x = self._xtile[1]
         key = (p, self.engines[self.active[j]]._seed_at(seed, r0, x))
         if self._dropped is None or self._dropped[0] != key:  # equal rate and seed: the same mask, drawn once
+            self._dropped = None
             t = x.clone()
             hash_dropout.apply_(t, p, seed=key[1])
             self._dropped = (key, t)
@@ -230,6 +231,7 @@ class BatchedTiledGNN:
                         hash_dropout.apply_(tj, ps[j], seed=E[j]._seed_at(seeds[j][0], r0, tj))
                     writes.add(inputs[j][0], tj)
                 writes.flush(r0, r1)
+                del t  # a tile's tensors go before the next tile's are made (the plan holds one tile)
         outs = [torch.empty((len(rows), e.decls[-1].out_dim)) for e in E]
         self._saved = (act, af, cached, srcs, cols, inputs, seeds, ps)
         with torch.no_grad():
@@ -284,7 +286,9 @@ class BatchedTiledGNN:
                             if hi > lo:
                                 local = torch.from_numpy(rows.ids[lo:hi] - r0)
                                 outs[j].index_copy_(0, rows.dest[lo:hi], y.index_select(0, local))
+                        del a_j, h_t, z_t, y
                     writes.flush(r0, r1)
+                    del a_t, c_t
                 for j in nxt:
                     inputs[j].append(nxt[j])
         return outs
@@ -348,7 +352,9 @@ class BatchedTiledGNN:
                         self._write(gh_root, r0, r1, _grad(h_t))
                     if gz_root is not None:
                         self._write(gz_root, r0, r1, _grad(z_t))
+                    del a_j, h_t, z_t, y
                 writes.flush(r0, r1)
+                del a_t, c_t
             if ga is None:
                 continue
             g_in = {j: Block.whole(self.spill.array(f"m{act[j]}.g{i}", (n, inputs[j][i].width)))
@@ -365,11 +371,14 @@ class BatchedTiledGNN:
                         with torch.enable_grad():
                             F.linear(h_t, E[j].convs[i].transform_weight()).backward(gz)
                         gh = h_t.grad
+                        del gz, h_t
                     if need_in:
                         assert gh is not None
                         if gh_root is not None:
                             gh = gh + self._read(gh_root, r0, r1)
                         self._write(g_in[j], r0, r1, gh)
+                    del gs, gh
+                del gs_wide
             g_out = [g_in.get(j, g_out[j]) for j in range(len(E))]
         self._xtile = self._dropped = None  # the last tile's features: not held between steps
 

@@ -160,7 +160,7 @@ class OutOfCorePlan:
 
 def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerShape], params: int,
                      budget: int, baseline: int, resident_vectors: int, input_spilled: bool,
-                     dropout: bool) -> OutOfCorePlan:
+                     dropout: bool, recompute_dropout: bool = True) -> OutOfCorePlan:
     """Size the tiles of a model under ``budget`` (see the module docstring).
 
     Args:
@@ -172,7 +172,9 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
         baseline: The process's ``RssAnon`` before loading (interpreter, torch, kernels).
         resident_vectors: Bytes of the ``O(N)`` vectors kept in RAM (degrees, labels, splits, gathered logits).
         input_spilled: The first layer's input is a spill (normalized features) rather than the store's map.
-        dropout: The first layer's input is dropped out during training (a spilled copy per epoch).
+        dropout: The first layer's input is dropped out during training.
+        recompute_dropout: A first layer that transforms first recomputes its dropped-out input per tile
+            (one process); False: it is spilled every epoch (a rank, whose halo rows come from other ranks).
     """
     n = num_nodes
     row_bytes = float(max(layer.row_floats for layer in layers) * F32)
@@ -184,8 +186,10 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
     placements: list[Placement] = []
     if input_spilled:
         placements.append(Placement("x", (n, layers[0].w_in), "spilled", "normalized features, written once"))
-    if dropout:
+    if dropout and (layers[0].aggregate_first or not recompute_dropout):
         placements.append(Placement("h0", (n, layers[0].w_in), "spilled", "dropped-out input, every epoch"))
+    elif dropout:  # transform first: only tiles of it are read, each recomputed from its counter-based mask
+        placements.append(Placement("h0", (n, layers[0].w_in), "recomputed", "dropped-out input, per tile"))
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
         if not layer.aggregate_first:

@@ -169,7 +169,7 @@ class PartitionedOutOfCore(PartitionedFull):
         plan = plan_out_of_core(
             num_nodes=n, max_degree=max_degree, layers=shapes, params=params, budget=self.budget,
             baseline=self.baseline, resident_vectors=16 * n + halo_buffers + labels + 16 * self.num_local,
-            input_spilled=True, dropout=float(cfg.dropout) > 0.0)
+            input_spilled=True, dropout=float(cfg.dropout) > 0.0, recompute_dropout=False)
         if self.budget < plan.min_budget:
             raise TrellisUserError(f"--memory-budget {cfg.memory_budget} per rank is below the smallest budget that "
                                    f"trains this model on part {part.part}, {format_size(plan.min_budget)} (the "
