@@ -134,3 +134,38 @@ def test_a_transform_first_layer_recomputes_its_dropped_out_input_per_tile(graph
     assert not spill.has("h0") and spill.has("z0")
     assert eng.io.written < 300 * 64 * 4  # less than the dropped-out features alone
     spill.close()
+
+
+@pytest.mark.parametrize("model", ["gcn", "sage"])
+def test_each_tile_s_tensors_are_released_before_the_next_tile_s_are_made(graph, tmp_path, monkeypatch, model):
+    """The plan holds one tile: when a pass builds a tile's aggregation or input rows, no earlier tile's are
+    alive (a loop variable used to keep the last tile's, which doubled the peak of wide inputs)."""
+    import weakref
+
+    g, mg, _, st = graph
+    x = np.random.default_rng(1).standard_normal((300, 64)).astype(np.float32)
+    made: dict[str, list] = {"_aggregate": [], "_input": []}
+
+    def watch(name):
+        method = getattr(TiledGNN, name)
+
+        def wrapped(self, *args, **kwargs):
+            alive = [r for r in made[name] if r() is not None]
+            assert not alive, f"{name}: {len(alive)} earlier tile tensor(s) alive"
+            t = method(self, *args, **kwargs)
+            made[name].append(weakref.ref(t))
+            return t
+        monkeypatch.setattr(TiledGNN, name, wrapped)
+
+    for name in made:
+        watch(name)
+    torch.manual_seed(0)
+    m = build_model(model, 64, 3, hidden=4, layers=2, dropout=0.5)
+    spill = SpillDir(tmp_path / "spill")
+    eng = TiledGNN(m, mg, x, spill, mg.tile_bounds(1.0, 1.0, 1e12, max_rows=37))
+    rows = Gather.of(np.sort(np.asarray(st.split("train"))))
+    got = eng.forward(True, rows)
+    eng.backward(rows, torch.ones_like(got))
+    eng.forward(False, rows)
+    assert len(made["_aggregate"]) > 8 and len(made["_input"]) > 8
+    spill.close()
