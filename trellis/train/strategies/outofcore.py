@@ -274,6 +274,7 @@ class OutOfCoreFull(Strategy):
             t = torch.from_numpy(np.array(raw[r0:r1], dtype=np.float32).reshape(r1 - r0, width))
             normalize_features(t, self.feature_norm)
             x[r0:r1] = t.numpy()
+            del t  # one tile at a time, as planned
         self.x = x
         return x
 
