@@ -202,7 +202,8 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
     per_epoch = sum(p.nbytes for p in fwd if p.name != "x")  # the normalized features are written once
     grads = []
     for i, layer in reversed(list(enumerate(layers))):
-        grads.append(Placement(f"grad a{i}", (n, layer.w_agg), "spilled", "aggregation gradient"))
+        if i > 0 or not layer.aggregate_first:  # the features need no gradient: a first aggregation neither
+            grads.append(Placement(f"grad a{i}", (n, layer.w_agg), "spilled", "aggregation gradient"))
         if i > 0:
             grads.append(Placement(f"grad h{i}", (n, layer.w_in), "spilled", "layer input gradient"))
     placements.extend(grads)
