@@ -278,6 +278,9 @@ def test_out_of_core_batch_tiles_hold_one_configurations_dense_work_at_a_time():
     assert solo.row_floats < joint.row_floats < 3 * solo.row_floats
     later = joint_shape([LayerShape(16, 10, aggregate_first=True, root=True)] * 4, first=False)
     assert later.w_agg == 64 and later.root and later.row_floats == later.busiest
+    # one configuration aggregating its features first: their dropped-out copy is a spill, not recomputed
+    mixed = joint_shape([solo, LayerShape(256, 512, aggregate_first=True, root=False)], first=True)
+    assert not mixed.aggregate_first and mixed.reads_whole_input and not solo.reads_whole_input
 
 
 def test_out_of_core_batches_drop_configurations_that_stop_early(store, tmp_path):

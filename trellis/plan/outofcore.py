@@ -62,6 +62,14 @@ class LayerShape:
         leaves = self.w_agg + (self.w_in if self.root else 0) + (self.w_out if self.root else 0)
         return 2 * leaves + 4 * self.w_out + self.w_in
 
+    @property
+    def reads_whole_input(self) -> bool:
+        """Whether the layer's input is read whole, not only tile by tile (it aggregates it).
+
+        A first layer's dropped-out input must then be spilled rather than recomputed per tile.
+        """
+        return self.aggregate_first
+
 
 @dataclass(frozen=True)
 class JointShape(LayerShape):
@@ -69,6 +77,12 @@ class JointShape(LayerShape):
 
     agg: int = 0
     busiest: int = 0
+    any_aggregate_first: bool = False
+
+    @property
+    def reads_whole_input(self) -> bool:
+        """Whether some configuration aggregates its input (its dropped-out features then sit in a spill)."""
+        return self.any_aggregate_first
 
     @property
     def w_agg(self) -> int:
@@ -95,7 +109,8 @@ def joint_shape(group: Sequence[LayerShape], first: bool) -> JointShape:
     busiest = max(s.row_floats for s in group) + shared + (max(s.w_in for s in group) if first else 0)
     return JointShape(sum(s.w_in for s in group), sum(s.w_out for s in group),
                       all(s.aggregate_first for s in group), any(s.root for s in group),
-                      agg=sum(s.w_agg for s in group), busiest=busiest)
+                      agg=sum(s.w_agg for s in group), busiest=busiest,
+                      any_aggregate_first=any(s.aggregate_first for s in group))
 
 
 @dataclass(frozen=True)
@@ -186,7 +201,7 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
     placements: list[Placement] = []
     if input_spilled:
         placements.append(Placement("x", (n, layers[0].w_in), "spilled", "normalized features, written once"))
-    if dropout and (layers[0].aggregate_first or not recompute_dropout):
+    if dropout and (layers[0].reads_whole_input or not recompute_dropout):
         placements.append(Placement("h0", (n, layers[0].w_in), "spilled", "dropped-out input, every epoch"))
     elif dropout:  # transform first: only tiles of it are read, each recomputed from its counter-based mask
         placements.append(Placement("h0", (n, layers[0].w_in), "recomputed", "dropped-out input, per tile"))
