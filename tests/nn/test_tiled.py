@@ -45,6 +45,13 @@ def test_tiled_training_pass_equals_the_in_memory_one(graph, tmp_path, model, hi
     rows = np.asarray(st.split("train"))[::-1].copy()  # any order: logits come back in it
     torch.manual_seed(0)
     m = build_model(model, 12, 3, hidden=hidden, layers=layers, dropout=0.5)
+    eng, spill = _train_pass_equals_in_memory(m, g, mg, x, rows, _bounds(mg, BOUNDS[tiles]), tmp_path)
+    assert eng.io.written > 0 and eng.io.read > 0 and eng.io.gathered > 0
+    spill.close()
+
+
+def _train_pass_equals_in_memory(m, g, mg, x, rows, bounds, tmp_path):
+    """A tiled forward and backward of ``m`` on ``rows`` equal the in-memory pass (logits, parameter gradients)."""
     batched = BatchedGNN([m]).train()
     torch.manual_seed(5)
     out = batched(g, torch.from_numpy(x))[0][torch.from_numpy(rows)]
@@ -53,7 +60,7 @@ def test_tiled_training_pass_equals_the_in_memory_one(graph, tmp_path, model, hi
     m.zero_grad(set_to_none=True)
 
     spill = SpillDir(tmp_path / "spill")
-    eng = TiledGNN(m, mg, x, spill, _bounds(mg, BOUNDS[tiles]))
+    eng = TiledGNN(m, mg, x, spill, bounds)
     torch.manual_seed(5)  # the same dropout seeds, drawn in the same order
     got = eng.forward(True, Gather.of(rows))
     torch.testing.assert_close(got, out.detach(), atol=1e-6, rtol=1e-6)
@@ -62,8 +69,7 @@ def test_tiled_training_pass_equals_the_in_memory_one(graph, tmp_path, model, hi
     assert grads.keys() == ref.keys()
     for k, r in ref.items():
         torch.testing.assert_close(grads[k], r, atol=1e-6 * max(1.0, float(r.abs().max())), rtol=1e-6)
-    assert eng.io.written > 0 and eng.io.read > 0 and eng.io.gathered > 0
-    spill.close()
+    return eng, spill
 
 
 @pytest.mark.parametrize("model", ["gcn", "sage", "gin"])
@@ -112,25 +118,11 @@ def test_a_transform_first_layer_recomputes_its_dropped_out_input_per_tile(graph
     in-memory one."""
     g, mg, _, st = graph
     x = np.random.default_rng(0).standard_normal((300, 64)).astype(np.float32)
-    rows = np.sort(np.asarray(st.split("train")))
     torch.manual_seed(0)
     m = build_model("sage", 64, 3, hidden=4, layers=2, dropout=0.5)
-    batched = BatchedGNN([m]).train()
-    torch.manual_seed(5)
-    out = batched(g, torch.from_numpy(x))[0][torch.from_numpy(rows)]
-    out.pow(2).sum().backward()
-    ref = {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
-    m.zero_grad(set_to_none=True)
-    spill = SpillDir(tmp_path / "spill")
-    eng = TiledGNN(m, mg, x, spill, mg.tile_bounds(1.0, 1.0, 1e12, max_rows=37))
+    bounds = mg.tile_bounds(1.0, 1.0, 1e12, max_rows=37)
+    eng, spill = _train_pass_equals_in_memory(m, g, mg, x, np.sort(np.asarray(st.split("train"))), bounds, tmp_path)
     assert not eng.plan(True).layers[0].order(0)  # transform first
-    torch.manual_seed(5)
-    got = eng.forward(True, Gather.of(rows))
-    torch.testing.assert_close(got, out.detach(), atol=1e-6, rtol=1e-6)
-    eng.backward(Gather.of(rows), 2 * got)
-    for k, r in ref.items():
-        torch.testing.assert_close(dict(m.named_parameters())[k].grad, r, atol=1e-6 * max(1.0, float(r.abs().max())),
-                                   rtol=1e-6)
     assert not spill.has("h0") and spill.has("z0")
     assert eng.io.written < 300 * 64 * 4  # less than the dropped-out features alone
     spill.close()
