@@ -161,3 +161,24 @@ def test_each_tile_s_tensors_are_released_before_the_next_tile_s_are_made(graph,
     eng.forward(False, rows)
     assert len(made["_aggregate"]) > 8 and len(made["_input"]) > 8
     spill.close()
+
+
+def test_evaluation_takes_a_transform_first_layer_s_rows_from_the_previous_pass(graph, tmp_path):
+    """Evaluating, a next layer that transforms first gets its transformed rows from the previous layer's pass:
+    the same logits bit for bit, and the hidden layer's output (300 x 16 floats) is not written; with
+    ``keep_outputs`` (predict's embeddings) it is."""
+    g, mg, x, _ = graph
+    torch.manual_seed(1)
+    m = build_model("gcn", 12, 3, hidden=16, layers=2, dropout=0.5)
+    every = Gather.of(np.arange(300))
+    written, logits = [], []
+    for keep in (False, True):
+        spill = SpillDir(tmp_path / f"spill-{keep}")
+        eng = TiledGNN(m, mg, x, spill, mg.tile_bounds(1.0, 1.0, 1e12, max_rows=41))
+        assert not eng.plan(False).layers[1].order(0)  # the second layer transforms first
+        eng.keep_outputs = keep
+        logits.append(eng.forward(False, every))
+        written.append(eng.io.written)
+        spill.close()
+    assert torch.equal(logits[0], logits[1])
+    assert written[1] - written[0] == 300 * 16 * 4

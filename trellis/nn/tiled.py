@@ -142,6 +142,9 @@ class TiledGNN:
         self._maps = [graph.indptr, graph.indices, graph.rev_indptr, graph.rev_indices, x]
         #: The first layer's dropout (rate, seed) when its dropped-out input is recomputed per tile.
         self._drop0: tuple[float, int] | None = None
+        #: Evaluation writes every layer's output to its spill (``h{i}``), even where the next layer takes its
+        #: transformed rows straight from the pass (embeddings read from the spill afterwards).
+        self.keep_outputs = False
 
     def plan(self, training: bool) -> ModelPlan:
         """The in-memory run's plan (per-layer order, cached first aggregation) for this mode."""
@@ -259,37 +262,50 @@ class TiledGNN:
             h = h0
         self._inputs = [h]
         out = torch.empty((len(rows), self.decls[-1].out_dim))  # written in place: no per-tile list, no concat
+        fused: np.ndarray | None = None  # this layer's transformed rows, made by the previous layer's pass
         with torch.no_grad():
             for i, conv in enumerate(self.convs):
                 lp = plan.layers[i]
                 af, cached, last = lp.order(0), lp.is_cached(0), i == L - 1
                 seed_i = hash_dropout.draw_seed() if (p > 0.0 and not last) else None
                 self._seeds.append(seed_i)
-                z = None
-                if not af:
+                z = fused
+                if not af and z is None:
                     w = conv.transform_weight()
                     z = self.spill.array(f"z{i}", (h.shape[0], w.shape[0]))
                     for r0, r1 in self._pass([h]):
                         self._write(z, r0, r1, F.linear(self._input(i, h, r0, r1), w))
-                    if self.halo is not None:
-                        self.halo.fill(z, i)
+                if not af and self.halo is not None:
+                    assert z is not None
+                    self.halo.fill(z, i)
                 src = h if af else z
                 assert src is not None
                 name = "a0c" if cached else f"a{i}"
                 fresh = not (cached and self.spill.has(name))
                 a = self.spill.array(name, (h.shape[0], src.shape[1]))
                 nxt = None if last else self.spill.array(f"h{i + 1}", (h.shape[0], self.decls[i].out_dim))
-                for r0, r1 in self._pass([a, h, z]):
+                # Evaluating, a next layer that transforms first and never reads its input rows gets its
+                # transformed rows from this pass: the layer's output is neither written nor read back.
+                w_next, fused = None, None
+                if nxt is not None and not (training or self.keep_outputs) and not plan.layers[i + 1].order(0) \
+                        and not self._reads(i + 1, False)[0]:
+                    w_next = self.convs[i + 1].transform_weight()
+                    fused = self.spill.array(f"z{i + 1}", (h.shape[0], w_next.shape[0]))
+                uses_h, uses_z = self._reads(i, af)
+                # read ahead only what the pass reads by tile (not a spill it writes, nor an input it skips)
+                for r0, r1 in self._pass([None if fresh else a, h if uses_h else None, z if uses_z else None]):
                     if fresh:
                         a_t = self._aggregate(self.kinds[i], r0, r1, src)
                         self._write(a, r0, r1, a_t)
                     else:
                         a_t = self._read(a, r0, r1)
-                    uses_h, uses_z = self._reads(i, af)
                     h_t = self._input(i, h, r0, r1) if uses_h else None
                     z_t = self._read(z, r0, r1) if (z is not None and uses_z) else None
                     y = self._dense(i, a_t, h_t, z_t, aggregate_first=af, p=p, seed=seed_i, r0=r0)
-                    if nxt is not None:
+                    if fused is not None:
+                        assert w_next is not None
+                        self._write(fused, r0, r1, F.linear(y, w_next))
+                    elif nxt is not None:
                         self._write(nxt, r0, r1, y)
                     else:
                         lo, hi = np.searchsorted(rows.ids, [r0, r1])

@@ -464,6 +464,7 @@ def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task, emb_path
             raise TrellisUserError(f"--memory-budget: --model {cfg.model} cannot run out of core (GCN, SAGE and "
                                    "GIN tile); drop --memory-budget") from None
         strategy.plan_for(model)
+        strategy._engine_for(model).keep_outputs = True  # the embeddings: the last hidden layer's output spill
         logits = strategy.predict(model)
         assert strategy.spill is not None
         layers = len(cast(GNN, model).convs)
