@@ -60,14 +60,35 @@ def test_search_never_reads_the_test_split(store, tmp_path, monkeypatch):
     # the schedule: 9 candidates for 3 epochs, the best third for 24
     assert [(s["candidates"], s["kept"], s["epochs"]) for s in board["schedule"]] == [(9, 3, 3), (3, 3, 24)]
     assert sum(r["epochs"] == 24 or r["stopped"] == "patience" for r in board["rows"]) >= 3
-    # the choice is the best validation among the finalists, ties to the cheaper configuration
+    # the playoff: the finalists retrained with fresh seeds, train and validation only (the spy above), and
+    # the choice is the best mean of those runs, ties to the cheaper configuration
     finalists = [r for r in board["rows"] if r["rung"] == 1]
-    best = max(finalists, key=lambda r: (r["val_acc"], -r["cost"][1]))
-    assert board["best"]["config"] == best["config"] == board["rows"][0]["config"]
+    assert sorted(p["config"] for p in board["playoff"]) == sorted(r["config"] for r in finalists)
+    hidden = {r["config"]: r["hidden"] for r in board["rows"]}
+    for p in board["playoff"]:
+        assert len(p["val_runs"]) == 3 and p["val_mean"] == pytest.approx(sum(p["val_runs"]) / 3)
+        for k, v in enumerate(p["val_runs"]):
+            run = tmp_path / "t" / "playoff" / "configs" / f"{p['config']}-p{k}"
+            assert json.loads((run / "config.json").read_text())["seed"] == k + 1  # fresh: the search's was 0
+            recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
+            assert max(rec["val_acc"] for rec in recs) == v and not any("test_acc" in rec for rec in recs)
+    best = max(board["playoff"], key=lambda p: (p["val_mean"], -hidden[p["config"]]))
+    assert board["best"]["config"] == best["config"] == board["playoff"][0]["config"]
+    assert "playoff" in (tmp_path / "t" / "report.md").read_text()
     assert len(board["final"]) == 2 and all(f["test_acc"] is not None for f in board["final"])
     for name in ("leaderboard.csv", "leaderboard.json", "leaderboard.png", "report.md", "best/config.json"):
         assert (tmp_path / "t" / name).is_file()
     assert "test acc" in (tmp_path / "t" / "report.md").read_text()
+
+
+def test_without_a_playoff_the_choice_is_the_searchs_best_run(store, tmp_path):
+    tc = TuneConfig(store=store, candidates=9, epochs=24, min_epochs=3, patience=30, seeds=1, batch_models=3,
+                    playoff=1, out=str(tmp_path / "t"), progress=False)
+    board = run_tune(tc)
+    finalists = [r for r in board["rows"] if r["rung"] == 1]
+    best = max(finalists, key=lambda r: (r["val_acc"], -r["cost"][1]))
+    assert board["playoff"] == [] and board["best"]["config"] == best["config"] == board["rows"][0]["config"]
+    assert not (tmp_path / "t" / "playoff").exists()
 
 
 def test_ties_go_to_the_cheaper_configuration():

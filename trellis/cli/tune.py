@@ -60,6 +60,11 @@ def register(sub: Any) -> None:
                    help="seed of the draws and the candidates (default: 0)")
     p.add_argument("--seeds", type=_int("--seeds"), default=3, metavar="N",
                    help="seeds per split for the chosen configuration's final runs (default: 3)")
+    p.add_argument("--playoff", type=_int("--playoff"), default=5, metavar="N",
+                   help="the N best finalists are retrained with fresh seeds and the best mean validation is "
+                        "chosen (1: the search's best single run; default: 5)")
+    p.add_argument("--playoff-seeds", type=_int("--playoff-seeds"), default=3, metavar="N",
+                   help="fresh seeds per playoff finalist (default: 3)")
     p.add_argument("--splits", type=_int("--splits"), default=None, metavar="N",
                    help="random per-class splits for the final runs (default: 3 for stores that record the "
                         "protocol, e.g. npz imports; else 1)")
@@ -93,7 +98,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
                       candidates=args.candidates,
                       budget_s=parse_duration(args.budget) if args.budget is not None else None, eta=args.eta,
                       min_epochs=args.min_epochs, epochs=args.epochs, patience=args.patience, seed=args.seed,
-                      seeds=args.seeds, splits=args.splits, base=with_budget(_base(args.base), args.memory_budget),
+                      seeds=args.seeds, splits=args.splits, playoff=args.playoff,
+                      playoff_seeds=args.playoff_seeds, base=with_budget(_base(args.base), args.memory_budget),
                       device=args.device, batch_models=args.batch_models, out=out,
                       overwrite=args.overwrite, progress=args.progress)
 

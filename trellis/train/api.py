@@ -268,8 +268,8 @@ def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn"
 
 def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str | None = None,
          budget: str | float | None = None, out: str | os.PathLike[str] | None = None, candidates: int = 27,
-         seeds: int = 3, epochs: int | None = None, seed: int = 0, device: str = "auto", progress: bool = False,
-         **base: Any) -> dict[str, Any]:
+         seeds: int = 3, epochs: int | None = None, seed: int = 0, playoff: int = 5, playoff_seeds: int = 3,
+         device: str = "auto", progress: bool = False, **base: Any) -> dict[str, Any]:
     """``trellis tune`` as a function: search on validation, retrain the choice over seeds; returns the board.
 
     Args:
@@ -283,6 +283,8 @@ def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str
         seeds: Seeds of the final retraining.
         epochs: Epochs of the last rung.
         seed: Seed of the draws.
+        playoff: Finalists retrained with ``playoff_seeds`` fresh seeds each before the choice (1: none).
+        playoff_seeds: Fresh seeds per playoff finalist.
         device: ``auto|cpu|cuda[:N]``.
         progress: Progress bars.
         **base: Options every candidate shares (``trellis train`` fields).
@@ -299,7 +301,8 @@ def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str
         else:
             space_arg = space
         tc = TuneConfig(store=path, model=model, space=space_arg, candidates=candidates, budget_s=_duration(budget),
-                        epochs=epochs, seed=seed, seeds=seeds, base=base, device=device, progress=progress,
+                        epochs=epochs, seed=seed, seeds=seeds, playoff=playoff, playoff_seeds=playoff_seeds,
+                        base=base, device=device, progress=progress,
                         out=os.fspath(out) if out is not None else os.path.join(scratch, "tune"))
         board = run_tune(tc)
     del keep
