@@ -13,7 +13,9 @@ process per candidate, as a shell loop over a grid would:
   the hand-written grid search the tune replaces.
 
 Each ``same epochs`` run's best validation metric is checked against the tune's record of that candidate
-(the tune changes how candidates are trained, not what they compute).
+(the tune changes how candidates are trained, not what they compute). The tune runs with ``--playoff 1``: its
+playoff (retraining the best finalists with fresh seeds before the choice) is selection, not training the same
+candidates, so no side does it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tmp) / "tune"
         cmd = [*trellis, "tune", args.store, "--model", args.model, "--candidates", str(args.candidates),
                "--epochs", str(args.epochs), "--seeds", str(args.seeds), "--splits", str(args.splits),
-               "--out", str(out), "--no-progress"]
+               "--out", str(out), "--no-progress", "--playoff", "1"]  # the same work on every side: no playoff
         if args.min_epochs:
             cmd += ["--min-epochs", str(args.min_epochs)]
         tune_s = _run(cmd)

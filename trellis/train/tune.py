@@ -7,9 +7,10 @@ sweep's :func:`~trellis.train.sweep.advance`), and stops weak candidates early b
 ``1/eta`` by validation go on to ``eta`` times more epochs, and so on up to ``--epochs``. Only validation
 decides — the search evaluates the training and validation splits only, so the test split is not even
 computed until the final report — and ties go to the cheaper configuration (fewer layers, then narrower).
-The chosen configuration is then retrained over ``--splits`` random per-class splits (the store's
-protocol, :func:`trellis.train.data.redraw_split`) × ``--seeds`` seeds, and the report gives its validation
-and test mean ± std.
+The ``--playoff`` best finalists are retrained with fresh seeds and the best mean validation is the choice
+(:meth:`Tune.playoff`). The chosen configuration is then retrained over ``--splits`` random per-class splits
+(the store's protocol, :func:`trellis.train.data.redraw_split`) × ``--seeds`` seeds, and the report gives its
+validation and test mean ± std.
 
 Why halving on a batched sweep: Lotan built model batching for model selection (its §1 and §7: a grid of
 learning rate × optimizer × dropout with early stopping on validation). A grid trained to the end spends most
@@ -24,6 +25,7 @@ survivors, and batching makes each pass over the graph serve K of them.
     leaderboard.json    the rows, the halving schedule, the batches, the selection and the final runs
     leaderboard.png     validation against the tune's wall clock for every candidate, and the final runs
     configs/<id>/       each candidate's config.json, metrics.jsonl (train and validation only) and model
+    playoff/configs/<id>-p<r>/  the best finalists retrained with fresh seeds (train and validation only)
     final/configs/<run>/  the chosen configuration retrained per split and seed (the only runs with test metrics)
     best/config.json    the chosen configuration: `trellis train --config` replays its first final run exactly
     report.md           one paragraph: the choice, how sure it is, what it cost
@@ -284,7 +286,7 @@ class Tune:
         p = self.progress
         if self.how != "random" or self.tc.budget_s is None or not p["bracket_s"]:
             return False
-        final_s = self._final_estimate() or 0.0
+        final_s = (self._final_estimate() or 0.0) + self._playoff_estimate()
         if clock() + max(p["bracket_s"]) + final_s > self.tc.budget_s:
             return False
         fresh = self.bracket_entries(p["bracket"] + 1)
@@ -334,8 +336,10 @@ class Tune:
 
     # -- the search
     def _batches(self, ids: list[str], entries: list[SweepEntry] | None = None) -> list[list[str]]:
-        """Batches of the candidates ``ids`` (of ``entries``, default: the search's): by depth, K from the cost
-        model (fixed per rung once chosen)."""
+        """Batches of the candidates ``ids`` of ``entries`` (default: the search's).
+
+        By depth, K from the cost model (fixed per rung once chosen).
+        """
         budget = default_budget_bytes()  # in memory; a strategy under --memory-budget plans K within its own
         by_id = {e.id: e for e in (self.entries if entries is None else entries)}
         by_depth: dict[int, list[str]] = {}
@@ -445,16 +449,36 @@ class Tune:
         if not measured:
             return None
         leader = rank_states(measured)[0]
-        runs = len(self.split_seeds) * self.tc.seeds + self._playoff_size(len(pool)) * self.tc.playoff_seeds
-        return leader.time_s / leader.epochs * self.max_epochs * runs
+        return leader.time_s / leader.epochs * self.max_epochs * len(self.split_seeds) * self.tc.seeds
 
-    def _playoff_size(self, finalists: int) -> int:
-        """Finalists in the playoff: ``--playoff`` of them, none when there is nothing to choose between."""
-        n = min(self.tc.playoff, finalists)
-        return n if n > 1 else 0
+    def _contenders(self, finalists: list[ConfigState], left_s: float | None) -> list[ConfigState]:
+        """The playoff's finalists: the ``--playoff`` best that trained, as many as ``left_s`` seconds allow.
+
+        Each is priced at its own search run (its share of its batches, early stopping included) times
+        ``--playoff-seeds``. Fewer than two: no playoff (nothing to choose between).
+        """
+        top: list[ConfigState] = []
+        spent = 0.0
+        for f in finalists:
+            if len(top) == self.tc.playoff:
+                break
+            if not f.epochs:  # the budget cut the search before it trained
+                continue
+            spent += f.time_s * self.tc.playoff_seeds
+            if left_s is not None and spent > left_s:
+                break
+            top.append(f)
+        return top if len(top) > 1 else []
+
+    def _playoff_estimate(self) -> float:
+        """Seconds the playoff of the finalists so far will take (what another bracket must leave room for)."""
+        by_id = {e.id: e for e in self.entries}
+        finalists = rank_states([self._state(by_id[i]) for i in self.progress["finalists"]])
+        return sum(f.time_s for f in self._contenders(finalists, None)) * self.tc.playoff_seeds
 
     # -- the playoff
-    def playoff(self, finalists: list[ConfigState]) -> tuple[SweepEntry, list[dict[str, Any]]]:
+    def playoff(self, finalists: list[ConfigState], left_s: float | None = None
+                ) -> tuple[SweepEntry, list[dict[str, Any]]]:
         """The choice: the best mean validation of the ``--playoff`` best finalists, each retrained with fresh seeds.
 
         Why: the search ranks every candidate by one run, and when many finalists lie within the validation
@@ -463,9 +487,12 @@ class Tune:
         4-layer GCN ahead by 0.2 points, tested 1.8 points below a plain 2-layer one. Fresh seeds give each of
         the best finalists an estimate that was not selected for being high (the search's own run is left out
         of the mean); ties go to the cheaper configuration, as in the search. Only training and validation
-        are computed. Returns the choice and one row per finalist (its runs and their mean).
+        are computed. With a budget, the playoff takes as many finalists as ``left_s`` seconds pay for
+        (:meth:`_contenders`); the search itself reserves room only for the final runs, and a further
+        bracket starts only when it leaves room for the playoff too. Returns the choice and one row per
+        finalist (its runs and their mean).
         """
-        top = finalists[:self._playoff_size(len(finalists))]
+        top = self._contenders(finalists, left_s)
         if not top:
             return finalists[0].entry, []
         entries = [SweepEntry(f"{s.entry.id}-p{r}", {**s.entry.params, "seed": s.entry.cfg.seed + 1 + r},
@@ -488,7 +515,7 @@ class Tune:
         finally:
             for s in states.values():
                 s.log.close()
-        rows = []
+        rows: list[dict[str, Any]] = []
         for f in top:
             runs = [float(states[f"{f.entry.id}-p{r}"].stopper.best_value) for r in range(self.tc.playoff_seeds)]
             rows.append({"config": f.entry.id, "search_val": float(f.stopper.best_value), "val_runs": runs,
@@ -570,7 +597,8 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
             pool = tune.progress.get("finalists") or tune.progress["active"]
             finalists = rank_states([tune._state(by_id[i]) for i in pool])
             t_final = time.perf_counter()
-            best, playoff = tune.playoff(finalists)
+            left = None if tc.budget_s is None else tc.budget_s - search_s - (tune._final_estimate() or 0.0)
+            best, playoff = tune.playoff(finalists, left)
             playoff_s = time.perf_counter() - t_final
             final = tune.final_runs(best)
             final_s = time.perf_counter() - t_final - playoff_s
