@@ -94,7 +94,9 @@ def test_without_a_playoff_the_choice_is_the_searchs_best_run(store, tmp_path):
 def test_the_playoff_takes_the_best_trained_finalists_the_budget_pays_for():
     from types import SimpleNamespace as NS
 
-    tune = NS(tc=NS(playoff=3, playoff_seeds=2))
+    # 2 playoff seeds; final runs: 1 split x 1 seed at --epochs 20 (each finalist trained 20 epochs)
+    tune = NS(tc=NS(playoff=3, playoff_seeds=2, seeds=1), max_epochs=20, split_seeds=[None])
+    tune._final_of = lambda s: tune_mod.Tune._final_of(tune, s)
     finalists = [NS(name=n, epochs=e, time_s=t) for n, e, t in
                  [("a", 20, 5.0), ("untrained", 0, 0.0), ("b", 20, 4.0), ("c", 20, 6.0), ("d", 20, 1.0)]]
 
@@ -102,9 +104,10 @@ def test_the_playoff_takes_the_best_trained_finalists_the_budget_pays_for():
         return [f.name for f in tune_mod.Tune._contenders(tune, finalists, left)]
 
     assert pick(None) == ["a", "b", "c"]  # --playoff 3 of those that trained, in rank order
-    assert pick(30.0) == ["a", "b", "c"]  # 2 seeds x (5 + 4 + 6) s
-    assert pick(29.9) == ["a", "b"]
-    assert pick(17.9) == []  # fewer than two fit: nothing to choose between
+    # playoff 2 x (5 + 4 + 6) s, then the final runs of the dearest contender (c, 6 s): any of them may win
+    assert pick(36.0) == ["a", "b", "c"]
+    assert pick(35.9) == ["a", "b"]  # 2 x (5 + 4) + 5
+    assert pick(22.9) == []  # fewer than two fit: nothing to choose between
 
 
 def test_ties_go_to_the_cheaper_configuration():

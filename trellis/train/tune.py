@@ -286,7 +286,7 @@ class Tune:
         p = self.progress
         if self.how != "random" or self.tc.budget_s is None or not p["bracket_s"]:
             return False
-        final_s = (self._final_estimate() or 0.0) + self._playoff_estimate()
+        final_s = max(self._final_estimate() or 0.0, self._playoff_estimate())
         if clock() + max(p["bracket_s"]) + final_s > self.tc.budget_s:
             return False
         fresh = self.bracket_entries(p["bracket"] + 1)
@@ -448,33 +448,40 @@ class Tune:
         measured = [s for s in self.states.values() if s.epochs and s.entry.id in pool]
         if not measured:
             return None
-        leader = rank_states(measured)[0]
-        return leader.time_s / leader.epochs * self.max_epochs * len(self.split_seeds) * self.tc.seeds
+        return self._final_of(rank_states(measured)[0])
+
+    def _final_of(self, s: ConfigState) -> float:
+        """Seconds the final runs take if ``s`` is chosen: its measured time per epoch × ``--epochs`` × runs."""
+        return s.time_s / s.epochs * self.max_epochs * len(self.split_seeds) * self.tc.seeds
 
     def _contenders(self, finalists: list[ConfigState], left_s: float | None) -> list[ConfigState]:
         """The playoff's finalists: the ``--playoff`` best that trained, as many as ``left_s`` seconds allow.
 
         Each is priced at its own search run (its share of its batches, early stopping included) times
-        ``--playoff-seeds``. Fewer than two: no playoff (nothing to choose between).
+        ``--playoff-seeds``, and the final runs after the playoff at the dearest contender's (any of them may
+        win). Fewer than two: no playoff (nothing to choose between).
         """
         top: list[ConfigState] = []
-        spent = 0.0
+        spent = final = 0.0
         for f in finalists:
             if len(top) == self.tc.playoff:
                 break
             if not f.epochs:  # the budget cut the search before it trained
                 continue
-            spent += f.time_s * self.tc.playoff_seeds
-            if left_s is not None and spent > left_s:
+            cost, dearest = spent + f.time_s * self.tc.playoff_seeds, max(final, self._final_of(f))
+            if left_s is not None and cost + dearest > left_s:
                 break
             top.append(f)
+            spent, final = cost, dearest
         return top if len(top) > 1 else []
 
     def _playoff_estimate(self) -> float:
-        """Seconds the playoff of the finalists so far will take (what another bracket must leave room for)."""
+        """Seconds the playoff of the finalists so far and the final runs after it take (0: no playoff)."""
         by_id = {e.id: e for e in self.entries}
-        finalists = rank_states([self._state(by_id[i]) for i in self.progress["finalists"]])
-        return sum(f.time_s for f in self._contenders(finalists, None)) * self.tc.playoff_seeds
+        top = self._contenders(rank_states([self._state(by_id[i]) for i in self.progress["finalists"]]), None)
+        if not top:
+            return 0.0
+        return sum(f.time_s for f in top) * self.tc.playoff_seeds + max(self._final_of(f) for f in top)
 
     # -- the playoff
     def playoff(self, finalists: list[ConfigState], left_s: float | None = None
@@ -482,15 +489,14 @@ class Tune:
         """The choice: the best mean validation of the ``--playoff`` best finalists, each retrained with fresh seeds.
 
         Why: the search ranks every candidate by one run, and when many finalists lie within the validation
-        split's noise of each other the best single score among them is mostly luck -- the winner's curse. On
-        Cora (500 validation nodes, a standard error of 1.7 points) the search's best of 60 finalists, a
-        4-layer GCN ahead by 0.2 points, tested 1.8 points below a plain 2-layer one. Fresh seeds give each of
-        the best finalists an estimate that was not selected for being high (the search's own run is left out
-        of the mean); ties go to the cheaper configuration, as in the search. Only training and validation
-        are computed. With a budget, the playoff takes as many finalists as ``left_s`` seconds pay for
-        (:meth:`_contenders`); the search itself reserves room only for the final runs, and a further
-        bracket starts only when it leaves room for the playoff too. Returns the choice and one row per
-        finalist (its runs and their mean).
+        split's noise of each other the best single score among them is partly luck (the winner's curse: on
+        Cora the search's best of 48 finalists scored 83.0 and 81.5 on average over three fresh seeds). Fresh
+        seeds give each of the best finalists an estimate that was not selected for being high (the search's
+        own run is left out of the mean); ties go to the cheaper configuration, as in the search. Only training
+        and validation are computed. With a budget, the playoff takes as many finalists as ``left_s`` seconds
+        pay for, the final runs of the dearest one included (:meth:`_contenders`); the search reserves room
+        only for the final runs, and a further bracket starts only when it leaves room for the playoff too.
+        Returns the choice and one row per finalist (its runs and their mean).
         """
         top = self._contenders(finalists, left_s)
         if not top:
@@ -597,7 +603,7 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
             pool = tune.progress.get("finalists") or tune.progress["active"]
             finalists = rank_states([tune._state(by_id[i]) for i in pool])
             t_final = time.perf_counter()
-            left = None if tc.budget_s is None else tc.budget_s - search_s - (tune._final_estimate() or 0.0)
+            left = None if tc.budget_s is None else tc.budget_s - search_s  # the playoff and the final runs
             best, playoff = tune.playoff(finalists, left)
             playoff_s = time.perf_counter() - t_final
             final = tune.final_runs(best)
