@@ -206,6 +206,12 @@ def rank_states(states: list[ConfigState]) -> list[ConfigState]:
 
 
 # ---- state on disk (--resume) ------------------------------------------------------------------------
+def _restart_log(s: ConfigState) -> None:
+    """Empty ``s``'s ``metrics.jsonl``: its epochs are about to be run (again) from the start."""
+    s.log.close()
+    s.log = MetricsLog(s.log.path, offset=0)
+
+
 def save_state(s: ConfigState, path: Path) -> None:
     """Everything a candidate's next epoch depends on, atomically."""
     tmp = path.with_suffix(".tmp")
@@ -329,8 +335,7 @@ class Tune:
             if saved.exists():
                 load_state(s, saved, self.device)
             else:  # epochs an interrupted batch logged before its states were saved are run again
-                s.log.close()
-                s.log = MetricsLog(s.log.path, offset=0)
+                _restart_log(s)
             self.states[e.id] = s
         return self.states[e.id]
 
@@ -508,8 +513,7 @@ class Tune:
                   for e in entries}
         try:
             for s in states.values():  # a resumed tune runs its playoff again from the start
-                s.log.close()
-                s.log = MetricsLog(s.log.path, offset=0)
+                _restart_log(s)
             # one seed per batch, as in the search (a pre-propagation batch shares one shuffle)
             batches = [b for r in range(self.tc.playoff_seeds)
                        for b in self._batches([f"{f.entry.id}-p{r}" for f in top], entries)]
@@ -548,8 +552,7 @@ class Tune:
                     for k, v in redraw_split(data.store, np.asarray(data.store.y), split_seed).items()}
                 states = [open_state(e, data, self.metric, self.device, root, self.factory) for e in entries]
                 for s in states:  # a resumed tune runs its final runs again from the start
-                    s.log.close()
-                    s.log = MetricsLog(s.log.path, offset=0)
+                    _restart_log(s)
                 groups = [states] if self._batchable([best.id]) else [[s] for s in states]
                 try:
                     for g in groups:
