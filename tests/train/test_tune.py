@@ -106,8 +106,10 @@ def test_the_playoff_takes_the_best_trained_finalists_the_budget_pays_for():
     assert pick(None) == ["a", "b", "c"]  # --playoff 3 of those that trained, in rank order
     # playoff 2 x (5 + 4 + 6) s, then the final runs of the dearest contender (c, 6 s): any of them may win
     assert pick(36.0) == ["a", "b", "c"]
-    assert pick(35.9) == ["a", "b"]  # 2 x (5 + 4) + 5
-    assert pick(22.9) == []  # fewer than two fit: nothing to choose between
+    # c does not fit (2 x (5 + 4 + 6) + 6 > 35.9): passed over, and d, cheaper, takes its place
+    assert pick(35.9) == ["a", "b", "d"]  # 2 x (5 + 4 + 1) + 5
+    assert pick(22.9) == ["a", "d"]  # 2 x (5 + 1) + 5: b (2 x 9 + 5) and c do not fit
+    assert pick(16.9) == []  # fewer than two fit: nothing to choose between
 
 
 def test_ties_go_to_the_cheaper_configuration():

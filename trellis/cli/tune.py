@@ -60,9 +60,9 @@ def register(sub: Any) -> None:
                    help="seed of the draws and the candidates (default: 0)")
     p.add_argument("--seeds", type=_int("--seeds"), default=3, metavar="N",
                    help="seeds per split for the chosen configuration's final runs (default: 3)")
-    p.add_argument("--playoff", type=_int("--playoff"), default=5, metavar="N",
+    p.add_argument("--playoff", type=_int("--playoff"), default=15, metavar="N",
                    help="the N best finalists are retrained with fresh seeds and the best mean validation is "
-                        "chosen (1: the search's best single run; default: 5)")
+                        "chosen (1: the search's best single run; default: 15)")
     p.add_argument("--playoff-seeds", type=_int("--playoff-seeds"), default=3, metavar="N",
                    help="fresh seeds per playoff finalist (default: 3)")
     p.add_argument("--splits", type=_int("--splits"), default=None, metavar="N",

@@ -268,7 +268,7 @@ def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn"
 
 def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str | None = None,
          budget: str | float | None = None, out: str | os.PathLike[str] | None = None, candidates: int = 27,
-         seeds: int = 3, epochs: int | None = None, seed: int = 0, playoff: int = 5, playoff_seeds: int = 3,
+         seeds: int = 3, epochs: int | None = None, seed: int = 0, playoff: int = 15, playoff_seeds: int = 3,
          device: str = "auto", progress: bool = False, **base: Any) -> dict[str, Any]:
     """``trellis tune`` as a function: search on validation, retrain the choice over seeds; returns the board.
 
