@@ -112,6 +112,27 @@ def test_the_playoff_takes_the_best_trained_finalists_the_budget_pays_for():
     assert pick(16.9) == []  # fewer than two fit: nothing to choose between
 
 
+def test_a_further_bracket_starts_only_when_the_playoff_keeps_its_contenders():
+    from types import SimpleNamespace as NS
+
+    tune = NS(tc=NS(playoff=3, playoff_seeds=2, seeds=1), max_epochs=20, split_seeds=[None])
+    tune._final_of = lambda s: tune_mod.Tune._final_of(tune, s)
+    tune._contenders = lambda f, left: tune_mod.Tune._contenders(tune, f, left)
+    state = {n: NS(entry=NS(id=n), epochs=20, time_s=t) for n, t in
+             [("a", 5.0), ("b", 4.0), ("c", 6.0), ("d", 1.0), ("dear", 50.0)]}
+
+    def room(names, left, bracket=10.0, final=5.0):
+        return tune_mod.Tune._room_for_bracket(tune, [state[n] for n in names], left, bracket, final)
+
+    assert room("abcd", 100.0)  # a, b, c before and after
+    # 40 s pay for a, b, c (2 x 15 + 6); after a 10-s bracket c no longer fits: stop the search here
+    assert not room("abcd", 40.0)
+    # a dear finalist the playoff passes over now and after does not block the bracket (it did: 400 s unspent)
+    assert room(["a", "dear", "b", "d"], 60.0)
+    assert not room("abcd", 14.9)  # the final runs no longer fit after the bracket
+    assert room("a", 15.0)  # one finalist, no playoff: only the final runs are reserved
+
+
 def test_ties_go_to_the_cheaper_configuration():
     from types import SimpleNamespace as NS
 

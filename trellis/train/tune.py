@@ -288,12 +288,21 @@ class Tune:
             self.entries += self.bracket_entries(k)
 
     def _next_bracket(self, clock: Callable[[], float]) -> bool:
-        """Start another bracket when the budget has room for one and the final runs; False otherwise."""
+        """Start another bracket when the budget has room for it and for what follows the search; else False.
+
+        What follows is the final runs of the leader and the playoff of the finalists so far: a further
+        bracket starts only when the time left after it still pays for the same playoff contenders as the
+        time left now (:meth:`_contenders`). Why not reserve the playoff of every ``--playoff`` best finalist:
+        a dear finalist that the playoff passes over anyway (hidden 256, its final runs priced at every epoch)
+        then blocked every further bracket, and Computers tunes ended with 400 s of 1,200 unspent.
+        """
         p = self.progress
         if self.how != "random" or self.tc.budget_s is None or not p["bracket_s"]:
             return False
-        final_s = max(self._final_estimate() or 0.0, self._playoff_estimate())
-        if clock() + max(p["bracket_s"]) + final_s > self.tc.budget_s:
+        by_id = {e.id: e for e in self.entries}
+        finalists = rank_states([self._state(by_id[i]) for i in p["finalists"]])
+        if not self._room_for_bracket(finalists, self.tc.budget_s - clock(), max(p["bracket_s"]),
+                                      self._final_estimate() or 0.0):
             return False
         fresh = self.bracket_entries(p["bracket"] + 1)
         if not fresh:  # the space is exhausted
@@ -302,6 +311,16 @@ class Tune:
         p.update(bracket=p["bracket"] + 1, rung=0, batches_done=0, batches=None, active=[e.id for e in fresh])
         self._save_progress()
         return True
+
+    def _room_for_bracket(self, finalists: list[ConfigState], left_s: float, bracket_s: float,
+                          final_s: float) -> bool:
+        """Whether ``left_s`` seconds pay for a bracket of ``bracket_s`` seconds and what follows the search.
+
+        What follows: the final runs (``final_s``) and a playoff of the same contenders as now.
+        """
+        after = left_s - bracket_s
+        ids = lambda t: [s.entry.id for s in self._contenders(finalists, t)]  # noqa: E731
+        return after >= final_s and ids(after) == ids(left_s)
 
     def _split_seeds(self) -> list[int | None]:
         source = self.strategy.store.manifest.get("source", {})
@@ -483,14 +502,6 @@ class Tune:
             spent, final = cost, dearest
         return top if len(top) > 1 else []
 
-    def _playoff_estimate(self) -> float:
-        """Seconds the playoff of the finalists so far and the final runs after it take (0: no playoff)."""
-        by_id = {e.id: e for e in self.entries}
-        top = self._contenders(rank_states([self._state(by_id[i]) for i in self.progress["finalists"]]), None)
-        if not top:
-            return 0.0
-        return sum(f.time_s for f in top) * self.tc.playoff_seeds + max(self._final_of(f) for f in top)
-
     # -- the playoff
     def playoff(self, finalists: list[ConfigState], left_s: float | None = None
                 ) -> tuple[SweepEntry, list[dict[str, Any]]]:
@@ -502,8 +513,8 @@ class Tune:
         seeds give each of the best finalists an estimate that was not selected for being high (the search's
         own run is left out of the mean); ties go to the cheaper configuration, as in the search. Only training
         and validation are computed. With a budget, the playoff takes as many finalists as ``left_s`` seconds
-        pay for, the final runs of the dearest one included (:meth:`_contenders`); the search reserves room
-        only for the final runs, and a further bracket starts only when it leaves room for the playoff too.
+        pay for, the final runs of the dearest one included (:meth:`_contenders`); a further bracket starts
+        only when it leaves the playoff the same contenders (:meth:`_next_bracket`).
         Returns the choice and one row per finalist (its runs and their mean).
         """
         top = self._contenders(finalists, left_s)
