@@ -74,7 +74,9 @@ def test_search_never_reads_the_test_split(store, tmp_path, monkeypatch):
             assert max(rec["val_acc"] for rec in recs) == v and not any("test_acc" in rec for rec in recs)
     best = max(board["playoff"], key=lambda p: (p["val_mean"], -hidden[p["config"]]))
     assert board["best"]["config"] == best["config"] == board["playoff"][0]["config"]
-    assert "playoff" in (tmp_path / "t" / "report.md").read_text()
+    report = (tmp_path / "t" / "report.md").read_text()
+    second = board["playoff"][1]
+    assert f"The playoff's runner-up ({second['config']}) averaged {100 * second['val_mean']:.2f}" in report
     assert len(board["final"]) == 2 and all(f["test_acc"] is not None for f in board["final"])
     for name in ("leaderboard.csv", "leaderboard.json", "leaderboard.png", "report.md", "best/config.json"):
         assert (tmp_path / "t" / name).is_file()
@@ -89,6 +91,7 @@ def test_without_a_playoff_the_choice_is_the_searchs_best_run(store, tmp_path):
     best = max(finalists, key=lambda r: (r["val_acc"], -r["cost"][1]))
     assert board["playoff"] == [] and board["best"]["config"] == best["config"] == board["rows"][0]["config"]
     assert not (tmp_path / "t" / "playoff").exists()
+    assert "The top five candidates scored" in (tmp_path / "t" / "report.md").read_text()
 
 
 def test_the_playoff_takes_the_best_trained_finalists_the_budget_pays_for():
