@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu.sh [OUT_DIR]
 #
-# 1. the CUDA tests (kernels on the GPU equal the CPU's, forward and gradients);
+# 1. the CUDA tests (kernels on the GPU equal the CPU's, forward and gradients; batches from sampler processes
+#    moved to the GPU, from page-locked slots; every test with `cuda` in its name);
 # 2. one `trellis train --device cuda` per strategy (full, mini, cluster, pp) and a model-batched sweep on a
 #    generated graph, printing each summary line;
 # 3. what landed since: mini/cluster through the partition buffer, --samplers, partition-parallel full-batch on
@@ -15,6 +16,9 @@ OUT=${1:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# the runtime dependencies (pyproject.toml) first: a device image may lack one (pymetis: carry its wheel)
+$PY -c "import numpy, scipy, numba, tqdm, matplotlib, psutil, pymetis" || {
+  echo "$0: a runtime dependency of trellis is missing here (above); install it first"; exit 2; }
 T="$PY -m trellis.cli.main"
 W=$(mktemp -d)
 DEV=${DEV:-cuda}  # DEV=cpu runs the same commands on a machine without a GPU
@@ -22,7 +26,7 @@ nvidia-smi 2>/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_versio
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())'
 
 echo "== CUDA tests"
-$PY -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_spmm.py tests/loader/test_producer.py -k cuda 2>&1 | tail -2
+$PY -m pytest -q -p no:cacheprovider -W ignore -rs tests/ops/test_spmm.py tests/loader/test_producer.py -k cuda 2>&1 | tail -4
 
 echo "== one run per strategy on $DEV"
 $T data generate sbm --nodes ${NODES:-50000} --avg-degree 20 --features 128 --classes 8 --out "$W/g" --json >/dev/null

@@ -20,6 +20,9 @@ OUT=${1:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# the runtime dependencies (pyproject.toml) first: a device image may lack one (pymetis: carry its wheel)
+$PY -c "import numpy, scipy, numba, tqdm, matplotlib, psutil, pymetis" || {
+  echo "$0: a runtime dependency of trellis is missing here (above); install it first"; exit 2; }
 T="$PY -m trellis.cli.main"
 W=${DATA:-$(mktemp -d)}
 mkdir -p "$W"

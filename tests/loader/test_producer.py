@@ -240,13 +240,53 @@ def test_normalized_mapped_features_through_processes(store, weights):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_accelerator_loader_gets_batches_moved_after_decoding(store, weights):
+def test_cuda_loader_gets_batches_moved_after_decoding(store, weights):
     ref = neighbor(store, weights, prefetch=0)
     plan = ref.plan(1)
     with produce(neighbor(store, weights, device="cuda"), 1, ProducerOptions("processes", 1)) as batches:
         for i, b in enumerate(batches):
             assert b.x.device.type == "cuda" and b.blocks[0].indptr.device.type == "cuda"
             same_batch(b.to("cpu"), ref.get(plan, i), types=False)  # to() makes every block a CSRGraph
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_loader_copies_from_page_locked_recycled_slots(store, weights):
+    ref = neighbor(store, weights, prefetch=0)
+    producer = BatchProducer(neighbor(store, weights, device="cuda"), ProducerOptions("processes", 2, recycle=True))
+    try:
+        for epoch in range(2):  # the second epoch refills the slots the first one locked
+            plan = ref.plan(epoch)
+            with producer.epoch(epoch) as batches:
+                for i, b in enumerate(batches):
+                    same_batch(b.to("cpu"), ref.get(plan, i), types=False)
+            assert any(w.locked for w in producer._pool.workers)  # copies were asynchronous DMA, not staged
+    finally:
+        workers = producer._pool.workers
+        producer.close()
+    assert not any(w.locked for w in workers)  # unlocked before their memory is unmapped
+
+
+def test_locked_slots_are_locked_once_and_unlocked_when_the_workers_stop(store, weights, monkeypatch):
+    locks: list[int] = []
+    unlocks: list[int] = []
+
+    def lock(t):
+        locks.append(t.data_ptr())
+        return t.data_ptr()
+
+    monkeypatch.setattr(producer_mod, "_page_lock", lock)  # the bookkeeping without a GPU
+    monkeypatch.setattr(producer_mod, "_page_unlock", unlocks.append)
+    producer = BatchProducer(neighbor(store, weights), ProducerOptions("processes", 1, recycle=True))
+    with producer.epoch(0) as batches:
+        n = sum(1 for _ in batches)
+    workers = producer._pool.workers
+    slots = list(workers[0].maps)
+    assert n > len(slots) >= 1  # slots were recycled
+    for _ in range(2):
+        assert all(producer._pool.lock(workers[0], k) for k in slots)
+    assert sorted(locks) == sorted(workers[0].maps[k].data_ptr() for k in slots)  # once per slot
+    producer.close()
+    assert sorted(unlocks) == sorted(locks) and not workers[0].locked
 
 
 def test_encode_decode_round_trip(store, weights):

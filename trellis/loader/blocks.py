@@ -95,7 +95,7 @@ class Batch:
         blocks = []
         for b in self.blocks:
             if id(b) not in moved:
-                moved[id(b)] = b.to(device)  # the typed fields (degrees, edge ids) move with it
+                moved[id(b)] = b.to(device, non_blocking=non_blocking)  # typed fields (degrees, edge ids) too
             blocks.append(moved[id(b)])
 
         def mv(t: Tensor | None) -> Tensor | None:

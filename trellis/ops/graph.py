@@ -300,25 +300,28 @@ class CSRGraph:
         self.cache["self_loops"] = g
         return g
 
-    def to(self, device: torch.device | str) -> CSRGraph:
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> CSRGraph:
         """A copy on ``device``: structure, edge data and the typed fields (the reverse CSR moves with it).
 
         ``cache`` is not copied: its memos are recomputed on the new device when first asked for.
+        ``non_blocking`` as in :meth:`torch.Tensor.to` (asynchronous only from page-locked memory).
         """
         device = torch.device(device)
         if device == self.device:
             return self
 
         def mv(a: torch.Tensor | None) -> torch.Tensor | None:
-            return None if a is None else a.to(device)
+            return None if a is None else a.to(device, non_blocking=non_blocking)
 
-        g = CSRGraph(self.indptr.to(device), self.indices.to(device), self.num_src, mv(self.edge_weight),
-                     mv(self.edge_feat), mv(self.node_ids), src_degree=mv(self.src_degree),
+        nb = non_blocking
+        g = CSRGraph(self.indptr.to(device, non_blocking=nb), self.indices.to(device, non_blocking=nb), self.num_src,
+                     mv(self.edge_weight), mv(self.edge_feat), mv(self.node_ids), src_degree=mv(self.src_degree),
                      dst_degree=mv(self.dst_degree), edge_ids=mv(self.edge_ids), exchange=self.exchange,
                      src_weighted_degree=mv(self.src_weighted_degree),
                      fixed_aggregation=mv(self.fixed_aggregation))
         if self.rev is not None:
-            g.rev = CSRGraph(self.rev.indptr.to(device), self.rev.indices.to(device), self.num_dst)
+            g.rev = CSRGraph(self.rev.indptr.to(device, non_blocking=nb), self.rev.indices.to(device, non_blocking=nb),
+                             self.num_dst)
             g.perm = mv(self.perm)
             g.rev.rev = g
         return g
