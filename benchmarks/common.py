@@ -51,6 +51,9 @@ def run_isolated(module: str, args: dict) -> dict:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    # The children import torch before trellis, so trellis's default (huge pages for torch's large allocations,
+    # trellis/__init__.py) would not apply: set it here, for the competitor's child too (the same environment).
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     proc = subprocess.run([sys.executable, "-m", module, "--child", json.dumps(args)], capture_output=True,
                           text=True, env=env, cwd=root)
     if proc.returncode != 0:

@@ -32,6 +32,28 @@ if "torch" not in sys.modules and (os.cpu_count() or 1) <= PASSIVE_WAIT_CORES:
     # OMP_WAIT_POLICY yourself (before torch is imported) to choose otherwise; results do not change either way.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+
+def _huge_pages_possible() -> bool:
+    """Whether the kernel can back madvised memory with transparent huge pages (Linux, THP not ``never``)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+if "torch" not in sys.modules and _huge_pages_possible():
+    # Why: torch's CPU allocator asks for transparent huge pages (``madvise(MADV_HUGEPAGE)`` on allocations of
+    # 2 MiB or more) only when THP_MEM_ALLOC_ENABLE is set. Trellis's hot paths gather and scatter rows across
+    # tensors of hundreds of MB (features, aggregations, their gradients), where 4 KiB pages spend the time in
+    # TLB misses. Measured on 2 cores (docs/benchmarks.md, "Transparent huge pages"), same losses, same peak
+    # RssAnon: a full-batch GCN step on Amazon Computers 37.6 -> 25.4 ms, on the 1M planted graph 4.46 -> 3.16 s,
+    # out of core under 1G 6.93 -> 5.44 s, the 1M mini-batch epoch 3.53 -> 2.88 s. Set THP_MEM_ALLOC_ENABLE=0
+    # (before torch is imported) to opt out. The setting is read at torch's first allocation, so it applies
+    # only where trellis is imported before torch (the trellis command, its ranks and sampler processes).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 _EXPORTS = {
     "Run": ("trellis.train.api", "Run"),
     "load_run": ("trellis.train.api", "load_run"),
