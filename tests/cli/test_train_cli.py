@@ -176,3 +176,19 @@ def test_config_records_the_store_absolute(capsys, tmp_path, store, monkeypatch)
 def test_unknown_flags_get_a_did_you_mean(capsys, store, argv, message):
     rc, _, err = run(capsys, *[store if a == "STORE" else a for a in argv])
     assert rc == 2 and message in err
+
+
+def test_a_starved_trainer_is_told_about_samplers(capsys, tmp_path, store):
+    from trellis.cli.train import STARVED_SHARE, format_summary
+
+    rc, out, _ = run(capsys, "train", store, "--strategy", "mini", "--model", "sage", "--hidden", "8", "--out",
+                     str(tmp_path / "run"), "--epochs", "2", "--json", "--no-progress", real=True)
+    assert rc == 0
+    s = json.loads(out.strip().splitlines()[-1])
+    assert 0.0 <= s["batch_wait_share"] <= 1.0  # measured by the mini-batch strategy, median over epochs
+    starved = {**s, "batch_wait_share": STARVED_SHARE + 0.1, "threads": 16}
+    assert "--samplers K" in format_summary(starved)
+    for fed in ({**starved, "batch_wait_share": STARVED_SHARE - 0.1},  # the loader keeps up
+                {**starved, "threads": 2},  # no cores to spare for sampler processes
+                {**starved, "config": {**s["config"], "samplers": 2}}):  # already there
+        assert "--samplers" not in format_summary(fed)

@@ -13,7 +13,7 @@ TIMING = {"step_time_s", "time_s", "spill_written_bytes", "spill_read_bytes", "s
           "storage_read_bytes", "compute_s", "comm_s"}
 VOLATILE_SUMMARY = {"epoch_time_s_median", "epoch_time_s_mean", "train_time_s", "wall_time_s_this_process",
                     "peak_rss_mb", "peak_rss_anon_mb", "peak_cuda_mb", "run_dir", "config", "per_run", "threads",
-                    "time_to_target_s", "time_to_target_s_mean", "baseline_rss_anon_bytes"}
+                    "time_to_target_s", "time_to_target_s_mean", "baseline_rss_anon_bytes", "batch_wait_share"}
 
 
 def metrics_without_timing(run_dir: Path) -> list[dict]:

@@ -6,6 +6,7 @@ of those strategies -- the partition buffer -- build on it without importing the
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from typing import Any
@@ -19,6 +20,7 @@ from trellis.loader.inference import layerwise_inference
 from trellis.loader.producer import BatchProducer, ProducerOptions
 from trellis.ops.graph import CSRGraph
 from trellis.train.build import ModelSpec
+from trellis.train.config import TrainConfig
 from trellis.train.data import load_graph_data
 from trellis.train.strategies.full import GraphStrategy
 from trellis.train.tasks import Task, split_metrics
@@ -99,6 +101,10 @@ class WaitedBatches:
 class BatchStrategy(GraphStrategy):
     """Shared parts: loading without an in-memory graph, the epoch loop over batches, exact evaluation."""
 
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        super().__init__(cfg, device)
+        self._wait_shares: list[float] = []  # per epoch: the share spent waiting for batches
+
     def load(self) -> None:
         """Load inputs, labels and edge data; keep the CSR memory-mapped; build the batch loader."""
         cfg = self.cfg
@@ -172,7 +178,9 @@ class BatchStrategy(GraphStrategy):
                     steps += 1
                 open_step = backed = False
         self.last_epoch = {"batches": float(steps), "targets": float(count), "wait_s": waited.wait_s}
-        self._close_epoch(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self._wait_shares.append(waited.wait_s / elapsed if elapsed > 0 else 0.0)
+        self._close_epoch(elapsed)
         if self._producer is not None:
             self.last_epoch["sampler_read_bytes"] = float(getattr(batches, "read_bytes", 0))
         return (total / max(count, 1)).to(torch.float32)
@@ -201,6 +209,14 @@ class BatchStrategy(GraphStrategy):
         """Builders in the background starve the trainer this epoch: all of them to the normal priority now."""
         if self._priority is not None and self._priority.starving(wait_s, elapsed_s) and self._producer is not None:
             self._producer.set_background(False)
+
+    def summary_info(self) -> dict[str, Any]:
+        """The median share of an epoch the trainer spent waiting for batches.
+
+        Where it is large the loader's own thread cannot keep up, and the CLI suggests ``--samplers``.
+        """
+        shares = self._wait_shares
+        return {**super().summary_info(), **({"batch_wait_share": statistics.median(shares)} if shares else {})}
 
     def _close_epoch(self, seconds: float) -> None:
         """The epoch's training took ``seconds`` (the priority trial's measurement)."""
