@@ -33,7 +33,6 @@ if "torch" not in sys.modules and (os.cpu_count() or 1) <= PASSIVE_WAIT_CORES:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-
 def _huge_pages_possible() -> bool:
     """Whether the kernel can back madvised memory with transparent huge pages (Linux, THP not ``never``)."""
     try:
