@@ -152,6 +152,89 @@ def test_npz_bad_file(tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
+# ---- Platonov et al. npz: fixed splits (synthetic, their keys and shapes) -----------------------------
+def make_fixed_split_npz(path: Path, n: int = 40, splits: int = 4, seed: int = 0, **override) -> Path:
+    """A file laid out like Platonov et al.'s (``edges`` stored once, ``[S, N]`` boolean masks)."""
+    rng = np.random.default_rng(seed)
+    src = np.arange(n - 1)
+    edges = np.stack([src, src + 1], axis=1)  # a path: one connected component
+    edges = np.concatenate([edges, [[0, n - 1], [3, 17]]]).astype(np.int64)
+    order = np.stack([rng.permutation(n) for _ in range(splits)])
+    arrays = {"node_features": rng.normal(size=(n, 5)).astype(np.float32), "node_labels": rng.integers(0, 3, n),
+              "edges": edges, "train_masks": np.zeros((splits, n), bool), "val_masks": np.zeros((splits, n), bool),
+              "test_masks": np.zeros((splits, n), bool)}
+    for s in range(splits):  # 50% / 25% / 25%, a different draw per split
+        arrays["train_masks"][s, order[s, : n // 2]] = True
+        arrays["val_masks"][s, order[s, n // 2: 3 * n // 4]] = True
+        arrays["test_masks"][s, order[s, 3 * n // 4:]] = True
+    arrays.update(override)
+    np.savez(path, **arrays)
+    return path
+
+
+def test_fixed_split_npz_keeps_every_split_and_node(tmp_path):
+    p = make_fixed_split_npz(tmp_path / "roman_like.npz")
+    z = np.load(p)
+    store = open_store(import_graph(p, tmp_path / "s", progress=False))
+    assert (store.num_nodes, store.num_edges) == (40, 2 * 41)  # undirected: each stored edge both ways
+    np.testing.assert_array_equal(store.x, z["node_features"])
+    np.testing.assert_array_equal(store.y, z["node_labels"])
+    sets = np.asarray(store.split_sets)
+    assert sets.shape == (4, 40) and store.manifest["source"]["split"] == "fixed"
+    for s in range(4):
+        for k, code in (("train", 1), ("val", 2), ("test", 3)):
+            np.testing.assert_array_equal(np.flatnonzero(sets[s] == code), np.flatnonzero(z[f"{k}_masks"][s]))
+    for k in ("train", "val", "test"):  # the store's own split is the first
+        np.testing.assert_array_equal(store.split(k), np.flatnonzero(z[f"{k}_masks"][0]))
+    info = store_info(store.path)
+    assert info["fixed_splits"] == 4
+    directed = open_store(import_graph(p, tmp_path / "d", symmetrize=False, progress=False))
+    assert directed.num_edges == 41
+
+
+def test_fixed_split_npz_with_lcc_drops_nodes_from_every_split(tmp_path):
+    edges = np.array([[0, 1], [1, 2], [2, 3], [4, 5]], dtype=np.int64)  # nodes 4, 5 apart
+    p = make_fixed_split_npz(tmp_path / "f.npz", n=6, splits=2, edges=edges)
+    z = np.load(p)
+    store = open_store(import_graph(p, tmp_path / "s", lcc=True, progress=False))
+    assert store.num_nodes == 4 and np.asarray(store.split_sets).shape == (2, 4)
+    for k, code in (("train", 1), ("val", 2), ("test", 3)):
+        np.testing.assert_array_equal(np.flatnonzero(np.asarray(store.split_sets)[1] == code),
+                                      np.flatnonzero(z[f"{k}_masks"][1][:4]))
+
+
+@pytest.mark.parametrize(("override", "match"), [
+    ({"edges": np.zeros((5, 3), np.int64)}, "edges has shape"),
+    ({"test_masks": np.zeros((3, 40), bool)}, "different numbers of splits"),
+    ({"val_masks": np.zeros((4, 39), bool)}, r"val_masks has shape \(4, 39\)"),
+    ({"node_labels": np.zeros(39, np.int64)}, "labels have 39 rows"),
+])
+def test_fixed_split_npz_bad_arrays(tmp_path, override, match):
+    p = make_fixed_split_npz(tmp_path / "f.npz", **override)
+    with pytest.raises(TrellisUserError, match=match):
+        import_graph(p, tmp_path / "out", progress=False)
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_fixed_split_npz_refuses_overlaps_missing_keys_and_split_options(tmp_path):
+    train = np.zeros((4, 40), bool)
+    train[2, 7] = True
+    p = make_fixed_split_npz(tmp_path / "f.npz")
+    z = dict(np.load(p))
+    z["train_masks"] = z["train_masks"] | train
+    z["val_masks"][2, 7], z["test_masks"][2, 7] = True, False
+    np.savez(tmp_path / "overlap.npz", **z)
+    with pytest.raises(TrellisUserError, match=r"node 7 is in val_masks\[2\] and in another mask of split 2"):
+        import_graph(tmp_path / "overlap.npz", tmp_path / "out", progress=False)
+    del z["test_masks"]
+    np.savez(tmp_path / "missing.npz", **z)
+    with pytest.raises(TrellisUserError, match="test_masks missing"):
+        import_graph(tmp_path / "missing.npz", tmp_path / "out", progress=False)
+    with pytest.raises(TrellisUserError, match="--split-seed does not apply: the file holds 4 fixed splits"):
+        import_graph(p, tmp_path / "out", split_seed=1, progress=False)
+    assert_nothing_written(tmp_path / "out")
+
+
 # ---- OGB raw layout (synthetic) -----------------------------------------------------------------
 def _write_gz(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

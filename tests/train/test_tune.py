@@ -12,9 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.train.stubmodel import make_sbm_store
 from trellis.cli.main import main
+from trellis.errors import TrellisUserError
 from trellis.train import tune as tune_mod
 from trellis.train.strategies import full as full_mod
 from trellis.train.tune import TuneConfig, run_tune
@@ -222,6 +224,53 @@ def test_split_seed_is_refused_without_the_protocol(store, tmp_path, capsys):
     assert not Path(tmp_path / "r").exists()
 
 
+def _fixed_split_store(tmp_path, splits=4):
+    """A store imported from a file laid out like Platonov et al.'s (``[S, N]`` masks, a split per row)."""
+    from trellis.data.importers import import_graph
+    from trellis.data.store import open_store
+
+    sbm = open_store(make_sbm_store(tmp_path / "sbm", n=300, features=8))
+    n, rng = sbm.num_nodes, np.random.default_rng(0)
+    masks = {k: np.zeros((splits, n), bool) for k in ("train", "val", "test")}
+    for s in range(splits):
+        order = rng.permutation(n)
+        for k, part in zip(masks, np.split(order, [n // 2, 3 * n // 4]), strict=True):
+            masks[k][s, part] = True
+    dst = np.repeat(np.arange(n), np.diff(np.asarray(sbm.indptr)))
+    np.savez(tmp_path / "f.npz", node_features=np.asarray(sbm.x), node_labels=np.asarray(sbm.y),
+             edges=np.stack([np.asarray(sbm.indices), dst], axis=1), **{f"{k}_masks": m for k, m in masks.items()})
+    return open_store(import_graph(tmp_path / "f.npz", tmp_path / "store", progress=False)), masks
+
+
+def test_split_seed_picks_a_stores_fixed_split(tmp_path, capsys):
+    from trellis.train.data import load_labels
+
+    store, masks = _fixed_split_store(tmp_path)
+    for k in (None, 0, 2, 3):
+        _, ids, _ = load_labels(store, "auto", torch.device("cpu"), k)
+        for name, m in masks.items():
+            np.testing.assert_array_equal(ids[name].numpy(), np.flatnonzero(m[k or 0]))
+    rc = main(["train", str(store.path), "--split-seed", "4", "--epochs", "1", "--out", str(tmp_path / "r"),
+               "--no-progress"])
+    assert rc == 2 and "holds 4 fixed splits; give a split number from 0 to 3" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_final_runs_take_the_stores_fixed_splits(tmp_path):
+    store, _ = _fixed_split_store(tmp_path)
+    tc = TuneConfig(store=str(store.path), candidates=2, epochs=4, min_epochs=2, patience=30, seeds=1,
+                    batch_models=2, splits=3, playoff=1, out=str(tmp_path / "t"), progress=False)
+    board = run_tune(tc)
+    assert board["split_seeds"] == [None, 1, 2]
+    assert sorted({r["split"] for r in board["final"]}) == [0, 1, 2]
+    again = run_tune(TuneConfig(**{**tc.__dict__, "splits": 1, "out": str(tmp_path / "t1")}))
+    # split 0 of the final runs is the store's own: the same run in both tunes
+    first = [r for r in board["final"] if r["split"] == 0]
+    assert [r["test_acc"] for r in first] == [r["test_acc"] for r in again["final"]]
+    with pytest.raises(TrellisUserError, match="holds 4 fixed splits; give --splits 4 or fewer"):
+        run_tune(TuneConfig(**{**tc.__dict__, "splits": 5, "out": str(tmp_path / "t5")}))
+
+
 def test_a_budget_that_cuts_before_some_candidates_trained_reports_the_rest(store, tmp_path):
     """Candidates the deadline left untrained have no validation value: the report ranks only the others."""
     tc = TuneConfig(store=store, candidates=9, epochs=24, min_epochs=3, patience=30, seeds=1, batch_models=1,
@@ -230,7 +279,7 @@ def test_a_budget_that_cuts_before_some_candidates_trained_reports_the_rest(stor
     assert board["rows"] and all(r["val_acc"] is not None for r in board["rows"])
     assert len(board["rows"]) < 9 and board["cut"] is not None
     report = (tmp_path / "t" / "report.md").read_text()
-    assert "test acc" in report and "one split because the store records a fixed split" in report
+    assert "test acc" in report and "one split: the store records a fixed split" in report
 
 
 def test_a_budget_left_after_the_schedule_buys_more_brackets(store, tmp_path):

@@ -89,7 +89,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 #: The edge-list folder format, in ``trellis data import --help``.
 EDGELIST_HELP = """\
-formats: planetoid (ind.<name>.* files), npz (Shchur et al.), ogb (an OGB folder), edgelist (below).
+formats: planetoid (ind.<name>.* files), npz (Shchur et al.; or Platonov et al.'s node_features, node_labels,
+edges and train/val/test_masks, whose fixed splits are all kept), ogb (an OGB folder), edgelist (below).
 
 edgelist: a folder with only the edges required
   edges.npy                     int [E, 2] (src, dst), or
@@ -131,7 +132,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--train-per-class", type=int, default=None, help="npz: training nodes per class (default 20)")
     p.add_argument("--val-per-class", type=int, default=None, help="npz: validation nodes per class (default 30)")
     p.add_argument("--lcc", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep only the largest connected component (default: on for npz, off otherwise)")
+                   help="keep only the largest connected component (default: on for Shchur et al.'s npz files, off "
+                        "otherwise)")
     p.add_argument("--symmetrize", action=argparse.BooleanOptionalAction, default=None,
                    help="make the graph undirected (default: on)")
     p.add_argument("--num-nodes", type=_positive_int, default=None, help="edgelist: node count")

@@ -66,8 +66,8 @@ def register(sub: Any) -> None:
     p.add_argument("--playoff-seeds", type=_int("--playoff-seeds"), default=3, metavar="N",
                    help="fresh seeds per playoff finalist (default: 3)")
     p.add_argument("--splits", type=_int("--splits"), default=None, metavar="N",
-                   help="random per-class splits for the final runs (default: 3 for stores that record the "
-                        "protocol, e.g. npz imports; else 1)")
+                   help="splits for the final runs: per-class splits drawn again (Shchur et al.'s npz imports) or "
+                        "the store's fixed splits (Platonov et al.'s) (default: 3 where a store has them; else 1)")
     p.add_argument("--set", dest="base", action="extend", nargs="+", metavar="KEY=VALUE", default=[],
                    help="values every candidate shares (fields of `trellis train`, e.g. feature_norm=l2)")
     p.add_argument("--batch-models", type=_int("--batch-models"), default=None, metavar="K",

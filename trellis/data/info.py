@@ -91,6 +91,7 @@ def store_info(store: GraphStore | str | os.PathLike[str], *, verify: bool = Fal
         "task": store.task,
         "labelled_nodes": labelled,
         "splits": {k: (None if (ids := store.split(k)) is None else int(ids.shape[0])) for k in SPLITS},
+        "fixed_splits": None if (sets := store.split_sets) is None else int(sets.shape[0]),
         "edge_weight": store.has("edge_weight"),
         "edge_feat_dim": None if ef is None else int(ef.shape[1]),
         "in_degree": _degree_stats(in_deg),
@@ -120,6 +121,8 @@ def format_info(info: dict[str, Any]) -> str:
 
     n = info["num_nodes"]
     splits = "  ".join(f"{k} {v}" for k, v in info["splits"].items() if v is not None) or "none"
+    if info.get("fixed_splits"):
+        splits += f"  (split 0 of {info['fixed_splits']} fixed splits: --split-seed K trains on split K)"
     edge_data = []
     if info["edge_weight"]:
         edge_data.append("weights")

@@ -48,6 +48,14 @@ STORE_MANIFEST = ManifestFormat(
     FORMAT, VERSION, what="a Trellis store",
     create="create one with `trellis data import` or `trellis data generate`", fix="re-import the store")
 SPLITS = ("train", "val", "test")
+#: Codes of ``split_sets.npy`` (``int8 [S, N]``, a store's fixed splits): 0 = in no split of that set.
+SPLIT_CODES = {"train": 1, "val": 2, "test": 3}
+
+
+def split_set_ids(codes: np.ndarray) -> dict[str, np.ndarray]:
+    """``{"train"|"val"|"test": node ids}`` of one row of ``split_sets`` (see :data:`SPLIT_CODES`)."""
+    codes = np.asarray(codes)
+    return {k: np.flatnonzero(codes == c).astype(np.int64) for k, c in SPLIT_CODES.items()}
 TASKS = ("multiclass", "binary", "multilabel")
 #: Stores whose arrays sum to less than this are hashed in full on open (``verify="auto"``).
 AUTO_VERIFY_BYTES = 512 * 1024 * 1024
@@ -140,6 +148,7 @@ def write_store(
     x: np.ndarray | None = None,
     y: np.ndarray | None = None,
     splits: dict[str, np.ndarray] | None = None,
+    split_sets: np.ndarray | None = None,
     edge_weight: np.ndarray | None = None,
     edge_feat: np.ndarray | None = None,
     name: str = "graph",
@@ -157,6 +166,8 @@ def write_store(
         x: Node features ``[N, F]`` (stored as float32), or None for a featureless graph.
         y: Labels: ``int [N]`` (multiclass/binary; -1 = unlabeled) or ``[N, C]`` 0/1 (multilabel).
         splits: ``{"train"|"val"|"test": node ids}``.
+        split_sets: ``int8 [S, N]`` fixed splits (:data:`SPLIT_CODES`; e.g. Platonov et al.'s ten masks), of
+            which ``splits`` is normally the first; ``--split-seed K`` trains on set ``K``.
         edge_weight: ``[E]`` weights in CSR edge order.
         edge_feat: ``[E, D]`` edge features in CSR edge order.
         name: Dataset name recorded in the manifest.
@@ -169,7 +180,7 @@ def write_store(
     indices = np.ascontiguousarray(indices, dtype=np.int64)
     n = int(indptr.shape[0] - 1)
     e = int(indices.shape[0])
-    validate_arrays(n, indptr, indices, x=x, y=y, splits=splits, edge_weight=edge_weight,
+    validate_arrays(n, indptr, indices, x=x, y=y, splits=splits, split_sets=split_sets, edge_weight=edge_weight,
                     edge_feat=edge_feat)
     inferred_task, inferred_classes = label_meta(y)
     task = task or inferred_task
@@ -188,6 +199,8 @@ def write_store(
             w.add("y", np.asarray(y, dtype=np.int64 if y.ndim == 1 else np.float32))
         for split, ids in (splits or {}).items():
             w.add(f"{split}_idx", np.asarray(ids, dtype=np.int64))
+        if split_sets is not None:
+            w.add("split_sets", np.asarray(split_sets, dtype=np.int8))
         return w.commit(num_nodes=n, num_edges=e, name=name, task=task, num_classes=num_classes,
                         source=source or {})
 
@@ -261,6 +274,7 @@ def validate_arrays(
     x: np.ndarray | None = None,
     y: np.ndarray | None = None,
     splits: dict[str, np.ndarray] | None = None,
+    split_sets: np.ndarray | None = None,
     edge_weight: np.ndarray | None = None,
     edge_feat: np.ndarray | None = None,
     where: str = "input",
@@ -305,6 +319,12 @@ def validate_arrays(
                 f"{where}: {split} split row {int(bad[0])} has node id {int(ids[bad[0]])} outside [0, {n}); "
                 "split files must hold node ids of this graph"
             )
+    if split_sets is not None:
+        sets = np.asarray(split_sets)
+        if sets.ndim != 2 or sets.shape[1] != n:
+            raise TrellisUserError(f"{where}: split sets have shape {tuple(sets.shape)}; they must be [sets, {n}]")
+        if sets.size and (sets.min() < 0 or sets.max() > max(SPLIT_CODES.values())):
+            raise TrellisUserError(f"{where}: split set codes must be 0 (no split), 1 (train), 2 (val) or 3 (test)")
 
 
 class _OptionalArray:
@@ -498,6 +518,7 @@ class GraphStore:
         doc="Labels: ``int64 [N]`` (multiclass/binary; -1 = unlabelled) or ``[N, C]`` (multilabel), or None.")
     edge_weight = _OptionalArray(doc="``float32 [E]`` edge weights in CSR edge order, or None when unweighted.")
     edge_feat = _OptionalArray(doc="``float32 [E, D]`` edge features in CSR edge order, or None.")
+    split_sets = _OptionalArray(doc="``int8 [S, N]`` fixed splits (:data:`SPLIT_CODES`), or None.")
 
     def split(self, name: str) -> np.ndarray | None:
         """Node ids of split ``train|val|test`` or None when the store has no such split."""

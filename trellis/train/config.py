@@ -157,9 +157,10 @@ class TrainConfig:
     target_acc: float | None = _f(None, "target of the selection metric on validation, in (0, 1]: the summary "
                                         "reports each run's time and epochs to reach it (default: none)",
                                   metavar="X")
-    split_seed: int | None = _f(None, "re-draw the store's per-class split (the npz importer's protocol) with this "
-                                      "seed, as `trellis data import --split-seed` would (default: the store's "
-                                      "split)", metavar="N")
+    split_seed: int | None = _f(None, "re-draw the store's per-class split (Shchur et al.'s npz protocol) with this "
+                                      "seed, as `trellis data import --split-seed` would, or train on fixed split N "
+                                      "of a store that holds several (Platonov et al.'s npz files; 0 = the store's) "
+                                      "(default: the store's split)", metavar="N")
     feature_norm: str = _f("auto", "feature normalization: row = divide each row by its L1 norm (the GCN "
                                    "paper's), l2 = by its L2 norm, none, or auto = chosen from the features: row "
                                    "for bag-of-words rows, l2 for rows with many active words (L1 would shrink "

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from trellis.data.splits import per_class_split
-from trellis.data.store import GraphStore
+from trellis.data.store import GraphStore, split_set_ids
 from trellis.errors import TrellisUserError
 from trellis.loader.features import ArrayRows, FeatureSource, NormalizedRows, normalize_rows_
 from trellis.ops.graph import CSRGraph
@@ -164,11 +164,13 @@ def load_labels(store: GraphStore, task: str, device: torch.device,
     ``split_seed`` re-draws the store's per-class split (Shchur et al.'s protocol, recorded by the npz
     importer: ``train_per_class`` and ``val_per_class`` nodes per class, the rest for testing) with another
     seed, as ``trellis data import --split-seed`` would have: the protocol's "several random splits" without
-    one store per split. The importer's own seed gives the store's split back exactly.
+    one store per split. The importer's own seed gives the store's split back exactly. On a store with fixed
+    splits (Platonov et al.'s files, ``split_sets.npy``) it is the number of the split, 0 the store's own.
 
     Raises:
         TrellisUserError: The store has no labels or lacks a split, the labels do not fit the task, or
-            ``split_seed`` is given for a store whose split is not the per-class protocol.
+            ``split_seed`` is given for a store with neither the per-class protocol nor fixed splits, or it
+            is not one of the fixed splits.
     """
     where = str(store.path)
     y = store.y
@@ -192,9 +194,32 @@ def load_labels(store: GraphStore, task: str, device: torch.device,
 
 
 def redraw_split(store: GraphStore, y: np.ndarray, split_seed: int) -> dict[str, np.ndarray]:
-    """The store's per-class split protocol drawn again with ``split_seed`` (see :func:`load_labels`)."""
+    """Split ``split_seed`` of the store: its per-class protocol drawn again, or that fixed split.
+
+    See :func:`load_labels`.
+    """
+    sets = store.split_sets
+    if sets is not None:
+        if not 0 <= split_seed < sets.shape[0]:
+            raise TrellisUserError(f"--split-seed {split_seed}: {store.path} holds {sets.shape[0]} fixed splits; give "
+                                   f"a split number from 0 to {sets.shape[0] - 1}")
+        return split_set_ids(sets[split_seed])
     source = store.manifest.get("source", {})
     if source.get("split") != "per-class" or y.ndim != 1:
         raise TrellisUserError(f"--split-seed {split_seed}: {store.path} does not record a per-class split protocol "
-                               "(npz imports do); its split is fixed — train without --split-seed")
+                               "(Shchur et al.'s npz imports do) nor fixed splits (Platonov et al.'s do); its split "
+                               "is fixed — train without --split-seed")
     return per_class_split(y, int(source["train_per_class"]), int(source["val_per_class"]), split_seed)
+
+
+def split_choices(store: GraphStore) -> int | None:
+    """How many splits ``split_seed`` chooses among.
+
+    The fixed splits' count, None for a per-class protocol (any seed), 0 when the store's split is its only one.
+    """
+    sets = store.split_sets
+    if sets is not None:
+        return int(sets.shape[0])
+    y = store.y
+    per_class = store.manifest.get("source", {}).get("split") == "per-class" and y is not None and y.ndim == 1
+    return None if per_class else 0

@@ -8,9 +8,9 @@ sweep's :func:`~trellis.train.sweep.advance`), and stops weak candidates early b
 decides — the search evaluates the training and validation splits only, so the test split is not even
 computed until the final report — and ties go to the cheaper configuration (fewer layers, then narrower).
 The ``--playoff`` best finalists are retrained with fresh seeds and the best mean validation is the choice
-(:meth:`Tune.playoff`). The chosen configuration is then retrained over ``--splits`` random per-class splits
-(the store's protocol, :func:`trellis.train.data.redraw_split`) × ``--seeds`` seeds, and the report gives its
-validation and test mean ± std.
+(:meth:`Tune.playoff`). The chosen configuration is then retrained over ``--splits`` splits (per-class splits
+drawn again, or a store's fixed splits: :func:`trellis.train.data.redraw_split`) × ``--seeds`` seeds, and the
+report gives its validation and test mean ± std.
 
 Why halving on a batched sweep: Lotan built model batching for model selection (its §1 and §7: a grid of
 learning rate × optimizer × dropout with early stopping on validation). A grid trained to the end spends most
@@ -53,7 +53,7 @@ from trellis.errors import TrellisUserError
 from trellis.nn.batched import family_of
 from trellis.plan.batching import balanced_batches, default_budget_bytes
 from trellis.train.build import ModelFactory, default_model_factory
-from trellis.train.data import redraw_split, resolve_device
+from trellis.train.data import redraw_split, resolve_device, split_choices
 from trellis.train.loop import StopOnSignal, StopRequested
 from trellis.train.runs import MetricsLog, read_jsonl, write_json_atomic
 from trellis.train.space import Space, candidates, load_space, parse_space, space_to_json
@@ -101,8 +101,8 @@ class TuneConfig:
         seeds: Seeds per split in the final retraining.
         playoff: Finalists retrained with fresh seeds before the choice (1: the search's best single run).
         playoff_seeds: Fresh seeds each playoff finalist is retrained with.
-        splits: Random per-class splits in the final retraining (None: 3 when the store records the per-class
-            protocol, else 1: its fixed split).
+        splits: Splits of the final retraining: per-class splits drawn again, or the store's fixed splits
+            (None: 3 when the store records the per-class protocol or holds fixed splits, else 1: its split).
         base: Values every candidate shares (``--set KEY=VALUE``).
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         batch_models: Configurations per batch (None: the cost model's choice).
@@ -323,17 +323,23 @@ class Tune:
         return after >= final_s and ids(after) == ids(left_s)
 
     def _split_seeds(self) -> list[int | None]:
-        source = self.strategy.store.manifest.get("source", {})
-        # redrawn splits retrain in memory over the whole graph (a pre-propagation cache keeps its split)
-        protocol = source.get("split") == "per-class" and isinstance(self.strategy, FullBatch) \
-            and self.strategy.data.y is not None and self.strategy.data.y.ndim == 1
-        if not protocol:
+        store = self.strategy.store
+        # other splits retrain in memory over the whole graph (a pre-propagation cache keeps its split)
+        choices = split_choices(store) if isinstance(self.strategy, FullBatch) else 0
+        if choices == 0:
             if self.tc.splits not in (None, 1):
-                raise TrellisUserError(f"--splits {self.tc.splits}: {self.strategy.store.path} does not record a "
-                                       "per-class split protocol (npz imports do); use --splits 1 (its fixed split)")
+                raise TrellisUserError(f"--splits {self.tc.splits}: {store.path} records neither a per-class split "
+                                       "protocol (Shchur et al.'s npz imports do) nor fixed splits (Platonov et "
+                                       "al.'s do); use --splits 1 (its one split)")
             return [None]
-        first = int(source.get("split_seed") or 0)
-        return [None] + [first + i for i in range(1, self.tc.splits or 3)]
+        count = self.tc.splits or (3 if choices is None else min(3, choices))
+        if choices is not None:  # fixed splits: the store's is number 0
+            if count > choices:
+                raise TrellisUserError(f"--splits {count}: {store.path} holds {choices} fixed splits; give --splits "
+                                       f"{choices} or fewer")
+            return [None] + list(range(1, count))
+        first = int(store.manifest.get("source", {}).get("split_seed") or 0)
+        return [None] + [first + i for i in range(1, count)]
 
     # -- files
     def write_settings(self) -> None:
@@ -768,7 +774,7 @@ def report_text(board: dict[str, Any]) -> str:
         f"draws from the search space), successive halving with eta = {board['eta']} ({sched}), selected on "
         f"validation {m} only, ties to the cheaper configuration.{cut} Chosen: {best['config']} ({params}). "
         f"Retrained over {len(board['split_seeds'])} split(s) × {board['seeds']} seed(s) ({n_final} runs"
-        + ("; one split because the store records a fixed split, not a per-class split protocol to redraw"
+        + ("; one split: the store records a fixed split, not a per-class split protocol to redraw, or --splits 1"
            if len(board["split_seeds"]) == 1 else "") + "): "
         f"validation {m} {_pct(board['val_mean'])} ± {_pct(board['val_std'])}, test {m} "
         f"{_pct(board['test_mean'])} ± {_pct(board['test_std'])} (runs from {_pct(board['test_min'])} to "

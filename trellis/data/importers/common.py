@@ -24,7 +24,7 @@ from trellis.data.csr import (
     edges_to_csr,
     read_all_edges,
 )
-from trellis.data.store import SPLITS, label_meta, store_writer, write_store
+from trellis.data.store import SPLITS, label_meta, split_set_ids, store_writer, write_store
 from trellis.errors import TrellisUserError
 
 #: Edge files larger than this are imported with the bounded-memory chunked builder (``streaming=None``).
@@ -42,6 +42,7 @@ class GraphInput:
         x: ``[N, F]`` features (may be a memory map).
         y: ``int [N]`` labels (-1 = unlabelled) or ``[N, C]`` multilabel 0/1.
         splits: ``{"train"|"val"|"test": node ids}``.
+        split_sets: ``int8 [S, N]`` fixed splits (``store.SPLIT_CODES``); the first is the store's split.
         edge_weight: ``[E_in]`` per input edge.
         edge_feat: ``[E_in, D]`` per input edge.
         name: Dataset name for the manifest.
@@ -55,6 +56,7 @@ class GraphInput:
     x: np.ndarray | None = None
     y: np.ndarray | None = None
     splits: dict[str, np.ndarray] | None = None
+    split_sets: np.ndarray | None = None
     edge_weight: np.ndarray | None = None
     edge_feat: np.ndarray | None = None
     name: str = "graph"
@@ -257,6 +259,7 @@ def write_graph(
     x = None if inp.x is None else np.asarray(inp.x)
     y = inp.y
     splits = {k: check_split(v, n, inp.where.get(k, f"{k} split")) for k, v in (inp.splits or {}).items()}
+    sets = inp.split_sets
     if lcc:
         keep = largest_component(csr)
         source["lcc_nodes_dropped"] = int(n - keep.size)
@@ -264,13 +267,16 @@ def write_graph(
             csr = restrict(csr, keep)
             x = None if x is None else x[keep]
             y = None if y is None else y[keep]
+            sets = None if sets is None else sets[:, keep]
             splits = _remap_splits(splits, keep, n)
             n = csr.num_nodes
-    if inp.splits is None and make_splits is not None:
+    if sets is not None:
+        splits = split_set_ids(sets[0])
+    elif inp.splits is None and make_splits is not None:
         splits = make_splits(y, n) or {}
     return write_store(out, indptr=csr.indptr, indices=csr.indices, x=x, y=y, splits=splits or None,
-                      edge_weight=csr.edge_weight, edge_feat=csr.edge_feat, name=inp.name, source=source,
-                      overwrite=overwrite)
+                       split_sets=sets, edge_weight=csr.edge_weight, edge_feat=csr.edge_feat, name=inp.name,
+                       source=source, overwrite=overwrite)
 
 
 def _write_streaming(inp: GraphInput, out: str | os.PathLike[str], *, symmetrize: bool, dedup: bool,
@@ -285,7 +291,10 @@ def _write_streaming(inp: GraphInput, out: str | os.PathLike[str], *, symmetrize
             raise TrellisUserError(f"{inp.edges.name}: no edges found; the graph is empty (check the file)")
         n = info.num_nodes
         splits = {k: check_split(v, n, inp.where.get(k, f"{k} split")) for k, v in (inp.splits or {}).items()}
-        if inp.splits is None and make_splits is not None:
+        if inp.split_sets is not None:
+            splits = split_set_ids(inp.split_sets[0])
+            w.add("split_sets", np.asarray(inp.split_sets, dtype=np.int8))
+        elif inp.splits is None and make_splits is not None:
             splits = make_splits(inp.y, n) or {}
         if inp.x is not None:
             xo = w.create("x", tuple(inp.x.shape), np.float32)

@@ -1,4 +1,6 @@
-"""Shchur et al. (2018) ``.npz`` importer (Amazon Computers/Photo, Coauthor CS/Physics, Cora-ML, ...).
+"""``.npz`` importer: Shchur et al. (2018) and Platonov et al. (2023) files.
+
+Shchur et al.'s files (Amazon Computers/Photo, Coauthor CS/Physics, Cora-ML, ...):
 
 Protocol of "Pitfalls of GNN Evaluation": the adjacency is symmetrized, self loops removed and its
 values ignored (binary graph, no edge weights), the largest connected component is kept (default), and a
@@ -11,6 +13,14 @@ Keys read: ``adj_data/adj_indices/adj_indptr/adj_shape`` (CSR adjacency, row = s
 ``attr_data/attr_indices/attr_indptr/attr_shape`` or a dense ``attr_matrix`` (stored dense float32),
 labels from ``labels`` or ``label_data/label_indices/label_indptr/label_shape`` (multilabel). Object
 arrays (``class_names``) are never unpickled.
+
+Platonov et al.'s files (roman-empire, amazon-ratings, minesweeper, tolokers, questions, and the filtered
+chameleon/squirrel of "A Critical Look at the Evaluation of GNNs under Heterophily"): ``node_features [N, F]``,
+``node_labels [N]``, ``edges [E, 2]`` (each undirected edge stored once) and ``train_masks / val_masks /
+test_masks [S, N]``, their fixed splits. Their protocol: the graph made undirected (the default here; a
+``*_directed`` file wants ``--no-symmetrize``), every node kept (the LCC is off by default), features as given,
+and results over the S splits. The store's split is the first; all S are kept (``split_sets.npy``), and
+``--split-seed K`` in ``trellis train`` / ``--splits`` in ``trellis tune`` select among them.
 """
 
 from __future__ import annotations
@@ -52,17 +62,69 @@ def _csr(z: Any, prefix: str, path: Path) -> Any:
                                f"({exc}); is this a Shchur et al. npz file?") from exc
 
 
+#: Keys of a Platonov et al. (2023) file.
+FIXED_SPLIT_KEYS = ("node_features", "node_labels", "edges", "train_masks", "val_masks", "test_masks")
+
+
+def _fixed_split_sets(z: Any, n: int, path: Path) -> np.ndarray:
+    """``int8 [S, N]`` split codes from ``train_masks / val_masks / test_masks`` (``[S, N]`` or ``[N]``)."""
+    from trellis.data.store import SPLIT_CODES
+
+    masks = {}
+    for k in SPLIT_CODES:
+        m = np.asarray(z[f"{k}_masks"])
+        m = m[None, :] if m.ndim == 1 else m
+        if m.ndim != 2 or m.shape[1] != n:
+            raise TrellisUserError(f"{path}: {k}_masks has shape {tuple(np.shape(z[f'{k}_masks']))}; it must be "
+                                   f"[splits, {n}] (one boolean per node)")
+        masks[k] = m.astype(bool)
+    shapes = {m.shape[0] for m in masks.values()}
+    if len(shapes) != 1:
+        raise TrellisUserError(f"{path}: train_masks, val_masks and test_masks hold different numbers of splits "
+                               f"({', '.join(str(m.shape[0]) for m in masks.values())}); give one mask per split each")
+    sets = np.zeros((shapes.pop(), n), dtype=np.int8)
+    for k, code in SPLIT_CODES.items():
+        both = masks[k] & (sets != 0)
+        if both.any():
+            s, node = (int(v[0]) for v in np.nonzero(both))
+            raise TrellisUserError(f"{path}: node {node} is in {k}_masks[{s}] and in another mask of split {s}; "
+                                   "a node belongs to one of train, val and test per split")
+        sets[masks[k]] = code
+    return sets
+
+
+def _load_fixed_split(z: Any, path: Path) -> dict[str, Any]:
+    x = check_features(np.asarray(z["node_features"]), None, f"{path} (node_features)")
+    n = int(x.shape[0])
+    edges = np.asarray(z["edges"])
+    if edges.ndim != 2 or edges.shape[1] != 2 or not np.issubdtype(edges.dtype, np.integer):
+        raise TrellisUserError(f"{path}: edges has shape {tuple(edges.shape)} and dtype {edges.dtype}; it must be "
+                               "integer [E, 2] (source, destination)")
+    y = check_labels(z["node_labels"], n, f"{path} (node_labels)")
+    return {"src": edges[:, 0].astype(np.int64), "dst": edges[:, 1].astype(np.int64), "x": x.astype(np.float32),
+            "y": y, "num_nodes": n, "path": path, "split_sets": _fixed_split_sets(z, n, path)}
+
+
 def load_npz(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a Shchur et al. npz into ``{"src", "dst", "x", "y", "num_nodes"}`` (raw, before cleaning)."""
+    """Read an npz into ``{"src", "dst", "x", "y", "num_nodes", "path"}`` (raw, before cleaning).
+
+    Platonov et al.'s files add ``"split_sets"`` (``int8 [S, N]``, their fixed splits).
+    """
     path = _find_npz(Path(path))
     try:
         z = np.load(path, allow_pickle=False)
         keys = set(z.files)
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
         raise TrellisUserError(f"{path}: not a readable .npz file ({exc})") from exc
+    if "node_features" in keys or "train_masks" in keys:
+        missing = [k for k in FIXED_SPLIT_KEYS if k not in keys]
+        if missing:
+            raise TrellisUserError(f"{path}: a Platonov et al. npz file needs {', '.join(FIXED_SPLIT_KEYS)}; "
+                                   f"{', '.join(missing)} missing")
+        return _load_fixed_split(z, path)
     if "adj_indptr" not in keys and "adj_matrix" not in keys:
-        raise TrellisUserError(f"{path}: no adjacency (adj_data/adj_indices/adj_indptr/adj_shape); is this a "
-                               "Shchur et al. npz file?")
+        raise TrellisUserError(f"{path}: no adjacency (adj_data/adj_indices/adj_indptr/adj_shape, or Platonov et "
+                               "al.'s edges); is this a Shchur et al. or Platonov et al. npz file?")
     if "adj_indptr" in keys:
         adj = _csr(z, "adj", path)
     else:
@@ -94,15 +156,18 @@ def import_npz(
     out: str | os.PathLike[str],
     *,
     name: str | None = None,
-    split_seed: int = 0,
-    train_per_class: int = 20,
-    val_per_class: int = 30,
-    lcc: bool = True,
+    split_seed: int | None = None,
+    train_per_class: int | None = None,
+    val_per_class: int | None = None,
+    lcc: bool | None = None,
     symmetrize: bool = True,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Import a Shchur et al. npz with their protocol (LCC, 20/30 per class, rest test).
+    """Import an npz with its authors' protocol.
+
+    Shchur et al.: LCC, ``train_per_class`` / ``val_per_class`` per class, the rest test. Platonov et al.:
+    every node, their fixed splits (the first is the store's; the split options do not apply).
 
     Args:
         src: The ``.npz`` file (or a directory holding exactly one).
@@ -111,7 +176,8 @@ def import_npz(
         split_seed: Seed of the random per-class split (default: 0).
         train_per_class: Training nodes per class (default: 20).
         val_per_class: Validation nodes per class (default: 30).
-        lcc: Keep only the largest connected component (default: True).
+        lcc: Keep only the largest connected component (default: True for Shchur et al.'s files, False for
+            Platonov et al.'s).
         symmetrize: Make the graph undirected (default: True).
         overwrite: Replace an existing store (default: False).
         progress: Show progress bars (default: True).
@@ -122,6 +188,22 @@ def import_npz(
     check_output(out, overwrite=overwrite)
     d = load_npz(src)
     path: Path = d["path"]
+    sets = d.get("split_sets")
+    if sets is not None:
+        given = [flag for flag, v in (("--split-seed", split_seed), ("--train-per-class", train_per_class),
+                                      ("--val-per-class", val_per_class)) if v is not None]
+        if given:
+            raise TrellisUserError(f"{path}: {given[0]} does not apply: the file holds {sets.shape[0]} fixed splits "
+                                   "(all are imported; `trellis train --split-seed K` trains on split K)")
+        inp = GraphInput(
+            edges=ArrayEdgeSource(d["src"], d["dst"], name=f"{path} (edges)"), num_nodes=d["num_nodes"], x=d["x"],
+            y=d["y"], split_sets=sets, name=name or path.stem,
+            source={"importer": "npz", "path": str(path.resolve()), "split": "fixed", "num_splits": int(sets.shape[0])})
+        return write_graph(inp, out, symmetrize=symmetrize, lcc=bool(lcc), overwrite=overwrite, progress=progress)
+
+    split_seed = 0 if split_seed is None else split_seed
+    train_per_class = 20 if train_per_class is None else train_per_class
+    val_per_class = 30 if val_per_class is None else val_per_class
 
     def make_splits(y: np.ndarray | None, n: int) -> dict[str, np.ndarray] | None:
         if y is None:
@@ -139,5 +221,5 @@ def import_npz(
                 "split": "random-10/10/80" if d["y"] is not None and d["y"].ndim == 2 else "per-class",
                 "train_per_class": train_per_class, "val_per_class": val_per_class, "split_seed": split_seed},
     )
-    return write_graph(inp, out, symmetrize=symmetrize, lcc=lcc, make_splits=make_splits, overwrite=overwrite,
-                       progress=progress)
+    return write_graph(inp, out, symmetrize=symmetrize, lcc=True if lcc is None else lcc, make_splits=make_splits,
+                       overwrite=overwrite, progress=progress)
