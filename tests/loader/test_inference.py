@@ -71,6 +71,7 @@ def test_chunk_bounds_cover_rows():
 
 @pytest.mark.parametrize("name,kw", [("gcn", {}), ("sage", {}), ("gin", {}),
                                      ("gcn", {"residual": True, "norm": "layer", "layers": 3}),
+                                     ("sage", {"pre_norm": True, "norm": "layer", "layers": 3}),
                                      ("sage", {"jk": "cat", "layers": 3})])
 def test_whole_graph_layers_equal_chunked_layers(name, kw):
     """An SpMM layer run over the whole graph at once gives the chunked layers' outputs, rows or not."""

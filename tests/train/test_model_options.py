@@ -29,11 +29,12 @@ def _cfg(store: Path, out: Path, **kw) -> TrainConfig:
                        checkpoint_every=0, device="cpu", **{**OPTS, **kw})
 
 
-def test_ranks_give_one_process_losses(sbm_store, tmp_path):
-    Trainer(_cfg(sbm_store, tmp_path / "one"), err=io.StringIO()).fit()
+@pytest.mark.parametrize("opts", [{}, dict(pre_norm=True, jk="none")], ids=["post-norm", "pre-norm"])
+def test_ranks_give_one_process_losses(sbm_store, tmp_path, opts):
+    Trainer(_cfg(sbm_store, tmp_path / "one", **opts), err=io.StringIO()).fit()
     gs = GraphStore(sbm_store)
     layout = write_layout(gs, partition_graph(gs, "metis", 2, measure=False), tmp_path / "p2")
-    job = _cfg(sbm_store, tmp_path / "two", parts_dir=str(layout), timeout=120.0).to_dict(session=True)
+    job = _cfg(sbm_store, tmp_path / "two", parts_dir=str(layout), timeout=120.0, **opts).to_dict(session=True)
     mp.spawn(_worker, args=(2, free_port(), [job]), nprocs=2, join=True)
     one = [r["loss"] for r in _losses(tmp_path / "one")]
     two = [r["loss"] for r in _losses(tmp_path / "two")]
@@ -46,6 +47,16 @@ def test_ranks_give_one_process_losses(sbm_store, tmp_path):
 def test_every_strategy_trains_the_options(sbm_store, strategy, model):
     run = trellis.train(sbm_store, model=model, strategy=strategy, epochs=30, hidden=16, lr=0.02,
                         **{**OPTS, "norm": "batch" if strategy == "full" else "layer"})
+    losses = [r["loss"] for r in run.history]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert run.test_score() > 0.4  # 4 classes: chance is 0.25
+
+
+@pytest.mark.parametrize("strategy", ["full", "mini", "cluster"])
+@pytest.mark.parametrize("model", ["gcn", "sage", "gin"])
+def test_every_strategy_trains_pre_norm_blocks(sbm_store, strategy, model):
+    run = trellis.train(sbm_store, model=model, strategy=strategy, epochs=60, hidden=16, lr=0.01, layers=3,
+                        pre_norm=True, norm="layer")
     losses = [r["loss"] for r in run.history]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     assert run.test_score() > 0.4  # 4 classes: chance is 0.25
@@ -72,8 +83,14 @@ def test_options_refused_where_they_cannot_run(sbm_store, tmp_path):
         trellis.train(sbm_store, norm="batch", parts_dir=str(layout), out=tmp_path / "r")
     with pytest.raises(TrellisUserError, match="--edge-weight: the store .* has no edge weights"):
         trellis.train(sbm_store, edge_weight=True)
-    with pytest.raises(TrellisUserError, match="cannot train under --memory-budget: .*--norm, --residual or --jk"):
+    with pytest.raises(TrellisUserError, match="cannot train under --memory-budget: .*--residual, --jk or --pre-norm"):
         trellis.train(sbm_store, residual=True, memory_budget="1G")
+    with pytest.raises(TrellisUserError, match="cannot train under --memory-budget: .*--pre-norm"):
+        trellis.train(sbm_store, pre_norm=True, memory_budget="1G")
+    with pytest.raises(TrellisUserError, match="--pre-norm builds gcn, sage and gin blocks"):
+        trellis.train(sbm_store, model="gat", pre_norm=True)
+    with pytest.raises(TrellisUserError, match="--pre-norm blocks end in their own output layer; drop --jk"):
+        trellis.train(sbm_store, pre_norm=True, jk="max")
     with pytest.raises(TrellisUserError, match="--mlp-hidden is GIN's"):
         trellis.train(sbm_store, model="sage", mlp_hidden=8)
     with pytest.raises(TrellisUserError, match="--residual applies to message-passing models"):

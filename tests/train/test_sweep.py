@@ -158,6 +158,23 @@ def test_families_that_cannot_batch_run_one_at_a_time(store, tmp_path):
     assert [round(r["loss"], 5) for r in batched] == [round(r["loss"], 5) for r in solo]
 
 
+def test_pre_norm_configurations_run_apart_from_the_batch_and_equal_solo_runs(store, tmp_path):
+    """A grid over --pre-norm: the plain configurations share a batch, the pre-norm ones run one at a time."""
+    grid = parse_grid(["pre_norm=false,true", "lr=0.01,0.005"])
+    board = run_sweep(SweepConfig(store=store, model="gcn", grid=grid, base={"hidden": "8", "norm": "layer"},
+                                  epochs=3, patience=3, batch_models=4, out=str(tmp_path / "s"), progress=False))
+    assert sorted(board["batch_models"]) == ["2", "2-pre-norm"] and board["batch_models"]["2-pre-norm"] == 1
+    sizes = sorted(len(b["configs"]) for b in board["batches"])
+    assert sizes == [1, 1, 2]
+    for cid in ("c02", "c03"):  # pre_norm=true rows of the grid
+        saved = json.loads((tmp_path / "s" / "configs" / cid / "config.json").read_text())
+        assert saved["pre_norm"] is True
+        batched = [r["loss"] for r in read_jsonl(tmp_path / "s" / "configs" / cid / "metrics.jsonl")]
+        solo = [r["loss"] for r in solo_metrics(tmp_path / "s" / "configs" / cid / "config.json",
+                                                tmp_path / f"solo-{cid}")]
+        assert batched == solo
+
+
 def test_leaderboard_labels_name_the_configuration():
     from trellis.train.sweep import config_label
 

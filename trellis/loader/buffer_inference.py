@@ -94,6 +94,21 @@ class _LayerPass:
         self.free.append(s)
 
 
+def check_buffer_inference(model: nn.Module) -> None:
+    """Refuse what layer-wise inference over the buffer cannot evaluate, before a run trains.
+
+    Raises:
+        TrellisUserError: ``--jk`` (every layer's output of a node at once) or ``--pre-norm`` (an input layer
+            over the feature rows before the first graph layer).
+    """
+    if getattr(model, "jk", "none") != "none":
+        raise TrellisUserError("--jk needs every layer's output of a node at once; buffer inference writes one "
+                               "layer at a time (drop --jk, or evaluate without --memory-budget)")
+    if getattr(model, "pre_norm", False):
+        raise TrellisUserError("--pre-norm puts an input layer before the first graph layer, which buffer inference "
+                               "does not run (drop --pre-norm, or train without --memory-budget)")
+
+
 @torch.no_grad()
 def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, rows: np.ndarray | None = None,
                      device: torch.device | str = "cpu") -> Tensor:
@@ -107,9 +122,7 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
         device: Where the layers run.
     """
     convs: list[nn.Module] = list(model.convs)  # type: ignore[arg-type]
-    if getattr(model, "jk", "none") != "none":
-        raise TrellisUserError("--jk needs every layer's output of a node at once; buffer inference writes one "
-                               "layer at a time (drop --jk, or evaluate without --memory-budget)")
+    check_buffer_inference(model)
     post: Callable[[int, Tensor, Tensor], Tensor] = model.post  # type: ignore[assignment]
     dev = torch.device(device)
     was_training = model.training

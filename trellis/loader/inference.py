@@ -47,11 +47,19 @@ def chunk_bounds(indptr: np.ndarray, chunk_edges: int = DEFAULT_CHUNK_EDGES, max
     return b.astype(np.int64)
 
 
-def _layers(model: nn.Module) -> tuple[list[nn.Module], Callable[[int, Tensor, Tensor], Tensor]] | None:
-    """The message-passing layers and what follows each (``post(i, input, output)``), if ``model`` is a stack.
+Post = Callable[[int, Tensor, Tensor], Tensor]
 
-    A :class:`trellis.nn.models.GNN` says what follows a layer (normalization, activation, residual); a stack
-    with only ``convs`` and ``activation`` applies the activation between layers.
+
+def _as_is(i: int, h: Tensor) -> Tensor:
+    return h
+
+
+def _layers(model: nn.Module) -> tuple[list[nn.Module], Callable[[int, Tensor], Tensor], Post] | None:
+    """The message-passing layers and what each aggregates and what follows it, if ``model`` is a stack.
+
+    ``pre(i, input)`` is what layer ``i`` aggregates of its input, ``post(i, input, output)`` what follows it.
+    A :class:`trellis.nn.models.GNN` says both (a pre-norm block's norm; normalization, activation, residual);
+    a stack with only ``convs`` and ``activation`` applies the activation between layers.
     """
     convs = getattr(model, "convs", None)
     post = getattr(model, "post", None)
@@ -62,8 +70,32 @@ def _layers(model: nn.Module) -> tuple[list[nn.Module], Callable[[int, Tensor, T
         if act is None:
             return None
         last = len(convs) - 1
-        return list(convs), lambda i, h, y: y if i == last else act(y)
-    return list(convs), post
+        return list(convs), _as_is, lambda i, h, y: y if i == last else act(y)
+    return list(convs), getattr(model, "pre", _as_is), post
+
+
+def _readout(model: nn.Module, outs: list[Tensor]) -> Tensor:
+    """The model's output from its layers' outputs (jumping knowledge, a pre-norm output layer) or the last."""
+    readout = getattr(model, "readout", None)
+    return outs[-1] if readout is None else readout(outs)
+
+
+def _encoded(model: nn.Module, x: Tensor | FeatureSource, dev: torch.device,
+             chunk_rows: int = 1 << 16) -> Tensor | FeatureSource:
+    """The first layer's input rows: ``x``, or every row through a pre-norm model's input layer, in chunks."""
+    if getattr(model, "encoder", None) is None:
+        return x
+    n = _num_rows(x)
+    out: Tensor | None = None
+    for a in range(0, n, chunk_rows):
+        sel = torch.arange(a, min(n, a + chunk_rows))
+        rows_x = x.gather(sel) if isinstance(x, FeatureSource) else x.index_select(0, sel.to(x.device))
+        y = model.encode(rows_x.to(dev))  # type: ignore[operator]
+        if out is None:
+            out = torch.empty((n, y.shape[1]), dtype=y.dtype, device=dev)
+        out[a:a + y.shape[0]] = y
+    assert out is not None
+    return out
 
 
 @torch.no_grad()
@@ -108,11 +140,12 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
         stack = _layers(model)
         if stack is None:
             return _rowwise(model, x, rows_np, dev, chunk_edges)
-        convs, post = stack
+        convs, pre, post = stack
         jk = getattr(model, "jk", "none") != "none"
         outs: list[Tensor] = []
         embed = getattr(model, "embed_inputs", None)  # --features embedding:D: ids -> table rows, once
         h: Tensor | FeatureSource = x if embed is None else embed(x.to(dev))  # type: ignore[union-attr]
+        h = _encoded(model, h, dev)
         whole: CSRGraph | None = None  # the whole graph as one square block, built on first use
         wdeg: Tensor | None = None  # every node's weighted in-degree (a weighted GCN's chunks), on first use
         for li, conv in enumerate(convs):
@@ -124,26 +157,27 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
                     and h.device.type == dev.type and (h.device.index or 0) == (dev.index or 0):  # cuda == cuda:0
                 if whole is None:
                     whole = _whole_graph(indptr_np, indices_np, edge_weight, edge_feat, dev)
-                out = post(li, h, conv(whole, h))
+                out = post(li, h, conv(whole, pre(li, h)))
                 if last and rows_np is not None:
                     out = out.index_select(0, torch.from_numpy(rows_np).to(dev))
             else:
                 if edge_weight is not None and wdeg is None:
                     wdeg = _weighted_in_degree(indptr_np, edge_weight)
-                out = _chunked_layer(li, conv, post, h, sampler, rows_np if last else None, chunk_edges, edge_weight,
-                                     edge_feat, dev, wdeg)
+                out = _chunked_layer(li, conv, pre, post, h, sampler, rows_np if last else None, chunk_edges,
+                                     edge_weight, edge_feat, dev, wdeg)
             if jk:  # the readout reads every layer's output of the returned rows
                 outs.append(out if rows_np is None or last else out.index_select(0, torch.from_numpy(rows_np).to(dev)))
             h = out
         assert isinstance(h, Tensor)
-        return model.readout(outs) if jk else h  # type: ignore[operator]
+        return _readout(model, outs if jk else [h])
     finally:
         model.train(was_training)
 
 
-def _chunked_layer(li: int, conv: nn.Module, post: Callable[[int, Tensor, Tensor], Tensor], h: Tensor | FeatureSource,
-                   sampler: NeighborSampler, targets: np.ndarray | None, chunk_edges: int, edge_weight: Tensor | None,
-                   edge_feat: Tensor | None, dev: torch.device, wdeg: Tensor | None = None) -> Tensor:
+def _chunked_layer(li: int, conv: nn.Module, pre: Callable[[int, Tensor], Tensor], post: Post,
+                   h: Tensor | FeatureSource, sampler: NeighborSampler, targets: np.ndarray | None, chunk_edges: int,
+                   edge_weight: Tensor | None, edge_feat: Tensor | None, dev: torch.device,
+                   wdeg: Tensor | None = None) -> Tensor:
     """Layer ``li``'s output for every node (or ``targets``), one chunk of destination rows at a time.
 
     ``wdeg``: every node's weighted in-degree; a chunk's sources carry theirs, so a weighted GCN normalizes
@@ -169,7 +203,7 @@ def _chunked_layer(li: int, conv: nn.Module, post: Callable[[int, Tensor, Tensor
             h_in = h.gather(batch.node_ids).to(dev)
         else:
             h_in = h.index_select(0, batch.node_ids.to(h.device)).to(dev)
-        y = post(li, h_in, conv(block, h_in))
+        y = post(li, h_in, conv(block, pre(li, h_in)))
         if out is None:
             total = indptr.shape[0] - 1 if targets is None else targets.shape[0]
             out = torch.empty((total, *y.shape[1:]), dtype=y.dtype, device=dev)
@@ -261,11 +295,15 @@ def ranked_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.
         stack = _layers(model)
         if stack is None:
             raise ValueError("ranked inference needs a message-passing layer stack")
-        convs, post = stack
+        convs, pre, post = stack
         jk = getattr(model, "jk", "none") != "none"
         rows_np = owned if rows is None else np_int64(rows)
         at_rows = torch.from_numpy(np.searchsorted(owned, rows_np))
         served: Tensor | None = None
+        if getattr(model, "encoder", None) is not None:  # every rank's own rows through the input layer, once
+            encoded = _encoded(model, gather(owned, None).to(dev), dev)
+            assert isinstance(encoded, Tensor)
+            served = encoded
         outs: list[Tensor] = []
         for li, conv in enumerate(convs):
             last = li == len(convs) - 1
@@ -283,7 +321,7 @@ def ranked_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.
                 block = batch.blocks[0]
                 attach_edge_data([block], edge_weight, edge_feat)
                 h_in = gather(batch.node_ids.numpy(), served).to(dev)
-                y = post(li, h_in, conv(block.to(dev), h_in))
+                y = post(li, h_in, conv(block.to(dev), pre(li, h_in)))
                 if out is None:
                     out = torch.empty((seeds.shape[0], *y.shape[1:]), dtype=y.dtype, device=dev)
                 out[a:b] = y
@@ -293,6 +331,6 @@ def ranked_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.
                 outs.append(out if last else out.index_select(0, at_rows.to(dev)))
             served = out
         assert served is not None
-        return model.readout(outs) if jk else served  # type: ignore[operator]
+        return _readout(model, outs if jk else [served])
     finally:
         model.train(was_training)

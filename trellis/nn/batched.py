@@ -75,6 +75,9 @@ def family_of(model: nn.Module) -> str:
         raise TrellisUserError(f"a model with layers {kinds} cannot be model-batched; batchable families: {batchable}")
     if model.activation is not F.relu:
         raise TrellisUserError("model batching supports ReLU between layers only")
+    if model.pre_norm:
+        raise TrellisUserError("--pre-norm blocks (an input and an output layer around the graph layers) run one "
+                               "configuration at a time")
     return names.pop()  # type: ignore[return-value]
 
 
@@ -83,16 +86,19 @@ def check_tileable(model: nn.Module) -> str:
 
     Raises:
         TrellisUserError: What :func:`family_of` refuses, normalization, residual connections, jumping
-            knowledge or edge weights.
+            knowledge, pre-norm blocks or edge weights.
     """
+    not_plain = TrellisUserError("a model with --norm, --residual, --jk or --pre-norm runs whole-graph in memory, on "
+                                 "mini- or cluster-batches and across ranks; out-of-core tiles run the plain layer "
+                                 "stack (drop those options there)")
+    if getattr(model, "pre_norm", False):  # before family_of, which would say why it cannot batch
+        raise not_plain
     family = family_of(model)
     if family not in PUSHDOWN_LAYERS:
         raise TrellisUserError(f"{family.removeprefix('user:')}: out-of-core tiles run the built-in GCN, SAGE and GIN "
                                "layers (a user layer's aggregation is its own code); drop --memory-budget")
     if not cast(GNN, model).plain:
-        raise TrellisUserError("a model with --norm, --residual or --jk runs whole-graph in memory, on mini- or "
-                               "cluster-batches and across ranks; out-of-core tiles run the plain layer stack "
-                               "(drop those options there)")
+        raise not_plain
     if any(getattr(c, "edge_weight", False) for c in cast(GNN, model).convs):
         raise TrellisUserError("--edge-weight runs whole-graph in memory and on mini- or cluster-batches; out-of-core "
                                "tiles aggregate without edge weights (drop --edge-weight there)")

@@ -118,6 +118,10 @@ class TrainConfig:
     norm: str = _f("none", "normalization of each hidden layer's output before the activation: none, layer or "
                            "batch (default: none)", choices=NORMS)
     residual: bool = _f(False, "hidden layers add their input (projected where widths differ) (default: off)")
+    pre_norm: bool = _f(False, "gcn/sage/gin: pre-norm residual blocks (Platonov et al. 2023's GCN): a linear input "
+                               "layer to --hidden, then each of --layers graph layers adds "
+                               "act(conv(dropout(norm(h)))) to h, then norm and a linear output layer; --norm "
+                               "picks the norm (default: off)")
     jk: str = _f("none", "jumping knowledge: every layer hidden-wide, a linear map reads their outputs "
                          "concatenated (cat) or their maximum (max) (default: none)", choices=JKS)
     mlp_hidden: int = _f(0, "gin: hidden width of each layer's MLP (default: 0 = the layer's width)")
@@ -239,6 +243,10 @@ class TrainConfig:
         for name, on in (("norm", self.norm != "none"), ("residual", self.residual), ("jk", self.jk != "none")):
             if on and not stack:
                 raise TrellisUserError(f"--{name} applies to message-passing models, not --model {self.model}")
+        if self.pre_norm and self.model not in ("gcn", "sage", "gin"):
+            raise TrellisUserError(f"--pre-norm builds gcn, sage and gin blocks (got --model {self.model})")
+        if self.pre_norm and self.jk != "none":
+            raise TrellisUserError("--pre-norm blocks end in their own output layer; drop --jk")
         if self.mlp_hidden and self.model != "gin":
             raise TrellisUserError(f"--mlp-hidden is GIN's MLP width; --model {self.model} has no such MLP")
         if self.edge_weight and self.model not in ("gcn", "sage"):
@@ -340,8 +348,9 @@ class TrainConfig:
     def model_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``trellis.nn.build_model`` (besides name, in_dim, out_dim)."""
         options = {"norm": self.norm, "residual": self.residual, "jk": self.jk, "mlp_hidden": self.mlp_hidden,
-                   "edge_weight": self.edge_weight}
-        defaults = {"norm": "none", "residual": False, "jk": "none", "mlp_hidden": 0, "edge_weight": False}
+                   "edge_weight": self.edge_weight, "pre_norm": self.pre_norm}
+        defaults = {"norm": "none", "residual": False, "jk": "none", "mlp_hidden": 0, "edge_weight": False,
+                    "pre_norm": False}
         return {"hidden": self.hidden, "layers": self.layers, "heads": self.heads, "dropout": self.dropout,
                 **{k: v for k, v in options.items() if v != defaults[k]}, **self.model_args}
 

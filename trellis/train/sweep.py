@@ -106,6 +106,7 @@ GRID_KEYS: dict[str, GridKey] = {k.name: k for k in (
     GridKey("init", "choice", INITS, help="weight initialization"),
     GridKey("momentum", "float", help="sgd momentum / adam beta1"),
     GridKey("residual", "bool", help="residual connections (true/false)"),
+    GridKey("pre_norm", "bool", help="pre-norm residual blocks (true/false; gcn, sage, gin)"),
     GridKey("norm", "choice", NORMS, help="normalization of hidden layers"),
     GridKey("jk", "choice", JKS, help="jumping knowledge"),
 )}
@@ -300,6 +301,11 @@ def build_config_model(entry: SweepEntry, strategy: Strategy, device: torch.devi
 
 
 # ---- planning ----------------------------------------------------------------------------------------
+def batch_group(cfg: TrainConfig) -> tuple[int, bool]:
+    """Which configurations may share a model batch: those of one depth, pre-norm blocks apart (run alone)."""
+    return int(cfg.layers), bool(cfg.pre_norm)
+
+
 @dataclass
 class SweepGroup:
     """Configurations of one depth (only they can share a batch), their K and batches."""
@@ -311,6 +317,12 @@ class SweepGroup:
     choice_text: str
     choice_rows: list[dict[str, Any]]
     plan_text: str = ""
+    pre_norm: bool = False
+
+    @property
+    def key(self) -> str:
+        """The group's name in ``leaderboard.json`` (its depth; pre-norm blocks apart)."""
+        return f"{self.layers}-pre-norm" if self.pre_norm else str(self.layers)
 
 
 def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: Strategy, device: torch.device,
@@ -318,19 +330,20 @@ def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: Strategy, d
     """Group configurations by depth and let the strategy choose K for each group (its cost model and budget)."""
     budget = default_budget_bytes()  # in memory; a strategy under --memory-budget plans K within its own
     groups: list[SweepGroup] = []
-    by_depth: dict[int, list[SweepEntry]] = {}
+    by_depth: dict[tuple[int, bool], list[SweepEntry]] = {}
     for e in entries:
-        by_depth.setdefault(e.cfg.layers, []).append(e)
-    for layers, group in by_depth.items():
+        by_depth.setdefault(batch_group(e.cfg), []).append(e)
+    for (layers, pre_norm), group in by_depth.items():
         models = [build_config_model(e, strategy, torch.device("cpu"), factory)[0] for e in group]
-        k, text, rows = strategy.batch_size_for(models, budget, sc.batch_models)
+        # --batch-models sizes the batches that can form; pre-norm blocks run one at a time whatever it says
+        k, text, rows = strategy.batch_size_for(models, budget, None if pre_norm else sc.batch_models)
         batches = [[group[i] for i in r] for r in balanced_batches(len(group), k)]
         plan_text = ""
         if explain and isinstance(strategy, FullBatch) and rows:
             first = batches[0]
             bm = BatchedGNN([models[group.index(e)] for e in first], rewrites=sc.rewrites)
             plan_text = bm.explain(strategy.explain_graph())
-        groups.append(SweepGroup(layers, group, k, batches, text, rows, plan_text))
+        groups.append(SweepGroup(layers, group, k, batches, text, rows, plan_text, pre_norm))
     return groups
 
 
@@ -362,7 +375,8 @@ def explain_sweep(sc: SweepConfig, model_factory: ModelFactory | None = None) ->
     lines = [f"sweep: {len(entries)} configurations of {sc.model} on {strategy.store.name} "
              f"({strategy.store.num_nodes} nodes, {strategy.num_edges} edges), --strategy {strategy.name}"]
     for g in groups:
-        lines.append(f"\n== {len(g.entries)} configuration(s) with {g.layers} layers: {len(g.batches)} batch(es) "
+        kind = " in pre-norm blocks" if g.pre_norm else ""
+        lines.append(f"\n== {len(g.entries)} configuration(s) with {g.layers} layers{kind}: {len(g.batches)} batch(es) "
                      f"of up to {g.k}")
         lines.append(g.choice_text)
         for b, batch in enumerate(g.batches):
@@ -531,8 +545,8 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
             "format": SWEEP_FORMAT, "version": 1, "store": str(strategy.store.path), "store_name": strategy.store.name,
             "model": sc.model, "metric": metric, "task": task.name, "grid": sc.grid, "base": sc.base,
             "seed": sc.seed, "device": str(device), "configs": len(entries),
-            "batch_models": {str(g.layers): g.k for g in groups},
-            "batch_choice": {str(g.layers): {"text": g.choice_text, "candidates": g.choice_rows} for g in groups},
+            "batch_models": {g.key: g.k for g in groups},
+            "batch_choice": {g.key: {"text": g.choice_text, "candidates": g.choice_rows} for g in groups},
             "batches": batches_info, "rewrites": list(sc.rewrites), "sweep_time_s": sweep_time,
             "threads": torch.get_num_threads(), "rows": rows, "out": str(out), **meter.report(),
         }

@@ -64,6 +64,7 @@ from trellis.train.sweep import (
     SweepEntry,
     _finish,
     advance,
+    batch_group,
     build_config_model,
     config_label,
     load_sweep_data,
@@ -368,17 +369,18 @@ class Tune:
     def _batches(self, ids: list[str], entries: list[SweepEntry] | None = None) -> list[list[str]]:
         """Batches of the candidates ``ids`` of ``entries`` (default: the search's).
 
-        By depth, K from the cost model (fixed per rung once chosen).
+        By depth (and pre-norm blocks apart: they run one at a time), K from the cost model (fixed per rung once
+        chosen).
         """
         budget = default_budget_bytes()  # in memory; a strategy under --memory-budget plans K within its own
         by_id = {e.id: e for e in (self.entries if entries is None else entries)}
-        by_depth: dict[int, list[str]] = {}
+        by_depth: dict[tuple[int, bool], list[str]] = {}
         for i in ids:
-            by_depth.setdefault(by_id[i].cfg.layers, []).append(i)
+            by_depth.setdefault(batch_group(by_id[i].cfg), []).append(i)
         out: list[list[str]] = []
-        for group in by_depth.values():
+        for (_, pre_norm), group in by_depth.items():
             models = [build_config_model(by_id[i], self.strategy, torch.device("cpu"), self.factory)[0] for i in group]
-            k = self.strategy.batch_size_for(models, budget, self.tc.batch_models)[0]
+            k = self.strategy.batch_size_for(models, budget, None if pre_norm else self.tc.batch_models)[0]
             out += [[group[j] for j in r] for r in balanced_batches(len(group), k)]
         return out
 

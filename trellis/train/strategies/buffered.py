@@ -27,7 +27,7 @@ from trellis.data.store import GraphStore, feature_norm_of
 from trellis.errors import TrellisUserError
 from trellis.loader.blocks import parse_fanouts
 from trellis.loader.buffer import LayoutRows, PartitionBuffer, default_replay_fanouts
-from trellis.loader.buffer_inference import buffer_inference
+from trellis.loader.buffer_inference import buffer_inference, check_buffer_inference
 from trellis.loader.features import NormalizedRows
 from trellis.nn.layers import PUSHDOWN_LAYERS
 from trellis.nn.models import input_aggregation
@@ -241,6 +241,8 @@ class BufferedMini(BatchStrategy):
     def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> torch.nn.Module:
         """The run's model; rehearsal batches are then kept with its first layer's aggregation where it has one."""
         model = super().build_model(factory, cfg)
+        if getattr(getattr(self, "plan", None), "budget", None) is not None:
+            check_buffer_inference(model)
         loader = getattr(self, "loader", None)
         if loader is not None and loader.replay:
             loader.collapse = input_aggregation(model)
