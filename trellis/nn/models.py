@@ -51,8 +51,7 @@ class GNN(nn.Module):
     * ``residual``: each hidden layer adds its (undropped) input, through a linear projection where the
       widths differ: ``h' = act(norm(conv(dropout(h)))) + skip(h)``;
     * ``jk``: every layer is hidden-wide and a final linear map reads the layers' outputs concatenated
-      (``cat``) or their element-wise maximum (``max``).
-
+      (``cat``) or their element-wise maximum (``max``);
     * ``pre_norm``: pre-norm residual blocks (Platonov et al. 2023's GCN; a Transformer's order). A linear
       input layer maps the features to the hidden width, ``h = act(W_in dropout(x))``; every graph layer is a
       block ``h = h + act(conv(dropout(norm(h))))``; a norm and a linear output layer read the last,
@@ -91,10 +90,9 @@ class GNN(nn.Module):
             if norm != "none" else nn.ModuleList()
         self.encoder = nn.Linear(in_dim, widths[0]) if pre_norm else None
         self.head = nn.Linear(widths[-1], out_dim) if pre_norm else None
-        residual = self.residual
         self.skips = nn.ModuleList(
             nn.Identity() if widths[i] == widths[i + 1] else nn.Linear(widths[i], widths[i + 1], bias=False)
-            for i in hidden) if residual else nn.ModuleList()
+            for i in hidden) if self.residual else nn.ModuleList()
         self.jk_lin: nn.Module | None = None
         if jk != "none":
             width = widths[-1] * len(convs) if jk == "cat" else widths[-1]
