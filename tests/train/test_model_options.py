@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 import trellis
 from tests.distributed.test_parallel import _losses, _worker
+from trellis.data.importers import import_graph
 from trellis.data.store import GraphStore
 from trellis.distributed.comm import free_port
 from trellis.errors import TrellisUserError
@@ -29,12 +30,16 @@ def _cfg(store: Path, out: Path, **kw) -> TrainConfig:
                        checkpoint_every=0, device="cpu", **{**OPTS, **kw})
 
 
-@pytest.mark.parametrize("opts", [{}, dict(pre_norm=True, jk="none")], ids=["post-norm", "pre-norm"])
-def test_ranks_give_one_process_losses(sbm_store, tmp_path, opts):
-    Trainer(_cfg(sbm_store, tmp_path / "one", **opts), err=io.StringIO()).fit()
-    gs = GraphStore(sbm_store)
+@pytest.mark.parametrize(("data", "opts"), [("sbm", {}), ("cora", dict(pre_norm=True, jk="none", dropout=0.5))],
+                         ids=["post-norm-sbm", "pre-norm-cora"])
+def test_ranks_give_one_process_losses(sbm_store, dataset, tmp_path, data, opts):
+    """Cora's bag-of-words rows: a pre-norm input layer reads sparse rows, each rank its own."""
+    store = sbm_store if data == "sbm" else import_graph(dataset("cora"), tmp_path / "cora", format="planetoid",
+                                                         progress=False)
+    Trainer(_cfg(store, tmp_path / "one", **opts), err=io.StringIO()).fit()
+    gs = GraphStore(store)
     layout = write_layout(gs, partition_graph(gs, "metis", 2, measure=False), tmp_path / "p2")
-    job = _cfg(sbm_store, tmp_path / "two", parts_dir=str(layout), timeout=120.0, **opts).to_dict(session=True)
+    job = _cfg(store, tmp_path / "two", parts_dir=str(layout), timeout=120.0, **opts).to_dict(session=True)
     mp.spawn(_worker, args=(2, free_port(), [job]), nprocs=2, join=True)
     one = [r["loss"] for r in _losses(tmp_path / "one")]
     two = [r["loss"] for r in _losses(tmp_path / "two")]
