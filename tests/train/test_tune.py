@@ -279,7 +279,7 @@ def test_a_budget_that_cuts_before_some_candidates_trained_reports_the_rest(stor
     assert board["rows"] and all(r["val_acc"] is not None for r in board["rows"])
     assert len(board["rows"]) < 9 and board["cut"] is not None
     report = (tmp_path / "t" / "report.md").read_text()
-    assert "test acc" in report and "one split: the store records a fixed split" in report
+    assert "test acc" in report and "one split: --splits 1, or the store has no other" in report
 
 
 def test_a_budget_left_after_the_schedule_buys_more_brackets(store, tmp_path):
