@@ -36,7 +36,7 @@ def test_bad_space_files_exit_2_naming_the_key(store, tmp_path, capsys, space, m
     (["--budget", "soon"], "--budget 'soon'"),
     (["--eta", "1"], "--eta must be an integer >= 2"),
     (["--candidates", "0"], "--candidates must be an integer >= 1"),
-    (["--splits", "3"], "--splits 3: .* does not record a per-class split protocol"),
+    (["--splits", "3"], "--splits 3: .* records neither a per-class split protocol"),
     (["--grid", "lr=0.1", "--set", "lr=0.2"], "--set lr: it is also in the search space"),
     (["--model", "mlp"], "no default search space"),
     (["--search", "grid"], "--search grid: .* is a range"),
