@@ -35,7 +35,7 @@ import numpy as np
 from trellis.data.csr import ArrayEdgeSource
 from trellis.data.importers.common import GraphInput, check_features, check_labels, write_graph
 from trellis.data.splits import per_class_split, random_split
-from trellis.data.store import check_output
+from trellis.data.store import SPLIT_CODES, check_output
 from trellis.errors import TrellisUserError
 
 
@@ -68,8 +68,6 @@ FIXED_SPLIT_KEYS = ("node_features", "node_labels", "edges", "train_masks", "val
 
 def _fixed_split_sets(z: Any, n: int, path: Path) -> np.ndarray:
     """``int8 [S, N]`` split codes from ``train_masks / val_masks / test_masks`` (``[S, N]`` or ``[N]``)."""
-    from trellis.data.store import SPLIT_CODES
-
     masks = {}
     for k in SPLIT_CODES:
         m = np.asarray(z[f"{k}_masks"])
