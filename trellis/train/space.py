@@ -73,13 +73,13 @@ def _round(v: float) -> float:
 
 Space = dict[str, Dim]
 
-#: The architecture dimensions of message-passing models' spaces: depth, residual connections, layer
-#: normalization and pre-norm blocks (Platonov et al. 2023: on heterophilous graphs GCN needs residual
-#: connections and layer normalization, and up to 5 layers, to reach its published figures; their blocks are
-#: pre-norm, and on their minesweeper a 10-minute tune reached test ROC-AUC 90.0 with ``pre_norm`` in the
-#: space against 87.2 without it: docs/tune.md). Candidates batch by depth; pre-norm ones train alone.
-_ARCH: dict[str, Any] = {"layers": [2, 3, 4], "residual": [False, True], "norm": ["none", "layer"],
-                         "pre_norm": [False, True]}
+#: The architecture dimensions of message-passing models' spaces: depth, residual connections and layer
+#: normalization (Platonov et al. 2023: on heterophilous graphs GCN needs residual connections and layer
+#: normalization, and up to 5 layers, to reach its published figures). Candidates batch by depth. Pre-norm
+#: blocks (their GCN's order) are not in the default: they train one at a time, and on Coauthor CS one dear
+#: pre-norm candidate's final runs took the whole budget (docs/tune.md); add ``"pre_norm": [false, true]``
+#: with ``--space`` on heterophilous graphs (minesweeper: 87.2 -> 90.0 test ROC-AUC).
+_ARCH: dict[str, Any] = {"layers": [2, 3, 4], "residual": [False, True], "norm": ["none", "layer"]}
 
 #: Per model: the default space (see the module docstring for the sources).
 DEFAULT_SPACES: dict[str, dict[str, Any]] = {
