@@ -105,6 +105,27 @@ def test_sweep_equals_solo_runs_and_lists_every_configuration_once(store, tmp_pa
         assert (out / "configs" / cid / "models" / "run-0.pt").is_file()
 
 
+def test_a_batchs_time_is_divided_by_the_cost_models_estimate_of_each_configuration(store, tmp_path):
+    """A wide configuration batched with a narrow one is not priced at half the batch (a tune reserves its
+    final runs at that price)."""
+    import torch
+
+    from trellis.train.sweep import build_config_model, load_sweep_data
+
+    sc = SweepConfig(store=store, model="gcn", grid=parse_grid(["hidden=4,128"]), epochs=3, patience=3,
+                     batch_models=2, out=str(tmp_path / "sweep"), progress=False)
+    run_sweep(sc)
+    entries = make_entries(sc)
+    strategy = load_sweep_data(entries, torch.device("cpu"))
+    w = [strategy.epoch_weight(build_config_model(e, strategy, torch.device("cpu"))[0]) for e in entries]
+    assert w[1] > 2 * w[0]
+    narrow, wide = (read_jsonl(tmp_path / "sweep" / "configs" / c / "metrics.jsonl") for c in ("c00", "c01"))
+    for a, b in zip(narrow, wide):
+        assert a["batch_size"] == 2 and a["batch_step_time_s"] == b["batch_step_time_s"]
+        assert a["step_time_s"] + b["step_time_s"] == pytest.approx(a["batch_step_time_s"])
+        assert b["step_time_s"] / a["step_time_s"] == pytest.approx(w[1] / w[0])
+
+
 def test_init_and_momentum_in_the_grid_equal_solo_runs(store, tmp_path):
     """``init`` and ``momentum`` are training options: the saved config.json replays them solo exactly."""
     grid = parse_grid(["init=xavier,he", "optimizer=sgd", "momentum=0.5,0.9"])

@@ -138,6 +138,38 @@ def test_a_further_bracket_starts_only_when_the_playoff_keeps_its_contenders():
     assert room("a", 15.0)  # one finalist, no playoff: only the final runs are reserved
 
 
+def test_a_candidate_whose_final_runs_the_budget_cannot_pay_for_neither_sets_the_deadline_nor_is_chosen():
+    from types import SimpleNamespace as NS
+
+    # final runs: 1 split x 1 seed at --epochs 20; each candidate measured over 10 epochs
+    tune = NS(tc=NS(budget_s=100.0, seeds=1), max_epochs=20, split_seeds=[None])
+    for name in ("_final_of", "_affordable", "by_price"):
+        setattr(tune, name, getattr(tune_mod.Tune, name).__get__(tune))
+
+    def state(i, value, time_s, epochs=10):
+        cfg = NS(layers=2, hidden=16, heads=1)
+        return NS(stopper=NS(best_value=value, best_val_loss=0.5), entry=NS(id=i, cfg=cfg, params={}),
+                  epochs=epochs, time_s=time_s)
+
+    dear, cheap, mid, untrained = state("dear", 0.9, 60.0), state("cheap", 0.7, 1.0), state("mid", 0.8, 10.0), \
+        state("new", 0.0, 0.0, epochs=0)
+    ranked = tune_mod.rank_states([cheap, dear, untrained, mid])
+    # dear's final runs take 120 s (6 s/epoch x 20): more than 100 s left, so it goes behind mid and cheap
+    assert [s.entry.id for s in tune.by_price(ranked, 100.0)] == ["mid", "cheap", "dear", "new"]
+    assert [s.entry.id for s in tune.by_price(ranked, 120.0)] == ["dear", "mid", "cheap", "new"]
+    assert tune.by_price(ranked, None) == ranked  # no budget: validation alone
+
+    tune.progress = {"active": ["dear", "cheap", "mid", "new"], "finalists": []}
+    tune.states = {s.entry.id: s for s in (dear, cheap, mid, untrained)}
+    tune._final_estimate = tune_mod.Tune._final_estimate.__get__(tune)
+    assert tune._final_estimate(100.0) == 20.0  # mid's final runs: 1 s/epoch x 20 (it was dear's 120 s)
+    tune.states = {"dear": dear}
+    # the only measured candidate is too dear: no reservation yet (the search stopped here before)
+    assert tune._final_estimate(100.0) == 0.0
+    tune.states = {}
+    assert tune._final_estimate(100.0) is None
+
+
 def test_ties_go_to_the_cheaper_configuration():
     from types import SimpleNamespace as NS
 

@@ -204,6 +204,14 @@ class Strategy(ABC):
                                    "a time; drop --batch-models")
         return 1, f"K = 1: --strategy {self.name} trains one configuration at a time", []
 
+    def epoch_weight(self, model: nn.Module) -> float:
+        """``model``'s estimated work per epoch beside others of its batch (:attr:`Lane.weight`).
+
+        A strategy with a cost model for its models says how their epochs compare, so that a batch's wall
+        time is divided in proportion (what a tune prices its final runs from); 1.0 splits it equally.
+        """
+        return 1.0
+
     def begin_run(self, seed: int) -> None:  # noqa: B027 - optional hook
         """A run with ``seed`` starts (or resumes): reset per-run data state."""
 

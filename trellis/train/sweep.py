@@ -408,7 +408,7 @@ def open_state(entry: SweepEntry, strategy: Strategy, metric: str, device: torch
     write_json_atomic(d / "config.json", cfg.to_dict())
     stopper = EarlyStopping(metric, cfg.patience, strategy.task.higher_is_better.get(metric, True))
     return ConfigState(cfg, model, build_run_optimizer(cfg, model), stopper, MetricsLog(d / "metrics.jsonl"), gen,
-                       fields={"run": 0, "seed": cfg.seed}, entry=entry)
+                       fields={"run": 0, "seed": cfg.seed}, weight=strategy.epoch_weight(model), entry=entry)
 
 
 def advance(states: list[ConfigState], strategy: Strategy, *, until: int | None = None,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import math
 import shutil
@@ -301,9 +302,9 @@ class Tune:
         if self.how != "random" or self.tc.budget_s is None or not p["bracket_s"]:
             return False
         by_id = {e.id: e for e in self.entries}
-        finalists = rank_states([self._state(by_id[i]) for i in p["finalists"]])
-        if not self._room_for_bracket(finalists, self.tc.budget_s - clock(), max(p["bracket_s"]),
-                                      self._final_estimate() or 0.0):
+        left = self.tc.budget_s - clock()
+        finalists = self.by_price(rank_states([self._state(by_id[i]) for i in p["finalists"]]), left)
+        if not self._room_for_bracket(finalists, left, max(p["bracket_s"]), self._final_estimate(left) or 0.0):
             return False
         fresh = self.bracket_entries(p["bracket"] + 1)
         if not fresh:  # the space is exhausted
@@ -447,7 +448,7 @@ class Tune:
                 p["elapsed_s"] = clock()
                 self._save_progress()
             active = [self._state(by_id[i]) for i in p["active"]]
-            ranked = rank_states(active)
+            ranked = self.by_price(rank_states(active), self._left(clock))
             last = r == len(self.rungs) - 1 or p["cut"] is not None
             keep = len(ranked) if last else max(1, math.ceil(len(ranked) / self.tc.eta))
             p["rungs"].append({"bracket": p["bracket"], "rung": r, "epochs": self.rungs[r],
@@ -463,24 +464,51 @@ class Tune:
     def _deadline(self, t_start: float) -> float | None:
         """When the search must stop so that the final runs still fit in the budget.
 
-        The final runs are priced at the current leader's measured time per epoch (its share of its batch:
-        the likely choice, and the one whose runs are to come), for ``--epochs`` epochs, ``splits x seeds``
-        times. Before any candidate has a measured epoch there is no deadline.
+        The final runs are priced at the likely choice's measured time per epoch (:meth:`_final_estimate`),
+        for ``--epochs`` epochs, ``splits x seeds`` times. Before any candidate has a measured epoch there is
+        no deadline.
         """
         if self.tc.budget_s is None:
             return None
-        final_s = self._final_estimate()
+        final_s = self._final_estimate(self.tc.budget_s - (self._base + time.perf_counter() - t_start))
         if final_s is None:
             return None
         return t_start + self.tc.budget_s - self._base - final_s
 
-    def _final_estimate(self) -> float | None:
-        """Seconds the final runs will take, at the likely choice's measured time per epoch (0 before any)."""
+    def _left(self, clock: Callable[[], float]) -> float | None:
+        """Seconds of the budget left (None without one)."""
+        return None if self.tc.budget_s is None else self.tc.budget_s - clock()
+
+    def _final_estimate(self, left_s: float | None = None) -> float | None:
+        """Seconds the final runs of the likely choice take: the best measured candidate ``left_s`` pays for.
+
+        None before any candidate is measured, 0.0 while ``left_s`` pays for none of them (the search goes on
+        to the end of the budget unless a cheaper one turns up). Why not the leader whatever its price: a
+        Coauthor CS tune's first batch was one dear candidate alone, its final runs priced above the budget
+        left, and the search stopped in rung 0 with that one candidate trained.
+        """
         pool = set(self.progress["active"]) | set(self.progress["finalists"])
         measured = [s for s in self.states.values() if s.epochs and s.entry.id in pool]
         if not measured:
             return None
-        return self._final_of(rank_states(measured)[0])
+        first = self.by_price(rank_states(measured), left_s)[0]
+        return self._final_of(first) if self._affordable(first, left_s) else 0.0
+
+    def _affordable(self, s: ConfigState, left_s: float | None) -> bool:
+        """Whether ``left_s`` seconds pay for ``s``'s final runs (always without a budget; never untrained)."""
+        return left_s is None or (s.epochs > 0 and self._final_of(s) <= left_s)
+
+    def by_price(self, ranked: list[ConfigState], left_s: float | None) -> list[ConfigState]:
+        """``ranked`` with the candidates whose final runs ``left_s`` cannot pay for moved behind the rest.
+
+        Such a candidate cannot be the choice, so it neither sets the deadline nor takes a promotion or the
+        choice from one that can. Without a budget the order is unchanged.
+        """
+        if left_s is None:
+            return ranked
+        ok = [s for s in ranked if self._affordable(s, left_s)]
+        keep = {id(s) for s in ok}
+        return ok + [s for s in ranked if id(s) not in keep]
 
     def _final_of(self, s: ConfigState) -> float:
         """Seconds the final runs take if ``s`` is chosen: its measured time per epoch × ``--epochs`` × runs."""
@@ -626,9 +654,12 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
             by_id = {e.id: e for e in tune.entries}
             # the finalists of every completed bracket (a bracket the budget cut only when none completed)
             pool = tune.progress.get("finalists") or tune.progress["active"]
-            finalists = rank_states([tune._state(by_id[i]) for i in pool])
             t_final = time.perf_counter()
             left = None if tc.budget_s is None else tc.budget_s - search_s  # the playoff and the final runs
+            finalists = tune.by_price(rank_states([tune._state(by_id[i]) for i in pool]), left)
+            passed = [{"config": s.entry.id, "final_s_est": tune._final_of(s)}
+                      for s in itertools.takewhile(lambda s: not tune._affordable(s, left), rank_states(finalists))
+                      if s.epochs]
             best, playoff = tune.playoff(finalists, left)
             playoff_s = time.perf_counter() - t_final
             final = tune.final_runs(best)
@@ -639,7 +670,8 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
         finally:
             for s in tune.states.values():
                 s.log.close()
-    board = _board(tune, best, final, search_s, final_s, before + time.perf_counter() - t_wall, playoff, playoff_s)
+    board = _board(tune, best, final, search_s, final_s, before + time.perf_counter() - t_wall, playoff, playoff_s,
+                   passed)
     write_json_atomic(tune.root / "leaderboard.json", board)
     (tune.root / "leaderboard.csv").write_text(leaderboard_csv(board))
     (tune.root / "best").mkdir(exist_ok=True)
@@ -655,7 +687,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: float, final_s: float,
-           wall_s: float, playoff: list[dict[str, Any]] | None = None, playoff_s: float = 0.0) -> dict[str, Any]:
+           wall_s: float, playoff: list[dict[str, Any]] | None = None, playoff_s: float = 0.0,
+           passed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The leaderboard and the report's facts, JSON-ready."""
     m = tune.metric
     last_rung = {i: -1 for i in (e.id for e in tune.entries)}
@@ -693,7 +726,7 @@ def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: 
         "space": space_to_json(tune.space), "candidates": len(tune.entries), "eta": tune.tc.eta,
         "rungs": tune.rungs, "schedule": [{k: v for k, v in r.items() if k != "best"} for r in tune.progress["rungs"]],
         "cut": tune.progress["cut"], "budget_s": tune.tc.budget_s, "search_time_s": search_s,
-        "final_time_s": final_s, "playoff_time_s": playoff_s, "playoff": playoff or [],
+        "final_time_s": final_s, "playoff_time_s": playoff_s, "playoff": playoff or [], "passed_over": passed or [],
         "playoff_seeds": tune.tc.playoff_seeds, "wall_time_s": wall_s, "device": str(tune.device),
         "best": {"config": best.id, "params": best.params, "train_config": best.cfg.to_dict()},
         "final": final, "split_seeds": tune.split_seeds, "seeds": tune.tc.seeds,
@@ -769,6 +802,11 @@ def report_text(board: dict[str, Any]) -> str:
         cut += (f" The {len(playoff)} best finalists were each retrained with {board['playoff_seeds']} fresh seeds "
                 f"and the best mean validation {m} chose ({', '.join(_pct(r['val_mean']) for r in playoff)}; the "
                 f"choice's search run ranked {rank} of {len(playoff)}).")
+    passed = board.get("passed_over") or []
+    if passed:
+        cut += (f" {len(passed)} finalist(s) ranked above the rest were passed over: the budget left could not "
+                "pay for their final runs (" + ", ".join(f"{r['config']}, {r['final_s_est']:.0f} s"
+                                                        for r in passed) + ").")
     budget = f" of a {board['budget_s'] / 60:.0f}-minute budget" if board["budget_s"] else ""
     n_final = len(board["final"])
     return (
