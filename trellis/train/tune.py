@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import csv
 import io
-import itertools
 import json
 import math
 import shutil
@@ -586,7 +585,7 @@ class Tune:
 
     # -- the final runs
     def final_runs(self, best: SweepEntry) -> list[dict[str, Any]]:
-        """Retrain ``best`` per split and seed (one batch per split), with the test split evaluated."""
+        """Retrain ``best`` per split and seed (a split's seeds batched as the search batches), test split evaluated."""
         root = self.root / "final"
         rows = []
         meter = PeakMemory(device=self.device).start()
@@ -603,7 +602,11 @@ class Tune:
                 states = [open_state(e, data, self.metric, self.device, root, self.factory) for e in entries]
                 for s in states:  # a resumed tune runs its final runs again from the start
                     _restart_log(s)
-                groups = [states] if self._batchable([best.id]) else [[s] for s in states]
+                # the seeds batched as the search batches (the cost model's K): on minesweeper, where batching
+                # does not pay, three seeds in one batch took 1.24x their solo epochs, and the budget overran
+                by_id = {s.entry.id: s for s in states}
+                groups = ([[by_id[i] for i in b] for b in self._batches(list(by_id), entries)]
+                          if self._batchable([best.id]) else [[s] for s in states])
                 try:
                     for g in groups:
                         self.stop.check()
@@ -657,9 +660,9 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
             t_final = time.perf_counter()
             left = None if tc.budget_s is None else tc.budget_s - search_s  # the playoff and the final runs
             finalists = tune.by_price(rank_states([tune._state(by_id[i]) for i in pool]), left)
-            passed = [{"config": s.entry.id, "final_s_est": tune._final_of(s)}
-                      for s in itertools.takewhile(lambda s: not tune._affordable(s, left), rank_states(finalists))
-                      if s.epochs]
+            ranked = rank_states(finalists)  # by validation alone: those passed over ranked above the first it pays
+            first = next((k for k, s in enumerate(ranked) if tune._affordable(s, left)), 0)
+            passed = [{"config": s.entry.id, "final_s_est": tune._final_of(s)} for s in ranked[:first] if s.epochs]
             best, playoff = tune.playoff(finalists, left)
             playoff_s = time.perf_counter() - t_final
             final = tune.final_runs(best)
