@@ -397,13 +397,13 @@ class Tune:
     def search(self, t_start: float) -> None:
         """Run (or continue) the halving schedule until its last rung or the budget's deadline."""
         p = self.progress
-        self._base = base = p["elapsed_s"]
+        base = p["elapsed_s"]
         clock = lambda: base + time.perf_counter() - t_start  # noqa: E731
         (self.root / "state").mkdir(exist_ok=True)
         while True:
             if p["rung"] < len(self.rungs):  # (a resumed tune may stop between brackets)
                 started = clock()
-                self._bracket(t_start, clock)
+                self._bracket(clock)
                 if p["cut"] is not None:
                     return
                 p["finalists"] += p["active"]
@@ -412,7 +412,7 @@ class Tune:
             if not self._next_bracket(clock):
                 return
 
-    def _bracket(self, t_start: float, clock: Callable[[], float]) -> None:
+    def _bracket(self, clock: Callable[[], float]) -> None:
         """Run (or continue) the current bracket's halving schedule until its last rung or the deadline."""
         p = self.progress
         by_id = {e.id: e for e in self.entries}
@@ -429,7 +429,7 @@ class Tune:
                     finished = advance(states, self.strategy, until=self.rungs[r], keep_splits=("train", "val"),
                                        err=self.err, progress=self.tc.progress,
                                        desc=f"rung {r} ({self.rungs[r]} ep) batch {b + 1}/{len(p['batches'])}",
-                                       tag={"rung": r, "batch": b}, deadline=self._deadline(t_start), clock=clock,
+                                       tag={"rung": r, "batch": b}, deadline=self._deadline(clock), clock=clock,
                                        after_epoch=self.stop.check)
                 except StopRequested:
                     # mid-batch: the batch's states are saved at this epoch, and --resume continues them exactly
@@ -460,25 +460,24 @@ class Tune:
             if p["cut"] is not None:
                 break
 
-    def _deadline(self, t_start: float) -> float | None:
+    def _deadline(self, clock: Callable[[], float]) -> float | None:
         """When the search must stop so that the final runs still fit in the budget.
 
         The final runs are priced at the likely choice's measured time per epoch (:meth:`_final_estimate`),
         for ``--epochs`` epochs, ``splits x seeds`` times. Before any candidate has a measured epoch there is
         no deadline.
         """
-        if self.tc.budget_s is None:
+        left = self._left(clock)
+        final_s = None if left is None else self._final_estimate(left)
+        if left is None or final_s is None:
             return None
-        final_s = self._final_estimate(self.tc.budget_s - (self._base + time.perf_counter() - t_start))
-        if final_s is None:
-            return None
-        return t_start + self.tc.budget_s - self._base - final_s
+        return time.perf_counter() + left - final_s
 
     def _left(self, clock: Callable[[], float]) -> float | None:
         """Seconds of the budget left (None without one)."""
         return None if self.tc.budget_s is None else self.tc.budget_s - clock()
 
-    def _final_estimate(self, left_s: float | None = None) -> float | None:
+    def _final_estimate(self, left_s: float | None) -> float | None:
         """Seconds the final runs of the likely choice take: the best measured candidate ``left_s`` pays for.
 
         None before any candidate is measured, 0.0 while ``left_s`` pays for none of them (the search goes on
@@ -659,9 +658,9 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
             pool = tune.progress.get("finalists") or tune.progress["active"]
             t_final = time.perf_counter()
             left = None if tc.budget_s is None else tc.budget_s - search_s  # the playoff and the final runs
-            finalists = tune.by_price(rank_states([tune._state(by_id[i]) for i in pool]), left)
-            ranked = rank_states(finalists)  # by validation alone: those passed over ranked above the first it pays
-            first = next((k for k, s in enumerate(ranked) if tune._affordable(s, left)), 0)
+            ranked = rank_states([tune._state(by_id[i]) for i in pool])
+            finalists = tune.by_price(ranked, left)
+            first = next((k for k, s in enumerate(ranked) if tune._affordable(s, left)), 0)  # those ranked above it
             passed = [{"config": s.entry.id, "final_s_est": tune._final_of(s)} for s in ranked[:first] if s.epochs]
             best, playoff = tune.playoff(finalists, left)
             playoff_s = time.perf_counter() - t_final
@@ -807,8 +806,8 @@ def report_text(board: dict[str, Any]) -> str:
                 f"choice's search run ranked {rank} of {len(playoff)}).")
     passed = board.get("passed_over") or []
     if passed:
-        cut += (f" {len(passed)} finalist(s) ranked above the rest were passed over: the budget left could not "
-                "pay for their final runs (" + ", ".join(f"{r['config']}, {r['final_s_est']:.0f} s"
+        cut += (f" The {len(passed)} best-ranked finalist(s) were passed over: the budget left could not pay for "
+                "their final runs (" + ", ".join(f"{r['config']}, {r['final_s_est']:.0f} s"
                                                         for r in passed) + ").")
     budget = f" of a {board['budget_s'] / 60:.0f}-minute budget" if board["budget_s"] else ""
     n_final = len(board["final"])
