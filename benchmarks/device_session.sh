@@ -6,11 +6,14 @@
 # Carry the pymetis wheel (the image lacks it; docs/benchmarks.md "Fifth GPU run"): here, once,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl pymetis          (.whl is git-excluded)
-# and name ".whl" in the device call's carry. About 7 minutes in all on an H200 with 16 cores:
-# 1. `gpu.sh` (20k nodes, no PyG table) while the 1M graph of `gpu_scaling.sh` and the 2M out-of-core store build;
-# 2. the sampler-process tables, trainer on the GPU and on the CPU (`gpu_scaling.sh`, T2 = T4 = 0);
-# 3. the out-of-core sweep of 4 configurations against 4 solo runs on 16 cores (issue #24, part 4).
-# Each step has its own timeout so one slow step leaves the others.
+# and name ".whl" in the device call's carry. About 8 minutes in all on an H200 with 16 cores:
+# 1. the machine (CPU model, the kernel's transparent-huge-page settings);
+# 2. `gpu.sh` (20k nodes, no PyG table) while the 1M graph of `gpu_scaling.sh` builds (about 300 s);
+# 3. the sampler-process table with the trainer on the GPU, at the default (`import trellis` asks torch for huge
+#    pages) and at THP_MEM_ALLOC_ENABLE=0: the sixth run's samplers built batches at half the fifth run's rate
+#    (docs/benchmarks.md "Sixth GPU run"), and huge pages are the one change since that touches every process.
+# The CPU-trainer table and the out-of-core sweep were measured in the sixth run (T1=110 and
+# `python -m benchmarks.bench_outofcore_sweep --nodes 2m ...` rerun them). Each step has its own timeout.
 set -uo pipefail
 O=${OUT:-gpu-out}; mkdir -p "$O"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -20,17 +23,15 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 s=$SECONDS
 nproc; python3 -c 'import torch, numba; print("torch", torch.__version__, "numba", numba.__version__)'
+lscpu | grep -iE "model name|^cpu\(s\)|thread\(s\) per core|mhz" ; uname -r
+for f in enabled defrag shmem_enabled; do echo "thp $f: $(cat /sys/kernel/mm/transparent_hugepage/$f 2>/dev/null)"; done
 ( PREP=1 DATA=/tmp/d1m bash benchmarks/gpu_scaling.sh "$O" > "$O/prep.txt" 2>&1 ) &
-( python3 -c "
-from pathlib import Path
-from benchmarks.bench_outofcore import StoreSpec, store_for, parse_count
-d = Path('/tmp/trellis-bench-ooc'); d.mkdir(parents=True, exist_ok=True)
-print(store_for(d, StoreSpec(parse_count('2m'), 10.0, 128)))" > "$O/prep2m.txt" 2>&1 ) &
-NODES=20000 BENCH=0 timeout 200 bash benchmarks/gpu.sh "$O" > "$O/gpu.txt" 2>&1
+NODES=20000 BENCH=0 timeout 300 bash benchmarks/gpu.sh "$O" > "$O/gpu.txt" 2>&1
 echo "gpu.sh rc=$? at $((SECONDS - s)) s"; wait; echo "data ready at $((SECONDS - s)) s"
-DATA=/tmp/d1m T1=95 T2=0 T3=85 T4=0 bash benchmarks/gpu_scaling.sh "$O" > "$O/scaling.txt" 2>&1
-echo "samplers tables at $((SECONDS - s)) s"; grep -v '^{' "$O/scaling.txt"
-timeout 200 python3 -m benchmarks.bench_outofcore_sweep --nodes 2m --epochs 3 --budget 3G \
-  --grid lr=0.01,0.005 weight_decay=0,5e-4 --set dropout=0.5 > "$O/ooc_sweep.txt" 2>&1
-echo "out-of-core sweep rc=$? at $((SECONDS - s)) s"; tail -8 "$O/ooc_sweep.txt"
+for thp in "" 0; do
+  env ${thp:+THP_MEM_ALLOC_ENABLE=$thp} DATA=/tmp/d1m T1=0 T2=0 T3=85 T4=0 KS=0,1,4,8 bash benchmarks/gpu_scaling.sh "$O" \
+    > "$O/scaling${thp:+_thp$thp}.txt" 2>&1
+  echo "samplers table (THP_MEM_ALLOC_ENABLE=${thp:-default}) at $((SECONDS - s)) s"
+  grep -v '^{' "$O/scaling${thp:+_thp$thp}.txt" | grep -v "fresh buffers:"
+done
 echo "== gpu.sh"; cat "$O/gpu.txt"
