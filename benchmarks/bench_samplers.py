@@ -39,7 +39,7 @@ def _strategy(a: argparse.Namespace, samplers: int) -> Any:
 
     cfg = TrainConfig(store=a.store, strategy="mini", model="sage", hidden=a.hidden, fanouts=a.fanouts,
                       batch_size=a.batch_size, epochs=1, progress=False, device=a.device, prefetch=a.prefetch,
-                      samplers=samplers)
+                      samplers=samplers, feature_residency=a.feature_residency)
     strategy = strategy_class("mini").for_config(cfg)(cfg, torch.device(a.device))
     strategy.load()
     return strategy
@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fanouts", default="15,10")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--feature-residency", default="host", choices=["host", "device", "auto"],
+                   help="where the input rows live (device: the trainer gathers them; the samplers only sample)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes of each, interleaved (medians reported)")
     p.add_argument("--compare-background", action="store_true",
                    help="for K >= 1, time the epoch with the samplers in the background and at normal priority")

@@ -7,7 +7,8 @@
 #    moved to the GPU, from page-locked slots; every test with `cuda` in its name);
 # 2. one `trellis train --device cuda` per strategy (full, mini, cluster, pp) and a model-batched sweep on a
 #    generated graph, printing each summary line;
-# 3. what landed since: mini/cluster through the partition buffer, --samplers, partition-parallel full-batch on
+# 3. what landed since: mini/cluster through the partition buffer, --samplers (the rows on the host and on the GPU:
+#    --feature-residency device), partition-parallel full-batch on
 #    one rank (nccl) with --overlap --staleness, predict, tune, and the CPU-only --memory-budget refusal;
 # 4. the full-batch step benchmark against PyG on the same GPU (benchmarks/bench_fullbatch.py --device cuda).
 # DEV=cpu NODES=5000 BENCH=0 runs steps 2-3 on a machine without a GPU. CI never runs this (it has no GPU); the figures it printed are recorded in docs/benchmarks.md.
@@ -49,6 +50,8 @@ for args in "--model sage --strategy mini --parts-dir $W/parts8 --nproc 1 --buff
             "--model sage --strategy mini --parts-dir $W/parts8 --nproc 1 --buffer-parts 2 --buffer-replay 256" \
             "--model gcn --strategy cluster --parts-dir $W/parts8 --nproc 1 --buffer-parts 2" \
             "--model sage --strategy mini --samplers 2" \
+            "--model sage --strategy mini --feature-residency device" \
+            "--model sage --strategy mini --samplers 2 --feature-residency device" \
             "--model gcn --hidden 256 --parts-dir $W/parts1 --nproc 1" \
             "--model gcn --hidden 256 --parts-dir $W/parts1 --nproc 1 --overlap --staleness 1"; do
   echo "-- trellis train $args --device $DEV"

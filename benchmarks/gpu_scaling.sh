@@ -13,7 +13,7 @@
 # 4. hybrid-parallel cluster-batch on 2 and 4 ranks against one process (GCN, 8 of 64 hash clusters),
 #    `python -m benchmarks.bench_dist_cluster --ranks 2,4` (T4=0 skips it).
 # Each step has its own timeout so one slow table leaves the others (T1..T4 seconds; 0 skips that step); KS picks
-# the sampler counts of step 3.
+# the sampler counts of step 3, RES=device its --feature-residency (the rows on the GPU, gathered by the trainer).
 # DATA=DIR keeps the graph and its layout in DIR and reuses them when they are there; PREP=1 only builds them
 # (so a device call can build them while benchmarks/gpu.sh runs). CI never runs this.
 set -uo pipefail
@@ -50,9 +50,10 @@ if [ "${T2:-220}" != 0 ]; then
     --epochs 2 2>&1 | tee "$OUT/ranks.txt"
 fi
 if [ "$DEV" != cpu ] && [ "${T3:-100}" != 0 ]; then
-  echo "== samplers, trainer on $DEV (THP_MEM_ALLOC_ENABLE=${THP_MEM_ALLOC_ENABLE:-default})"
+  echo "== samplers, trainer on $DEV (THP_MEM_ALLOC_ENABLE=${THP_MEM_ALLOC_ENABLE:-default}, rows on ${RES:-host})"
   timeout "${T3:-100}" $PY -m benchmarks.bench_samplers --store "$W/g" --samplers "${KS:-0,1,2,4,8}" --device "$DEV" \
-    --repeats 1 2>&1 | tee "$OUT/samplers_$DEV${THP_MEM_ALLOC_ENABLE:+_thp$THP_MEM_ALLOC_ENABLE}.txt"
+    --repeats 1 --feature-residency "${RES:-host}" \
+    2>&1 | tee "$OUT/samplers_$DEV${THP_MEM_ALLOC_ENABLE:+_thp$THP_MEM_ALLOC_ENABLE}_${RES:-host}.txt"
 fi
 if [ "${T4:-150}" != 0 ]; then
   echo "== cluster-batch ranks (cpu)"

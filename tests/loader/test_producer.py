@@ -21,7 +21,7 @@ from trellis.errors import TrellisUserError
 from trellis.loader import producer as producer_mod
 from trellis.loader.blocks import Batch
 from trellis.loader.cluster import ClusterLoader, hash_clusters
-from trellis.loader.features import ArrayRows, NormalizedRows
+from trellis.loader.features import ArrayRows, FeatureGather, NormalizedRows
 from trellis.loader.producer import BatchProducer, ProducerOptions, decode_batch, encode_batch, produce
 from trellis.loader.sampler import LazyReverseBlock, NeighborLoader, NeighborSampler
 from trellis.loader.source import iter_epoch
@@ -237,6 +237,42 @@ def test_normalized_mapped_features_through_processes(store, weights):
     with produce(make(), 6, ProducerOptions("processes", 1)) as batches:
         for i, b in enumerate(batches):
             same_batch(b, ref.get(plan, i))
+
+
+def test_rows_the_consumer_gathers_stay_out_of_the_workers(store, weights):
+    """``--feature-residency device``: the workers' copy of the loader has no rows (they only sample), and the
+    consumer fills each batch's rows from its own copy: the batches equal the in-process loader's."""
+    x = torch.from_numpy(np.array(store.x))
+
+    def make(**kw):
+        ld = neighbor(store, weights, **kw)
+        ld.features = FeatureGather(x)
+        ld.features.consumer = True
+        return ld
+
+    shared = producer_mod._Shared.dump(make())
+    shared.close()
+    assert x.numel() * 4 not in [n for _, n in shared.regions]  # the rows never travel
+    ref, loader = neighbor(store, weights, prefetch=0), make()
+    with BatchProducer(loader, ProducerOptions("processes", 1, recycle=True)) as producer:
+        assert producer.rows is loader.features
+        for epoch in (1, 2):
+            plan = ref.plan(epoch)
+            with producer.epoch(epoch) as batches:
+                for i, b in enumerate(batches):
+                    same_batch(b, ref.get(plan, i))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_resident_rows_are_gathered_by_the_consumer(store, weights):
+    ref = neighbor(store, weights, prefetch=0)
+    loader = neighbor(store, weights, device="cuda")
+    loader.features = FeatureGather(torch.from_numpy(np.array(store.x)).cuda())
+    with produce(loader, 1, ProducerOptions("processes", 2, recycle=True)) as batches:
+        plan = ref.plan(1)
+        for i, b in enumerate(batches):
+            assert b.x.device.type == "cuda"
+            same_batch(b.to("cpu"), ref.get(plan, i), types=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -186,3 +186,48 @@ def test_loader_threads_keep_the_normal_priority_in_every_epoch(sbm, monkeypatch
     finally:
         strategy.close()
     assert len(policies) == 4 * len(loader) and set(policies) == {os.SCHED_OTHER}
+
+
+@pytest.mark.parametrize("data", ["sbm", "cora"])
+@pytest.mark.parametrize("kw", [
+    dict(strategy="mini", model="sage", fanouts="4,4", batch_size=128),
+    dict(strategy="cluster", model="gcn", clusters=8, clusters_per_batch=2, cluster_method="hash"),
+])
+def test_rows_resident_with_the_trainer_give_the_hosts_losses(sbm, dataset, tmp_path, kw, data):
+    """``--feature-residency device``: the trainer gathers each batch's rows from its own copy (sampler processes
+    only sample), and the losses are the host gather's bit for bit, on a bag-of-words store too (Cora: rows
+    normalized at gather; the copy is made through the same gather)."""
+    from tests.train.helpers import metrics_without_timing
+    from trellis.data.importers import import_graph
+
+    store = sbm if data == "sbm" else str(import_graph(dataset("cora"), tmp_path / "cora", format="planetoid",
+                                                       progress=False))
+    losses = {}
+    for residency in ("host", "device"):
+        for samplers in (0, 1):
+            out = tmp_path / f"{residency}{samplers}"
+            s = trainer.train(cfg(store, out, epochs=2, hidden=16, feature_residency=residency, samplers=samplers,
+                                  **kw))
+            assert s["feature_residency"] == residency
+            losses[residency, samplers] = [r["loss"] for r in metrics_without_timing(out / "run")]
+    assert len(set(map(tuple, losses.values()))) == 1, losses
+
+
+def test_feature_residency_plan():
+    from trellis.plan.residency import feature_residency
+
+    assert feature_residency("host", 10, "cuda", 100) == "host"
+    assert feature_residency("auto", 10, "cpu", None) == "host"  # the CPU: the memory map, not a copy
+    assert feature_residency("auto", 10, "cuda", 40) == "device"  # four times the rows fit
+    assert feature_residency("auto", 11, "cuda", 40) == "host"
+    assert feature_residency("device", 10, "cpu", None) == "device"
+    assert feature_residency("device", 40, "cuda", 40) == "device"
+    with pytest.raises(TrellisUserError, match="--feature-residency host"):
+        feature_residency("device", 41, "cuda", 40)
+
+
+def test_feature_residency_bad_input(sbm, tmp_path, capsys):
+    assert main(["train", sbm, "--strategy", "mini", "--feature-residency", "gpu"]) == 2
+    assert "--feature-residency" in capsys.readouterr().err
+    with pytest.raises(TrellisUserError, match="--feature-residency device with --parts-dir"):
+        cfg(sbm, tmp_path, strategy="mini", parts_dir=str(tmp_path), nproc=1, feature_residency="device")

@@ -233,6 +233,21 @@ def as_feature_source(x: np.ndarray | Tensor | FeatureSource) -> FeatureSource:
     return ArrayRows(x)
 
 
+def copy_rows(x: np.ndarray | Tensor | FeatureSource, device: torch.device, chunk_rows: int = 1 << 16) -> Tensor:
+    """All rows of ``x`` as one dense ``[N, *row_shape]`` tensor on ``device``, read ``chunk_rows`` at a time.
+
+    Why through the source's own gather: the copy then holds exactly the rows a batch would have gathered
+    (a bag-of-words store's sparse rows densified and normalized by the same code), so batches gathered from
+    it equal the host's, and the host never holds more than one chunk beside the source.
+    """
+    src = as_feature_source(x)
+    out = torch.empty((src.num_rows, *src.row_shape), dtype=src.dtype, device=device)
+    for lo in range(0, src.num_rows, chunk_rows):
+        hi = min(src.num_rows, lo + chunk_rows)
+        out[lo:hi].copy_(src.read_ranges(np.array([lo]), np.array([hi])).reshape(hi - lo, *src.row_shape))
+    return out
+
+
 class FeatureGather:
     """Gathers rows of a :class:`FeatureSource` by node id into reused, rotating buffers.
 
@@ -245,11 +260,18 @@ class FeatureGather:
         x: The rows: a :class:`FeatureSource`, or an array, memory map or tensor (:func:`as_feature_source`).
         slots: Number of rotating buffers (default: 4).
         pin: Allocate pinned buffers for fast host->GPU copies (default: False; the loader sets it for CUDA).
+
+    Attributes:
+        consumer: The consumer of the batches gathers these rows, not sampler processes (default: rows on an
+            accelerator; ``--feature-residency device`` sets it for rows held in the trainer's memory too). A
+            :class:`~trellis.loader.producer.BatchProducer` leaves such a gather out of its workers' copy of
+            the loader and fills each arriving batch's rows itself.
     """
 
     def __init__(self, x: np.ndarray | Tensor | FeatureSource, *, slots: int = 4, pin: bool = False) -> None:
         self.source = as_feature_source(x)
         self.device = self.source.device
+        self.consumer = self.device.type != "cpu"
         self.slots = max(1, int(slots))
         self.pin = pin and torch.cuda.is_available()
         self._buffers: dict[int, Tensor] = {}
@@ -291,5 +313,5 @@ class FeatureGather:
 
 
 __all__ = ["ArrayRows", "FeatureGather", "FeatureSource", "NormalizedRows", "normalize_rows_",
-           "TensorRows", "as_feature_source", "expand_ranges",
+           "TensorRows", "as_feature_source", "copy_rows", "expand_ranges",
            "gather_rows", "np_int64"]

@@ -532,6 +532,8 @@ class _SharePickler(pickle.Pickler):
         return k
 
     def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:  # noqa: D102 - pickle hook
+        if isinstance(obj, FeatureGather) and obj.consumer:
+            return ("omitted",)  # the consumer gathers these rows; a worker's batches carry node ids only
         if isinstance(obj, np.ndarray) and type(obj) in (np.ndarray, np.memmap):
             mapped = _mapped_file(obj)
             if mapped is not None:
@@ -572,6 +574,8 @@ class _ShareUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:  # noqa: D102 - pickle hook
         kind = pid[0]
+        if kind == "omitted":
+            return None
         if kind == "file":
             return _reopen(*pid[1:])
         if kind == "array":
@@ -1176,6 +1180,9 @@ class _ProcessEpoch(EpochBatches[T]):
                 if locked:  # the slot goes back to its worker only once the copy has read it
                     self._copies[i] = torch.cuda.Event()
                     self._copies[i].record()
+            rows = self._producer.rows
+            if rows is not None and isinstance(item, Batch):
+                item.x = rows.gather(item.node_ids)
             self._ready[i] = item
         elif msg[0] == "error":
             self._errors[i] = _remote_exception(msg[3], msg[4])
@@ -1267,6 +1274,8 @@ class BatchProducer(Generic[T]):
         self.source = source
         self.options = options if options is not None else ProducerOptions()
         self.read_bytes = 0
+        #: Rows the consumer gathers into each arriving batch (a device-resident table: the workers only sample).
+        self.rows: FeatureGather | None = None
         device = getattr(source, "device", None)
         self.device: torch.device | None = device if isinstance(device, torch.device) and device.type != "cpu" \
             else None
@@ -1282,10 +1291,8 @@ class BatchProducer(Generic[T]):
                                  "with the same prefetch and workers")
         else:
             features = getattr(source, "features", None)
-            fdev = getattr(features, "device", None)
-            if isinstance(fdev, torch.device) and fdev.type != "cpu":
-                raise TrellisUserError(f"--samplers: the loader's features are on {fdev}; sampler processes "
-                                       "gather them on the CPU: load features on the CPU, or use --samplers 0")
+            if isinstance(features, FeatureGather) and features.consumer:
+                self.rows = features
 
     @property
     def pids(self) -> list[int]:

@@ -200,6 +200,7 @@ class TrainConfig:
     emulate_link: str | None = _opt("emulate_link")
     prefetch: int = _opt("prefetch")
     samplers: int = _opt("samplers")
+    feature_residency: str = _opt("feature_residency")
     sampler_ranks: int = _opt("sampler_ranks")
     price_per_hour: str | None = _f(None, "price the run: dollars per machine-hour (one rank per machine), e.g. 0.34, "
                                           "or per resource-hour, e.g. core=0.0425,gib=0.0057; summary.json gets "

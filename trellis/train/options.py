@@ -105,6 +105,10 @@ class StrategyOptions:
         return getattr(self, name) != (f.default if f.default is not MISSING else None)
 
 
+#: ``--feature-residency`` choices: where a batch strategy's input rows live.
+RESIDENCIES = ("host", "device", "auto")
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Loader(StrategyOptions):
     """How batches are prepared (mini, cluster)."""
@@ -114,10 +118,19 @@ class _Loader(StrategyOptions):
                            "memory; the same batches as in-process preparation), 0 = in this process; with "
                            "--parts-dir --nproc P > 1, K per rank (default: 0)",
                         metavar="K")
+    feature_residency: str = opt("host", "mini/cluster in memory: where the input rows batches gather live. "
+                                         "host: the store's rows, gathered on the CPU (by the sampler processes "
+                                         "with --samplers K) and copied to --device with each batch; device: "
+                                         "copied once to --device (its memory must hold them), batches carry "
+                                         "node ids and the trainer gathers the rows there, so sampler processes "
+                                         "only sample; auto: device when --device is a GPU whose free memory "
+                                         "holds four times the rows, else host (default: host)",
+                                 choices=RESIDENCIES)
 
     def validate(self, cfg: TrainConfig) -> None:
         _at_least("prefetch", self.prefetch, 0)
         _at_least("samplers", self.samplers, 0)
+        _choice("feature_residency", self.feature_residency, RESIDENCIES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +223,10 @@ class _Buffer(_Parts, _Budget, _Loader):
                            "buffer_replay_share", "buffer_replay_fanouts"])
         if self.samplers > 0 and self.parts_dir is not None and (self.nproc or 1) == 1:
             raise TrellisUserError(NO_BUFFER_SAMPLERS)
+        if self.parts_dir is not None and self.feature_residency == "device":
+            raise TrellisUserError("--feature-residency device with --parts-dir: a partitioned run reads its rows "
+                                   "from the layout part by part; drop --feature-residency (or --parts-dir to "
+                                   "train in memory)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,7 +54,7 @@ class MiniBatch(BatchStrategy):
         # The preparing thread keeps numba's thread count (all cores): measured against one thread beside the
         # trainer (benchmarks/ and docs/minibatch.md), two were faster per epoch even on a loaded 2-core machine.
         y, ew, ef = self.loader_tensors()
-        return NeighborLoader(sampler, d.splits["train"].cpu().numpy(), cfg.batch_size, x=d.x, y=y,
+        return NeighborLoader(sampler, d.splits["train"].cpu().numpy(), cfg.batch_size, x=self.loader_rows(), y=y,
                               device=self.device, prefetch=cfg.prefetch, edge_weight=ew, edge_feat=ef)
 
 
@@ -80,5 +80,6 @@ class ClusterBatch(BatchStrategy):
         parts = cluster_assignment(d.store, cfg.clusters, cfg.cluster_method, seed=cfg.seed)
         y, ew, ef = self.loader_tensors()
         return ClusterLoader(self.indptr, self.indices, parts, cfg.clusters_per_batch, num_layers=cfg.layers,
-                             boundary_hops=cfg.boundary_hops, x=d.x, y=y, loss_nodes=d.splits["train"].cpu().numpy(),
-                             edge_weight=ew, edge_feat=ef, device=self.device, prefetch=cfg.prefetch)
+                             boundary_hops=cfg.boundary_hops, x=self.loader_rows(), y=y,
+                             loss_nodes=d.splits["train"].cpu().numpy(), edge_weight=ew, edge_feat=ef,
+                             device=self.device, prefetch=cfg.prefetch)

@@ -16,9 +16,11 @@ import torch
 from torch import Tensor, nn
 
 from trellis.loader.blocks import Batch
+from trellis.loader.features import FeatureSource, as_feature_source, copy_rows
 from trellis.loader.inference import layerwise_inference
 from trellis.loader.producer import BatchProducer, ProducerOptions
 from trellis.ops.graph import CSRGraph
+from trellis.plan.residency import feature_residency
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import load_graph_data
@@ -104,6 +106,7 @@ class BatchStrategy(GraphStrategy):
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
         self._wait_shares: list[float] = []  # per epoch: the share spent waiting for batches
+        self.residency: str | None = None  # where the loader's input rows live (in-memory mini and cluster)
 
     def load(self) -> None:
         """Load inputs, labels and edge data; keep the CSR memory-mapped; build the batch loader."""
@@ -118,10 +121,31 @@ class BatchStrategy(GraphStrategy):
         self.indices = np.asarray(d.store.indices)
         self.last_epoch: dict[str, float] = {}
         self.loader = self.make_loader()
+        features = getattr(self.loader, "features", None)
+        if self.residency == "device" and features is not None:
+            features.consumer = True  # sampler processes only sample: the trainer gathers from its copy
 
     def make_loader(self) -> Any:
         """The loader whose ``epoch(seed)`` yields this strategy's batches."""
         raise NotImplementedError
+
+    def loader_rows(self) -> Tensor | FeatureSource:
+        """The input rows the loader gathers, where ``--feature-residency`` puts them.
+
+        ``host``: the loaded rows (the store's memory map, normalized at gather). ``device``: one dense copy on
+        the training device, made through the same gather (so the batches are the same), from which the trainer
+        gathers each batch's rows; sampler processes then only sample (:class:`BatchProducer`).
+        """
+        x = self.data.x
+        assert x is not None
+        src = as_feature_source(x)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        self.residency = feature_residency(self.cfg.feature_residency, src.nbytes, self.device.type, free)
+        if self.residency == "host":
+            return x
+        if isinstance(x, Tensor) and x.device == self.device and x.layout == torch.strided:
+            return x  # already a dense tensor there
+        return copy_rows(src, self.device)
 
     def loader_tensors(self, on_cpu: bool | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Labels, edge weights and edge features where the loader reads them.
@@ -216,7 +240,8 @@ class BatchStrategy(GraphStrategy):
         Where it is large the loader's own thread cannot keep up, and the CLI suggests ``--samplers``.
         """
         shares = self._wait_shares
-        return {**super().summary_info(), **({"batch_wait_share": statistics.median(shares)} if shares else {})}
+        return {**super().summary_info(), **({"feature_residency": self.residency} if self.residency else {}),
+                **({"batch_wait_share": statistics.median(shares)} if shares else {})}
 
     def _close_epoch(self, seconds: float) -> None:
         """The epoch's training took ``seconds`` (the priority trial's measurement)."""
