@@ -87,3 +87,17 @@ def test_pp_memory_and_storage_sources_give_equal_rows(tmp_path):
         assert sto.on_storage and not mem.on_storage and mem.range_views
     finally:
         sto.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, 64 * 2**20])
+def test_copy_rows_holds_the_rows_a_batch_gathers(chunk_bytes):
+    """The device copy of ``--feature-residency device`` is made through the source's gather, chunk by chunk:
+    rows normalized at gather come out exactly as a batch would gather them, whatever the chunk size."""
+    from trellis.loader.features import NormalizedRows, copy_rows
+
+    x = np.random.default_rng(0).random((1000, 37)).astype(np.float32)
+    src = NormalizedRows(ArrayRows(x), "row")
+    got = copy_rows(src, torch.device("cpu"), chunk_bytes=chunk_bytes)
+    assert got.shape == (1000, 37)
+    assert torch.equal(got, src.gather(np.arange(1000)))
+    assert not torch.equal(got, torch.from_numpy(x))  # normalized, not the raw rows

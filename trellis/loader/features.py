@@ -233,15 +233,16 @@ def as_feature_source(x: np.ndarray | Tensor | FeatureSource) -> FeatureSource:
     return ArrayRows(x)
 
 
-def copy_rows(x: np.ndarray | Tensor | FeatureSource, device: torch.device, chunk_rows: int = 1 << 16) -> Tensor:
-    """All rows of ``x`` as one dense ``[N, *row_shape]`` tensor on ``device``, read ``chunk_rows`` at a time.
+def copy_rows(x: np.ndarray | Tensor | FeatureSource, device: torch.device, chunk_bytes: int = 64 * 2**20) -> Tensor:
+    """All rows of ``x`` as one dense ``[N, *row_shape]`` tensor on ``device``, about ``chunk_bytes`` at a time.
 
     Why through the source's own gather: the copy then holds exactly the rows a batch would have gathered
-    (a bag-of-words store's sparse rows densified and normalized by the same code), so batches gathered from
-    it equal the host's, and the host never holds more than one chunk beside the source.
+    (a bag-of-words store's rows normalized by the same code), so batches gathered from it equal the host's,
+    and the host never holds more than one chunk beside the source.
     """
     src = as_feature_source(x)
     out = torch.empty((src.num_rows, *src.row_shape), dtype=src.dtype, device=device)
+    chunk_rows = max(1, chunk_bytes * src.num_rows // max(1, src.nbytes))
     for lo in range(0, src.num_rows, chunk_rows):
         hi = min(src.num_rows, lo + chunk_rows)
         out[lo:hi].copy_(src.read_ranges(np.array([lo]), np.array([hi])).reshape(hi - lo, *src.row_shape))
