@@ -117,6 +117,38 @@ def test_the_playoff_takes_the_best_trained_finalists_the_budget_pays_for():
     assert pick(16.9) == []  # fewer than two fit: nothing to choose between
 
 
+def test_time_the_playoff_leaves_races_the_finalists_within_noise_of_the_leader():
+    from types import SimpleNamespace as NS
+
+    # 2 playoff seeds; final runs: 1 split x 1 seed at --epochs 20 (each finalist trained 20 epochs)
+    tune = NS(tc=NS(playoff=5, playoff_seeds=2, seeds=1), max_epochs=20, split_seeds=[None])
+    tune._final_of = lambda s: tune_mod.Tune._final_of(tune, s)
+    tune._contenders = lambda f, left: tune_mod.Tune._contenders(tune, f, left)
+
+    def state(i, time_s, hidden=16):
+        return NS(entry=NS(id=i, cfg=NS(layers=2, hidden=hidden, heads=1)), epochs=20, time_s=time_s)
+
+    top = [state("a", 5.0), state("b", 4.0), state("c", 6.0), state("d", 1.0)]
+    # pooled within-configuration variance: 4 x 2 x 0.01^2 / 4 = 2e-4; s.e. of a difference of 2-run
+    # means: sqrt(2e-4 x (1/2 + 1/2)) = 0.0141, so "close" means at most 0.0283 behind the leader
+    runs = {"a": [0.80, 0.82], "b": [0.83, 0.85], "c": [0.78, 0.80], "d": [0.60, 0.62]}
+
+    def race(left, r=runs):
+        return [f.entry.id for f in tune_mod.Tune._race(tune, top, r, left)]
+
+    # b leads (0.84); a is 0.03 behind, past 0.0283: only the leader is left, nothing to race
+    assert race(1000.0) == []
+    runs2 = {**runs, "a": [0.81, 0.83]}  # 0.02 behind b: within noise; c (0.05) and d are not
+    assert race(1000.0, runs2) == ["b", "a"]  # leader first, then the close ones by mean
+    # the round is priced as the playoff's: 2 x (4 + 5) s, then the dearest's final runs (a, 5 s)
+    assert race(23.0, runs2) == ["b", "a"]
+    assert race(22.9, runs2) == []  # fewer than two fit: the race ends
+    # more runs narrow the standard error: a third run at each mean (pooled variance 1e-4, s.e. 0.0082) and
+    # a's 0.02 is more than two standard errors behind
+    assert race(1000.0, {k: [*v, sum(v) / 2] for k, v in runs2.items()}) == []
+    assert race(1000.0, {k: [v[0]] for k, v in runs2.items()}) == []  # one run each: no variance to judge by
+
+
 def test_a_further_bracket_starts_only_when_the_playoff_keeps_its_contenders():
     from types import SimpleNamespace as NS
 

@@ -8,9 +8,10 @@ sweep's :func:`~trellis.train.sweep.advance`), and stops weak candidates early b
 decides — the search evaluates the training and validation splits only, so the test split is not even
 computed until the final report — and ties go to the cheaper configuration (fewer layers, then narrower).
 The ``--playoff`` best finalists are retrained with fresh seeds and the best mean validation is the choice
-(:meth:`Tune.playoff`). The chosen configuration is then retrained over ``--splits`` splits (per-class splits
-drawn again, or a store's fixed splits: :func:`trellis.train.data.redraw_split`) × ``--seeds`` seeds, and the
-report gives its validation and test mean ± std.
+(:meth:`Tune.playoff`); with ``--budget``, time the playoff leaves races the finalists still within the noise of
+the leader over further rounds of seeds (:meth:`Tune._race`). The chosen configuration is then retrained over
+``--splits`` splits (per-class splits drawn again, or a store's fixed splits:
+:func:`trellis.train.data.redraw_split`) × ``--seeds`` seeds, and the report gives its validation and test mean ± std.
 
 Why halving on a batched sweep: Lotan built model batching for model selection (its §1 and §7: a grid of
 learning rate × optimizer × dropout with early stopping on validation). A grid trained to the end spends most
@@ -274,6 +275,7 @@ class Tune:
         self._first = len(self.entries)
         #: Stop requests (SIGINT/SIGTERM) honoured at epoch boundaries; run_tune installs the handlers.
         self.stop = StopOnSignal(self.err, enabled=False)
+        self.playoff_rounds = 0  # rounds of fresh seeds the playoff ran (:meth:`playoff`)
 
     # -- brackets: a budget left over after the schedule buys another one (Hyperband's outer loop)
     def bracket_entries(self, k: int) -> list[SweepEntry]:
@@ -548,39 +550,81 @@ class Tune:
         own run is left out of the mean); ties go to the cheaper configuration, as in the search. Only training
         and validation are computed. With a budget, the playoff takes as many finalists as ``left_s`` seconds
         pay for, the final runs of the dearest one included (:meth:`_contenders`); a further bracket starts
-        only when it leaves the playoff the same contenders (:meth:`_next_bracket`).
-        Returns the choice and one row per finalist (its runs and their mean).
+        only when it leaves the playoff the same contenders (:meth:`_next_bracket`). Time the first round
+        leaves is raced away (:meth:`_race`).
+        Returns the choice and one row per finalist (its runs and their mean), best first.
         """
         top = self._contenders(finalists, left_s)
         if not top:
             return finalists[0].entry, []
+        t0 = time.perf_counter()
+        runs: dict[str, list[float]] = {f.entry.id: [] for f in top}
+        race, rounds = top, 0
+        while race:
+            self._playoff_round(race, rounds, runs)
+            rounds += 1
+            race = [] if left_s is None else self._race(top, runs, left_s - (time.perf_counter() - t0))
+        rows: list[dict[str, Any]] = [
+            {"config": f.entry.id, "search_val": float(f.stopper.best_value), "val_runs": runs[f.entry.id],
+             "val_mean": statistics.fmean(runs[f.entry.id])} for f in top]
+        by_id = {f.entry.id: f.entry for f in top}
+        rows.sort(key=lambda r: (-r["val_mean"], cost_key(by_id[r["config"]].cfg), r["config"]))
+        self.playoff_rounds = rounds
+        return by_id[rows[0]["config"]], rows
+
+    def _playoff_round(self, top: list[ConfigState], round_: int, runs: dict[str, list[float]]) -> None:
+        """Retrain each of ``top`` with ``--playoff-seeds`` more fresh seeds; append their best validation values.
+
+        Round ``k``'s run ``r`` of a finalist is ``<id>-p<k * playoff_seeds + r>``, trained with the search's
+        seed + 1 + that number, so every round's seeds are new and a round's runs do not depend on how many
+        rounds follow.
+        """
+        n = self.tc.playoff_seeds
+        numbers = range(round_ * n, (round_ + 1) * n)
         entries = [SweepEntry(f"{s.entry.id}-p{r}", {**s.entry.params, "seed": s.entry.cfg.seed + 1 + r},
                               replace(s.entry.cfg, seed=s.entry.cfg.seed + 1 + r))
-                   for s in top for r in range(self.tc.playoff_seeds)]
+                   for s in top for r in numbers]
         states = {e.id: open_state(e, self.strategy, self.metric, self.device, self.root / "playoff", self.factory)
                   for e in entries}
         try:
             for s in states.values():  # a resumed tune runs its playoff again from the start
                 _restart_log(s)
             # one seed per batch, as in the search (a pre-propagation batch shares one shuffle)
-            batches = [b for r in range(self.tc.playoff_seeds)
-                       for b in self._batches([f"{f.entry.id}-p{r}" for f in top], entries)]
+            batches = [b for r in numbers for b in self._batches([f"{f.entry.id}-p{r}" for f in top], entries)]
             for b, ids in enumerate(batches):
                 self.stop.check()
+                desc = f"playoff batch {b + 1}/{len(batches)}" + (f", round {round_ + 1}" if round_ else "")
                 advance([states[i] for i in ids], self.strategy, keep_splits=("train", "val"), err=self.err,
-                        progress=self.tc.progress, desc=f"playoff batch {b + 1}/{len(batches)}",
-                        tag={"playoff": b}, after_epoch=self.stop.check)
+                        progress=self.tc.progress, desc=desc, tag={"playoff": b, "round": round_},
+                        after_epoch=self.stop.check)
         finally:
             for s in states.values():
                 s.log.close()
-        rows: list[dict[str, Any]] = []
         for f in top:
-            runs = [float(states[f"{f.entry.id}-p{r}"].stopper.best_value) for r in range(self.tc.playoff_seeds)]
-            rows.append({"config": f.entry.id, "search_val": float(f.stopper.best_value), "val_runs": runs,
-                         "val_mean": statistics.fmean(runs)})
-        by_id = {f.entry.id: f.entry for f in top}
-        rows.sort(key=lambda r: (-r["val_mean"], cost_key(by_id[r["config"]].cfg), r["config"]))
-        return by_id[rows[0]["config"]], rows
+            runs[f.entry.id] += [float(states[f"{f.entry.id}-p{r}"].stopper.best_value) for r in numbers]
+
+    def _race(self, top: list[ConfigState], runs: dict[str, list[float]], left_s: float) -> list[ConfigState]:
+        """The finalists to retrain with one more round of seeds: those not clearly behind the leader, if paid for.
+
+        Why: a tune whose playoff ends with time left (its reserve was priced for a dear contender's final runs,
+        and a cheaper one won: about 400 s of a 20-minute Computers tune) spends it where the choice is least
+        sure. A finalist stays in the race while the leader's mean exceeds its own by at most two standard
+        errors of the difference (the within-configuration variance pooled over every finalist's runs, as a
+        few runs estimate one configuration's badly); the leader always stays. The round is priced as the
+        first (:meth:`_contenders`: each finalist's search run × ``--playoff-seeds``, the dearest one's final
+        runs reserved); fewer than two that fit end the race. Each round narrows the standard errors, so the
+        race ends when the choice is clear or the budget is spent.
+        """
+        order = sorted(top, key=lambda f: (-statistics.fmean(runs[f.entry.id]), cost_key(f.entry.cfg),
+                                            f.entry.id))
+        dof = sum(len(runs[f.entry.id]) - 1 for f in top)
+        if dof <= 0:
+            return []
+        var = sum(sum((v - statistics.fmean(runs[f.entry.id])) ** 2 for v in runs[f.entry.id]) for f in top) / dof
+        lead = runs[order[0].entry.id]
+        close = [order[0]] + [f for f in order[1:] if statistics.fmean(lead) - statistics.fmean(runs[f.entry.id])
+                              <= 2 * math.sqrt(var * (1 / len(lead) + 1 / len(runs[f.entry.id])))]
+        return self._contenders(close, left_s)
 
     # -- the final runs
     def final_runs(self, best: SweepEntry) -> list[dict[str, Any]]:
@@ -729,7 +773,8 @@ def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: 
         "rungs": tune.rungs, "schedule": [{k: v for k, v in r.items() if k != "best"} for r in tune.progress["rungs"]],
         "cut": tune.progress["cut"], "budget_s": tune.tc.budget_s, "search_time_s": search_s,
         "final_time_s": final_s, "playoff_time_s": playoff_s, "playoff": playoff or [], "passed_over": passed or [],
-        "playoff_seeds": tune.tc.playoff_seeds, "wall_time_s": wall_s, "device": str(tune.device),
+        "playoff_seeds": tune.tc.playoff_seeds, "playoff_rounds": tune.playoff_rounds,
+        "wall_time_s": wall_s, "device": str(tune.device),
         "best": {"config": best.id, "params": best.params, "train_config": best.cfg.to_dict()},
         "final": final, "split_seeds": tune.split_seeds, "seeds": tune.tc.seeds,
         "val_mean": _mean_std(val)[0], "val_std": _mean_std(val)[1],
@@ -768,10 +813,9 @@ def _margin(board: dict[str, Any]) -> str:
     the playoff's two best means are compared, against the standard error of their difference.
     """
     playoff = board.get("playoff") or []
-    if len(playoff) > 1 and len(playoff[0]["val_runs"]) > 1:
+    if len(playoff) > 1 and min(len(r["val_runs"]) for r in playoff[:2]) > 1:
         a, b = playoff[0], playoff[1]
-        runs = len(a["val_runs"])
-        se = 100 * math.sqrt((statistics.variance(a["val_runs"]) + statistics.variance(b["val_runs"])) / runs)
+        se = 100 * math.sqrt(sum(statistics.variance(r["val_runs"]) / len(r["val_runs"]) for r in (a, b)))
         gap = 100 * (a["val_mean"] - b["val_mean"])
         return (f"The playoff's runner-up ({b['config']}) averaged {_pct(b['val_mean'])} on validation, {gap:.2f} "
                 f"points below the choice (standard error of the difference {se:.2f}), so the choice is "
@@ -804,12 +848,20 @@ def report_text(board: dict[str, Any]) -> str:
         cut += (f" The {len(playoff)} best finalists were each retrained with {board['playoff_seeds']} fresh seeds "
                 f"and the best mean validation {m} chose ({', '.join(_pct(r['val_mean']) for r in playoff)}; the "
                 f"choice's search run ranked {rank} of {len(playoff)}).")
+        rounds = board.get("playoff_rounds", 1)
+        if rounds > 1:
+            raced = sum(len(r["val_runs"]) > board["playoff_seeds"] for r in playoff)
+            cut += (f" With budget left, the finalists within two standard errors of the leader raced on for "
+                    f"{rounds - 1} more round(s) of fresh seeds ({raced} raced; the choice's mean is over "
+                    f"{len(playoff[0]['val_runs'])} runs).")
     passed = board.get("passed_over") or []
     if passed:
         cut += (f" The {len(passed)} best-ranked finalist(s) were passed over: the budget left could not pay for "
                 "their final runs (" + ", ".join(f"{r['config']}, {r['final_s_est']:.0f} s"
                                                         for r in passed) + ").")
-    budget = f" of a {board['budget_s'] / 60:.0f}-minute budget" if board["budget_s"] else ""
+    b_s = board["budget_s"]
+    budget = ("" if not b_s else f" of a {b_s / 60:.0f}-minute budget" if b_s % 60 == 0
+              else f" of a {b_s:.0f}-s budget")
     n_final = len(board["final"])
     return (
         f"Tuned {board['model']} on {board['store_name']}: {board['candidates']} candidates ({board['search']} "
