@@ -107,6 +107,7 @@ class BatchStrategy(GraphStrategy):
         super().__init__(cfg, device)
         self._wait_shares: list[float] = []  # per epoch: the share spent waiting for batches
         self.residency: str | None = None  # where the loader's input rows live (in-memory mini and cluster)
+        self.resident_rows: Tensor | None = None  # their dense copy with --feature-residency device
 
     def load(self) -> None:
         """Load inputs, labels and edge data; keep the CSR memory-mapped; build the batch loader."""
@@ -134,7 +135,8 @@ class BatchStrategy(GraphStrategy):
 
         ``host``: the loaded rows (the store's memory map, normalized at gather). ``device``: one dense copy on
         the training device, made through the same gather (so the batches are the same), from which the trainer
-        gathers each batch's rows; sampler processes then only sample (:class:`BatchProducer`).
+        gathers each batch's rows; sampler processes then only sample (:class:`BatchProducer`). Evaluation
+        reads that copy too (:meth:`_infer`).
         """
         x = self.data.x
         assert x is not None
@@ -143,9 +145,9 @@ class BatchStrategy(GraphStrategy):
         self.residency = feature_residency(self.cfg.feature_residency, src.nbytes, self.device.type, free)
         if self.residency == "host":
             return x
-        if isinstance(x, Tensor) and x.device == self.device and x.layout == torch.strided:
-            return x  # already a dense tensor there
-        return copy_rows(src, self.device)
+        dense = isinstance(x, Tensor) and x.device == self.device and x.layout == torch.strided
+        self.resident_rows = x if dense else copy_rows(src, self.device)  # type: ignore[assignment]
+        return self.resident_rows
 
     def loader_tensors(self, on_cpu: bool | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Labels, edge weights and edge features where the loader reads them.
@@ -276,8 +278,14 @@ class BatchStrategy(GraphStrategy):
         super().close()
 
     def _infer(self, model: nn.Module, rows: np.ndarray | None = None) -> Tensor:
+        """Exact outputs for ``rows``: from the device copy of the rows when there is one.
+
+        Why the copy: it is a whole matrix on the compute device, so the first layer runs over the whole
+        graph at once instead of gathering each chunk's rows from the host and copying them over.
+        """
         d = self.data
-        return layerwise_inference(model, self.indptr, self.indices, d.x, edge_weight=d.edge_weight,
+        x = self.resident_rows if self.resident_rows is not None else d.x
+        return layerwise_inference(model, self.indptr, self.indices, x, edge_weight=d.edge_weight,
                                    edge_feat=d.edge_feat, device=self.device, rows=rows)
 
     @torch.no_grad()
