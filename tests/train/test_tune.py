@@ -121,9 +121,9 @@ def test_time_the_playoff_leaves_races_the_finalists_within_noise_of_the_leader(
     from types import SimpleNamespace as NS
 
     # 2 playoff seeds; final runs: 1 split x 1 seed at --epochs 20 (each finalist trained 20 epochs)
-    tune = NS(tc=NS(playoff=5, playoff_seeds=2, seeds=1), max_epochs=20, split_seeds=[None])
+    tune = NS(tc=NS(playoff=5, playoff_seeds=2, seeds=1), max_epochs=20, split_seeds=[None], run_s={})
     tune._final_of = lambda s: tune_mod.Tune._final_of(tune, s)
-    tune._contenders = lambda f, left: tune_mod.Tune._contenders(tune, f, left)
+    tune._contenders = lambda f, left, run_s=None: tune_mod.Tune._contenders(tune, f, left, run_s)
 
     def state(i, time_s, hidden=16):
         return NS(entry=NS(id=i, cfg=NS(layers=2, hidden=hidden, heads=1)), epochs=20, time_s=time_s)
@@ -147,6 +147,59 @@ def test_time_the_playoff_leaves_races_the_finalists_within_noise_of_the_leader(
     # a's 0.02 is more than two standard errors behind
     assert race(1000.0, {k: [*v, sum(v) / 2] for k, v in runs2.items()}) == []
     assert race(1000.0, {k: [v[0]] for k, v in runs2.items()}) == []  # one run each: no variance to judge by
+    # a round is priced at each finalist's longest run so far: b's playoff runs took 30 s (2 x 30 s + ...
+    # do not fit 40 s), and a and c, close too, would fit; without the leader there is no race
+    runs3 = {"a": [0.81, 0.83], "b": [0.83, 0.85], "c": [0.81, 0.83], "d": [0.60, 0.62]}
+    assert race(40.0, runs3) == ["b", "a", "c"]
+    tune.run_s = {"b": 30.0}
+    assert race(1000.0, runs3) == ["b", "a", "c"] and race(40.0, runs3) == []
+
+
+def test_the_playoff_races_rounds_until_the_choice_is_clear_or_the_budget_is_spent(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    # 2 playoff seeds; final runs: 1 split x 1 seed at --epochs 20 (each finalist trained 20 epochs): a
+    # finalist's final runs cost its search run's time, its playoff round twice that
+    tune = NS(tc=NS(playoff=3, playoff_seeds=2, seeds=1), max_epochs=20, split_seeds=[None], run_s={})
+    for name in ("_final_of", "_contenders", "_race"):
+        setattr(tune, name, getattr(tune_mod.Tune, name).__get__(tune))
+
+    def state(i, time_s):
+        return NS(entry=NS(id=i, cfg=NS(layers=2, hidden=16, heads=1)), epochs=20, time_s=time_s,
+                  stopper=NS(best_value=0.9))
+
+    finalists = [state("dear", 40.0), state("a", 5.0), state("b", 4.0), state("c", 1.0)]
+    # each round's two runs per finalist: a stays within noise of b for two rounds, then falls clearly behind
+    scores = {"a": [[0.80, 0.84], [0.81, 0.83], [0.76, 0.78]], "b": [[0.82, 0.84]] * 3, "c": [[0.50, 0.52]] * 3,
+              "dear": [[0.30, 0.32]] * 3}
+    clock = {"t": 0.0}
+    monkeypatch.setattr(tune_mod, "time", NS(perf_counter=lambda: clock["t"]))
+    rounds: list[list[str]] = []
+
+    def fake_round(top, k, runs):  # a round takes what it is priced at
+        rounds.append([f.entry.id for f in top])
+        clock["t"] += sum(2 * f.time_s for f in top)
+        for f in top:
+            runs[f.entry.id] += scores[f.entry.id][k]
+
+    tune._playoff_round = fake_round
+    # 100 s: dear (2 x 40 s, then its 40 s of final runs) does not fit beside a and b: c takes its place
+    best, rows = tune_mod.Tune.playoff(tune, finalists, 100.0)
+    assert rounds[0] == ["a", "b", "c"] and tune.playoff_skipped == ["dear"]
+    # 80 s left: b leads, a is within two standard errors, c is not: b and a race (2 x 9 s + a's 5 s of final
+    # runs); after round 2 a is still close; after round 3 it is clearly behind, and the race ends
+    assert rounds[1:] == [["b", "a"], ["b", "a"]] and tune.playoff_rounds == 3
+    assert best.id == "b" and [r["config"] for r in rows] == ["b", "a", "c"]
+    assert [len(r["val_runs"]) for r in rows] == [6, 6, 2]
+    assert rows[1]["val_mean"] == pytest.approx((0.80 + 0.84 + 0.81 + 0.83 + 0.76 + 0.78) / 6)
+    # 35 s: the first round (20 s) leaves 15 s, which does not pay for a race round (23 s)
+    rounds.clear()
+    tune_mod.Tune.playoff(tune, finalists, 35.0)
+    assert rounds == [["a", "b", "c"]] and tune.playoff_rounds == 1
+    # without a budget: one round (the tune is deterministic from its settings), dear included
+    rounds.clear()
+    tune_mod.Tune.playoff(tune, finalists, None)
+    assert rounds == [["dear", "a", "b"]] and tune.playoff_rounds == 1 and tune.playoff_skipped == []
 
 
 def test_a_further_bracket_starts_only_when_the_playoff_keeps_its_contenders():

@@ -64,7 +64,8 @@ def register(sub: Any) -> None:
                    help="the N best finalists are retrained with fresh seeds and the best mean validation is "
                         "chosen (1: the search's best single run; default: 15)")
     p.add_argument("--playoff-seeds", type=_int("--playoff-seeds"), default=3, metavar="N",
-                   help="fresh seeds per playoff finalist (default: 3)")
+                   help="fresh seeds per playoff finalist and round; with --budget, time left races the "
+                        "finalists within noise of the leader over further rounds (default: 3)")
     p.add_argument("--splits", type=_int("--splits"), default=None, metavar="N",
                    help="splits for the final runs: per-class splits drawn again (Shchur et al.'s npz imports) or "
                         "the store's fixed splits (Platonov et al.'s) (default: 3 where a store has them; else 1)")

@@ -102,7 +102,8 @@ class TuneConfig:
         seed: Seed of the draws and of every candidate; the final runs use ``seed .. seed + seeds - 1``.
         seeds: Seeds per split in the final retraining.
         playoff: Finalists retrained with fresh seeds before the choice (1: the search's best single run).
-        playoff_seeds: Fresh seeds each playoff finalist is retrained with.
+        playoff_seeds: Fresh seeds each playoff finalist is retrained with per round (with a budget, time left
+            races the finalists within noise of the leader over further rounds).
         splits: Splits of the final retraining: per-class splits drawn again, or the store's fixed splits
             (None: 3 when the store records the per-class protocol or holds fixed splits, else 1: its split).
         base: Values every candidate shares (``--set KEY=VALUE``).
@@ -276,6 +277,8 @@ class Tune:
         #: Stop requests (SIGINT/SIGTERM) honoured at epoch boundaries; run_tune installs the handlers.
         self.stop = StopOnSignal(self.err, enabled=False)
         self.playoff_rounds = 0  # rounds of fresh seeds the playoff ran (:meth:`playoff`)
+        self.playoff_skipped: list[str] = []  # trained finalists whose playoff and final runs did not fit
+        self.run_s: dict[str, float] = {}  # a playoff finalist's longest run so far (search or playoff), seconds
 
     # -- brackets: a budget left over after the schedule buys another one (Hyperband's outer loop)
     def bracket_entries(self, k: int) -> list[SweepEntry]:
@@ -514,7 +517,8 @@ class Tune:
         """Seconds the final runs take if ``s`` is chosen: its measured time per epoch × ``--epochs`` × runs."""
         return s.time_s / s.epochs * self.max_epochs * len(self.split_seeds) * self.tc.seeds
 
-    def _contenders(self, finalists: list[ConfigState], left_s: float | None) -> list[ConfigState]:
+    def _contenders(self, finalists: list[ConfigState], left_s: float | None,
+                    run_s: Callable[[ConfigState], float] | None = None) -> list[ConfigState]:
         """The playoff's finalists: the ``--playoff`` best that trained and that ``left_s`` seconds pay for.
 
         Each is priced at its own search run (its share of its batches, early stopping included) times
@@ -522,7 +526,8 @@ class Tune:
         win). A finalist the budget cannot pay for is passed over and the next one tried: one dear finalist
         (hidden 256, its final runs priced at every epoch) no longer ends the playoff of the cheaper ones after
         it (a Coauthor CS tune stopped at 8 of 15 that way with 400 s of its budget unspent). Fewer than two:
-        no playoff (nothing to choose between).
+        no playoff (nothing to choose between). ``run_s`` prices one run of a finalist (default: its search
+        run's time).
         """
         top: list[ConfigState] = []
         spent = final = 0.0
@@ -531,7 +536,8 @@ class Tune:
                 break
             if not f.epochs:  # the budget cut the search before it trained
                 continue
-            cost, dearest = spent + f.time_s * self.tc.playoff_seeds, max(final, self._final_of(f))
+            one = f.time_s if run_s is None else run_s(f)
+            cost, dearest = spent + one * self.tc.playoff_seeds, max(final, self._final_of(f))
             if left_s is not None and cost + dearest > left_s:
                 continue
             top.append(f)
@@ -557,6 +563,10 @@ class Tune:
         top = self._contenders(finalists, left_s)
         if not top:
             return finalists[0].entry, []
+        taken = {f.entry.id for f in top}
+        reach = (max(k for k, f in enumerate(finalists) if f.entry.id in taken) + 1 if len(top) == self.tc.playoff
+                 else len(finalists))  # the playoff stopped at its --playoff-th contender, or tried every finalist
+        self.playoff_skipped = [f.entry.id for f in finalists[:reach] if f.epochs and f.entry.id not in taken]
         t0 = time.perf_counter()
         runs: dict[str, list[float]] = {f.entry.id: [] for f in top}
         race, rounds = top, 0
@@ -602,6 +612,8 @@ class Tune:
                 s.log.close()
         for f in top:
             runs[f.entry.id] += [float(states[f"{f.entry.id}-p{r}"].stopper.best_value) for r in numbers]
+            self.run_s[f.entry.id] = max([self.run_s.get(f.entry.id, f.time_s),
+                                          *(states[f"{f.entry.id}-p{r}"].time_s for r in numbers)])
 
     def _race(self, top: list[ConfigState], runs: dict[str, list[float]], left_s: float) -> list[ConfigState]:
         """The finalists to retrain with one more round of seeds: those not clearly behind the leader, if paid for.
@@ -612,8 +624,11 @@ class Tune:
         errors of the difference (the within-configuration variance pooled over every finalist's runs, as a
         few runs estimate one configuration's badly); the leader always stays. The round is priced as the
         first (:meth:`_contenders`: each finalist's search run × ``--playoff-seeds``, the dearest one's final
-        runs reserved); fewer than two that fit end the race. Each round narrows the standard errors, so the
-        race ends when the choice is clear or the budget is spent.
+        runs reserved), each run at the longest one measured so far: a playoff run may train longer than the
+        search run (a Coauthor CS tune overran by 11 s priced at the search runs). Fewer than two that fit, or
+        a leader that does not fit, end the race (racing only the others could hand them the choice on fewer
+        runs). Each round narrows the standard errors, so the race ends when the choice is clear or the budget
+        is spent.
         """
         order = sorted(top, key=lambda f: (-statistics.fmean(runs[f.entry.id]), cost_key(f.entry.cfg),
                                             f.entry.id))
@@ -624,7 +639,8 @@ class Tune:
         lead = runs[order[0].entry.id]
         close = [order[0]] + [f for f in order[1:] if statistics.fmean(lead) - statistics.fmean(runs[f.entry.id])
                               <= 2 * math.sqrt(var * (1 / len(lead) + 1 / len(runs[f.entry.id])))]
-        return self._contenders(close, left_s)
+        race = self._contenders(close, left_s, lambda f: self.run_s.get(f.entry.id, f.time_s))
+        return race if race and race[0] is order[0] else []
 
     # -- the final runs
     def final_runs(self, best: SweepEntry) -> list[dict[str, Any]]:
@@ -774,6 +790,7 @@ def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: 
         "cut": tune.progress["cut"], "budget_s": tune.tc.budget_s, "search_time_s": search_s,
         "final_time_s": final_s, "playoff_time_s": playoff_s, "playoff": playoff or [], "passed_over": passed or [],
         "playoff_seeds": tune.tc.playoff_seeds, "playoff_rounds": tune.playoff_rounds,
+        "playoff_skipped": tune.playoff_skipped,
         "wall_time_s": wall_s, "device": str(tune.device),
         "best": {"config": best.id, "params": best.params, "train_config": best.cfg.to_dict()},
         "final": final, "split_seeds": tune.split_seeds, "seeds": tune.tc.seeds,
@@ -848,6 +865,10 @@ def report_text(board: dict[str, Any]) -> str:
         cut += (f" The {len(playoff)} best finalists were each retrained with {board['playoff_seeds']} fresh seeds "
                 f"and the best mean validation {m} chose ({', '.join(_pct(r['val_mean']) for r in playoff)}; the "
                 f"choice's search run ranked {rank} of {len(playoff)}).")
+        skipped = board.get("playoff_skipped") or []
+        if skipped:
+            cut += (f" The playoff passed over {', '.join(skipped)}, whose playoff and final runs the budget left "
+                    "could not pay for beside the others'.")
         rounds = board.get("playoff_rounds", 1)
         if rounds > 1:
             raced = sum(len(r["val_runs"]) > board["playoff_seeds"] for r in playoff)
