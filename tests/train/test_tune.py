@@ -123,7 +123,6 @@ def test_time_the_playoff_leaves_races_the_finalists_within_noise_of_the_leader(
     # 2 playoff seeds; final runs: 1 split x 1 seed at --epochs 20 (each finalist trained 20 epochs)
     tune = NS(tc=NS(playoff=5, playoff_seeds=2, seeds=1), max_epochs=20, split_seeds=[None], run_s={})
     tune._final_of = lambda s: tune_mod.Tune._final_of(tune, s)
-    tune._contenders = lambda f, left, run_s=None: tune_mod.Tune._contenders(tune, f, left, run_s)
 
     def state(i, time_s, hidden=16):
         return NS(entry=NS(id=i, cfg=NS(layers=2, hidden=hidden, heads=1)), epochs=20, time_s=time_s)
@@ -147,12 +146,15 @@ def test_time_the_playoff_leaves_races_the_finalists_within_noise_of_the_leader(
     # a's 0.02 is more than two standard errors behind
     assert race(1000.0, {k: [*v, sum(v) / 2] for k, v in runs2.items()}) == []
     assert race(1000.0, {k: [v[0]] for k, v in runs2.items()}) == []  # one run each: no variance to judge by
-    # a round is priced at each finalist's longest run so far: b's playoff runs took 30 s (2 x 30 s + ...
-    # do not fit 40 s), and a and c, close too, would fit; without the leader there is no race
+    # all the close finalists or none: 2 x (4 + 5 + 6) s, then c's 6 s of final runs
     runs3 = {"a": [0.81, 0.83], "b": [0.83, 0.85], "c": [0.81, 0.83], "d": [0.60, 0.62]}
-    assert race(40.0, runs3) == ["b", "a", "c"]
+    assert race(36.0, runs3) == ["b", "a", "c"] and race(35.9, runs3) == []  # not a and b alone
+    # a round is priced at each finalist's longest run so far (b's playoff runs took 30 s)
     tune.run_s = {"b": 30.0}
-    assert race(1000.0, runs3) == ["b", "a", "c"] and race(40.0, runs3) == []
+    assert race(1000.0, runs3) == ["b", "a", "c"] and race(87.9, runs3) == []  # 2 x (30 + 5 + 6) + 6
+    # only those still in the race are compared (b raced out stays out: a leads a and c); the variance is
+    # pooled over every finalist's runs
+    assert [f.entry.id for f in tune_mod.Tune._race(tune, [top[0], top[2]], runs3, 1000.0)] == ["a", "c"]
 
 
 def test_the_playoff_races_rounds_until_the_choice_is_clear_or_the_budget_is_spent(monkeypatch):
@@ -190,7 +192,7 @@ def test_the_playoff_races_rounds_until_the_choice_is_clear_or_the_budget_is_spe
     # runs); after round 2 a is still close; after round 3 it is clearly behind, and the race ends
     assert rounds[1:] == [["b", "a"], ["b", "a"]] and tune.playoff_rounds == 3
     assert best.id == "b" and [r["config"] for r in rows] == ["b", "a", "c"]
-    assert [len(r["val_runs"]) for r in rows] == [6, 6, 2]
+    assert [len(r["val_runs"]) for r in rows] == [6, 6, 2] and [r["raced_out"] for r in rows] == [False] * 2 + [True]
     assert rows[1]["val_mean"] == pytest.approx((0.80 + 0.84 + 0.81 + 0.83 + 0.76 + 0.78) / 6)
     # 35 s: the first round (20 s) leaves 15 s, which does not pay for a race round (23 s)
     rounds.clear()

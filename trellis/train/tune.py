@@ -517,8 +517,7 @@ class Tune:
         """Seconds the final runs take if ``s`` is chosen: its measured time per epoch × ``--epochs`` × runs."""
         return s.time_s / s.epochs * self.max_epochs * len(self.split_seeds) * self.tc.seeds
 
-    def _contenders(self, finalists: list[ConfigState], left_s: float | None,
-                    run_s: Callable[[ConfigState], float] | None = None) -> list[ConfigState]:
+    def _contenders(self, finalists: list[ConfigState], left_s: float | None) -> list[ConfigState]:
         """The playoff's finalists: the ``--playoff`` best that trained and that ``left_s`` seconds pay for.
 
         Each is priced at its own search run (its share of its batches, early stopping included) times
@@ -526,8 +525,7 @@ class Tune:
         win). A finalist the budget cannot pay for is passed over and the next one tried: one dear finalist
         (hidden 256, its final runs priced at every epoch) no longer ends the playoff of the cheaper ones after
         it (a Coauthor CS tune stopped at 8 of 15 that way with 400 s of its budget unspent). Fewer than two:
-        no playoff (nothing to choose between). ``run_s`` prices one run of a finalist (default: its search
-        run's time).
+        no playoff (nothing to choose between).
         """
         top: list[ConfigState] = []
         spent = final = 0.0
@@ -536,8 +534,7 @@ class Tune:
                 break
             if not f.epochs:  # the budget cut the search before it trained
                 continue
-            one = f.time_s if run_s is None else run_s(f)
-            cost, dearest = spent + one * self.tc.playoff_seeds, max(final, self._final_of(f))
+            cost, dearest = spent + f.time_s * self.tc.playoff_seeds, max(final, self._final_of(f))
             if left_s is not None and cost + dearest > left_s:
                 continue
             top.append(f)
@@ -572,13 +569,14 @@ class Tune:
         race, rounds = top, 0
         while race:
             self._playoff_round(race, rounds, runs)
-            rounds += 1
-            race = [] if left_s is None else self._race(top, runs, left_s - (time.perf_counter() - t0))
+            rounds, alive = rounds + 1, {f.entry.id for f in race}
+            race = [] if left_s is None else self._race(race, runs, left_s - (time.perf_counter() - t0))
+        # the choice is the best of the last round's finalists: one the race left out cannot come back
         rows: list[dict[str, Any]] = [
             {"config": f.entry.id, "search_val": float(f.stopper.best_value), "val_runs": runs[f.entry.id],
-             "val_mean": statistics.fmean(runs[f.entry.id])} for f in top]
+             "val_mean": statistics.fmean(runs[f.entry.id]), "raced_out": f.entry.id not in alive} for f in top]
         by_id = {f.entry.id: f.entry for f in top}
-        rows.sort(key=lambda r: (-r["val_mean"], cost_key(by_id[r["config"]].cfg), r["config"]))
+        rows.sort(key=lambda r: (r["raced_out"], -r["val_mean"], cost_key(by_id[r["config"]].cfg), r["config"]))
         self.playoff_rounds = rounds
         return by_id[rows[0]["config"]], rows
 
@@ -615,32 +613,33 @@ class Tune:
             self.run_s[f.entry.id] = max([self.run_s.get(f.entry.id, f.time_s),
                                           *(states[f"{f.entry.id}-p{r}"].time_s for r in numbers)])
 
-    def _race(self, top: list[ConfigState], runs: dict[str, list[float]], left_s: float) -> list[ConfigState]:
-        """The finalists to retrain with one more round of seeds: those not clearly behind the leader, if paid for.
+    def _race(self, alive: list[ConfigState], runs: dict[str, list[float]], left_s: float) -> list[ConfigState]:
+        """The finalists to retrain with one more round of seeds: those of ``alive`` not clearly behind the leader.
 
         Why: a tune whose playoff ends with time left (its reserve was priced for a dear contender's final runs,
         and a cheaper one won: about 400 s of a 20-minute Computers tune) spends it where the choice is least
         sure. A finalist stays in the race while the leader's mean exceeds its own by at most two standard
-        errors of the difference (the within-configuration variance pooled over every finalist's runs, as a
-        few runs estimate one configuration's badly); the leader always stays. The round is priced as the
-        first (:meth:`_contenders`: each finalist's search run × ``--playoff-seeds``, the dearest one's final
-        runs reserved), each run at the longest one measured so far: a playoff run may train longer than the
-        search run (a Coauthor CS tune overran by 11 s priced at the search runs). Fewer than two that fit, or
-        a leader that does not fit, end the race (racing only the others could hand them the choice on fewer
-        runs). Each round narrows the standard errors, so the race ends when the choice is clear or the budget
-        is spent.
+        errors of the difference (the within-configuration variance pooled over every finalist's runs in
+        ``runs``, as a few runs estimate one configuration's badly); the others are out for good, as in racing
+        (Maron & Moore's Hoeffding races, irace's F-race). The round is priced as the first: each finalist's
+        run × ``--playoff-seeds``, the dearest one's final runs reserved, each run at its longest so far (a
+        playoff run may train longer than the search run). It races all the close finalists or none: racing
+        only those the budget pays for left a dear, close one on fewer runs, and on a Cora tune it became the
+        choice on its luckier three while six others were retrained down. Returns [] (no further round) when
+        the leader is clear of the rest or the round does not fit.
         """
-        order = sorted(top, key=lambda f: (-statistics.fmean(runs[f.entry.id]), cost_key(f.entry.cfg),
-                                            f.entry.id))
-        dof = sum(len(runs[f.entry.id]) - 1 for f in top)
+        mean = {i: statistics.fmean(v) for i, v in runs.items()}
+        dof = sum(len(v) - 1 for v in runs.values())
         if dof <= 0:
             return []
-        var = sum(sum((v - statistics.fmean(runs[f.entry.id])) ** 2 for v in runs[f.entry.id]) for f in top) / dof
-        lead = runs[order[0].entry.id]
-        close = [order[0]] + [f for f in order[1:] if statistics.fmean(lead) - statistics.fmean(runs[f.entry.id])
-                              <= 2 * math.sqrt(var * (1 / len(lead) + 1 / len(runs[f.entry.id])))]
-        race = self._contenders(close, left_s, lambda f: self.run_s.get(f.entry.id, f.time_s))
-        return race if race and race[0] is order[0] else []
+        var = sum(sum((x - mean[i]) ** 2 for x in v) for i, v in runs.items()) / dof
+        order = sorted(alive, key=lambda f: (-mean[f.entry.id], cost_key(f.entry.cfg), f.entry.id))
+        lead = order[0].entry.id
+        close = [order[0]] + [f for f in order[1:] if mean[lead] - mean[f.entry.id]
+                              <= 2 * math.sqrt(var * (1 / len(runs[lead]) + 1 / len(runs[f.entry.id])))]
+        cost = sum(self.run_s.get(f.entry.id, f.time_s) for f in close) * self.tc.playoff_seeds
+        fits = cost + max(self._final_of(f) for f in close) <= left_s
+        return close if len(close) > 1 and fits else []
 
     # -- the final runs
     def final_runs(self, best: SweepEntry) -> list[dict[str, Any]]:

@@ -146,8 +146,9 @@ class BatchStrategy(GraphStrategy):
         if self.residency == "host":
             return x
         dense = isinstance(x, Tensor) and x.device == self.device and x.layout == torch.strided
-        self.resident_rows = x if dense else copy_rows(src, self.device)  # type: ignore[assignment]
-        return self.resident_rows
+        rows = x if isinstance(x, Tensor) and dense else copy_rows(src, self.device)
+        self.resident_rows = rows
+        return rows
 
     def loader_tensors(self, on_cpu: bool | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Labels, edge weights and edge features where the loader reads them.
