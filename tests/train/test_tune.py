@@ -250,6 +250,13 @@ def test_a_candidate_whose_final_runs_the_budget_cannot_pay_for_neither_sets_the
     tune.states = {s.entry.id: s for s in (dear, cheap, mid, untrained)}
     tune._final_estimate = tune_mod.Tune._final_estimate.__get__(tune)
     assert tune._final_estimate(100.0) == 20.0  # mid's final runs: 1 s/epoch x 20 (it was dear's 120 s)
+    # first among the candidates whose final runs take at most half the budget (50 s): with mid's at 60 s
+    # (within the 100 s left), cheap's 2 s set the deadline, not mid's (a 20-minute tune stopped in rung 0)
+    mid.time_s = 30.0
+    assert tune._final_estimate(100.0) == 2.0 and tune._final_estimate(55.0) == 2.0
+    tune.states = {"mid": mid}
+    assert tune._final_estimate(100.0) == 60.0  # none within half: the best that the time left pays for
+    mid.time_s = 10.0
     tune.states = {"dear": dear}
     # the only measured candidate is too dear: no reservation yet (the search stopped here before)
     assert tune._final_estimate(100.0) == 0.0

@@ -489,13 +489,24 @@ class Tune:
         to the end of the budget unless a cheaper one turns up). Why not the leader whatever its price: a
         Coauthor CS tune's first batch was one dear candidate alone, its final runs priced above the budget
         left, and the search stopped in rung 0 with that one candidate trained.
+
+        The likely choice is looked for first among the candidates whose final runs take at most half the
+        whole budget, and only when there is none among all that ``left_s`` pays for. Why: a leader whose final
+        runs just fit the time left sets the deadline at once; a 20-minute Amazon Computers tune stopped in
+        rung 0 after 59 s that way (its leader's final runs priced at 1,137 s of 1,141 s left), and that
+        leader was then passed over anyway, since its playoff did not fit either.
         """
         pool = set(self.progress["active"]) | set(self.progress["finalists"])
         measured = [s for s in self.states.values() if s.epochs and s.entry.id in pool]
         if not measured:
             return None
-        first = self.by_price(rank_states(measured), left_s)[0]
-        return self._final_of(first) if self._affordable(first, left_s) else 0.0
+        ranked = rank_states(measured)
+        half = (self.tc.budget_s or 0.0) / 2
+        for cap in ((None,) if left_s is None else (min(left_s, half), left_s)):
+            first = self.by_price(ranked, cap)[0]
+            if self._affordable(first, cap):
+                return self._final_of(first)
+        return 0.0
 
     def _affordable(self, s: ConfigState, left_s: float | None) -> bool:
         """Whether ``left_s`` seconds pay for ``s``'s final runs (always without a budget; never untrained)."""
