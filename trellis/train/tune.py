@@ -875,7 +875,8 @@ def report_text(board: dict[str, Any]) -> str:
         cut += (f" The {len(playoff)} best finalists were each retrained with {board['playoff_seeds']} fresh seeds "
                 f"and the best mean validation {m} chose ({', '.join(_pct(r['val_mean']) for r in playoff)}; the "
                 f"choice's search run ranked {rank} of {len(playoff)}).")
-        skipped = board.get("playoff_skipped") or []
+        named = {r["config"] for r in board.get("passed_over") or []}  # named below: their final runs alone
+        skipped = [c for c in board.get("playoff_skipped") or [] if c not in named]
         if skipped:
             cut += (f" The playoff passed over {', '.join(skipped)}, whose playoff and final runs the budget left "
                     "could not pay for beside the others'.")
