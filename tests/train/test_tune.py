@@ -141,7 +141,7 @@ def test_time_the_playoff_leaves_races_the_finalists_within_noise_of_the_leader(
     assert race(1000.0, runs2) == ["b", "a"]  # leader first, then the close ones by mean
     # the round is priced as the playoff's: 2 x (4 + 5) s, then the dearest's final runs (a, 5 s)
     assert race(23.0, runs2) == ["b", "a"]
-    assert race(22.9, runs2) == []  # fewer than two fit: the race ends
+    assert race(22.9, runs2) == []  # the round does not fit: the race ends
     # more runs narrow the standard error: a third run at each mean (pooled variance 1e-4, s.e. 0.0082) and
     # a's 0.02 is more than two standard errors behind
     assert race(1000.0, {k: [*v, sum(v) / 2] for k, v in runs2.items()}) == []
