@@ -133,6 +133,7 @@ def test_a_model_builder_and_arrays(sbm_store):
 def test_fresh_interpreter_needs_no_cli(sbm_store):
     code = ("import sys, trellis; run = trellis.train(sys.argv[1], epochs=2, hidden=8); "
             "assert not [m for m in sys.modules if m.startswith('trellis.cli')], 'cli imported'; "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported (1.8 s)'; "
             "print(run.history[-1]['epoch'])")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code, str(sbm_store)], capture_output=True, text=True, env=env,

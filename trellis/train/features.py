@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from trellis.errors import TrellisUserError
+from trellis.train.optim import eager
 
 #: Degree-encoding width: one-hot of ``floor(log2(1 + in-degree))`` over this many buckets, plus
 #: ``log1p(in-degree)`` and ``log1p(out-degree)``.
@@ -144,7 +145,7 @@ def sparse_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.
     No weight decay: an L2 penalty would touch every row each step and defeat the sparse update.
     """
     if name in ("adam", "adamw"):
-        return torch.optim.SparseAdam(params, lr=lr)
+        return eager(torch.optim.SparseAdam)(params, lr=lr)
     if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr)
+        return eager(torch.optim.Adagrad)(params, lr=lr)
+    return eager(torch.optim.SGD)(params, lr=lr)
