@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from xml.etree import ElementTree
 
 import pytest
 
@@ -43,5 +44,9 @@ def test_plot_curves(tmp_path):
             log.write({"run": run, "epoch": epoch, "loss": 1.0 / (epoch + 1), "val_acc": 0.1 * epoch,
                        "test_acc": None})
     log.close()
-    plot_curves(tmp_path / "m.jsonl", tmp_path / "c.png", "acc")
-    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plot_curves(tmp_path / "m.jsonl", tmp_path / "c.svg", "acc")
+    root = ElementTree.parse(tmp_path / "c.svg").getroot()
+    lines = root.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 4  # per run: its loss and its val curve; the test curve is all None (not drawn)
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert {"loss", "acc (solid: val, dashed: test)", "run 0", "val, run 1", "test, run 1"} <= set(texts)

@@ -41,7 +41,7 @@ def cfg_for(store, out, **kw):
 def test_run_directory_and_summary(small_store, tmp_path):
     s = train(cfg_for(small_store, tmp_path / "run", runs=3, seed=5))
     run = tmp_path / "run"
-    for name in ("config.json", "metrics.jsonl", "summary.json", "curves.png", "checkpoints/last.pt",
+    for name in ("config.json", "metrics.jsonl", "summary.json", "curves.svg", "checkpoints/last.pt",
                  "models/run-0.pt", "models/run-2.pt"):
         assert (run / name).is_file(), name
     assert read_json(run / "summary.json") == s

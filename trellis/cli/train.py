@@ -220,7 +220,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "train", help="train a GNN on a graph store and write a run directory",
         description="Train a GNN on a graph store. Writes RUN_DIR/{config.json, metrics.jsonl, summary.json, "
-                    "checkpoints/, models/, curves.png}. SIGINT/SIGTERM write a checkpoint; --resume continues.",
+                    "checkpoints/, models/, curves.svg}. SIGINT/SIGTERM write a checkpoint; --resume continues.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(p)
     p.set_defaults(func=run_train)

@@ -52,7 +52,7 @@ COLD_ENV = "TRELLIS_OOC_COLD"
 def budget_and_baseline(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
     """``(budget, baseline)`` in bytes: the parsed ``--memory-budget`` and the process's RssAnon before the graph.
 
-    The kernels are compiled and matplotlib imported first (both would otherwise land inside the budget later).
+    The kernels are compiled first (that would otherwise land inside the budget later).
 
     Raises:
         TrellisUserError: A device other than the CPU.
@@ -64,7 +64,6 @@ def budget_and_baseline(cfg: TrainConfig, device: torch.device) -> tuple[int, in
     budget = parse_size(cfg.memory_budget, flag="--memory-budget")
     return_freed_memory()
     _warm_kernels()
-    import matplotlib.pyplot  # noqa: F401 - the run's curves import it at the end: count it in the baseline
     return budget, proc_status().get("RssAnon", 0)
 
 
