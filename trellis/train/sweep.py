@@ -508,6 +508,8 @@ def run_sweep(sc: SweepConfig, err: IO[str] | None = None,
     if not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):  # an empty dir is simply used
         check_output(out, overwrite=sc.overwrite, owned=is_sweep_dir, what="sweep directory (no sweep.json)")
     device = resolve_device(sc.device)
+    if any(e.cfg.memory_budget is not None for e in entries):
+        import matplotlib.pyplot  # noqa: F401 - the leaderboard draws with it at the end: count it in the baseline
     tmp = temp_sibling(out)
     try:
         strategy = load_sweep_data(entries, device, sc.rewrites, spill_dir=tmp / "spill")
