@@ -174,8 +174,8 @@ def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
 def plot_curves(metrics_path: Path, out: Path, metric: str) -> None:
     """Draw training loss and validation/test ``metric`` per epoch, one colour per run, to ``out`` (SVG).
 
-    SVG text instead of a matplotlib PNG: drawing this took about 1.5 s of every run (mostly importing pyplot),
-    now about a millisecond (``trellis.utils.svgplot``).
+    SVG text instead of a matplotlib PNG: drawing this took about 0.9 s of every run (mostly importing pyplot),
+    now about 10 ms (``trellis.utils.svgplot``; `python -m benchmarks.bench_startup --only curves`).
     """
     by_run: dict[int, list[dict[str, Any]]] = {}
     for rec in iter_jsonl(metrics_path):
