@@ -28,6 +28,11 @@ class Series:
     color: str = COLORS[0]
     dashed: bool = False
 
+    @property
+    def stroke(self) -> str:
+        """The SVG attributes of the line (its legend sample uses the same)."""
+        return f'stroke="{self.color}" stroke-width="1.2"' + (' stroke-dasharray="5 3"' if self.dashed else "")
+
 
 @dataclass
 class Panel:
@@ -98,7 +103,6 @@ def _panel(p: Panel, left: float, top: float, width: float, height: float) -> li
                    'stroke="#e5e5e5"/>')
         out.append(f'<text x="{left - 5:.1f}" y="{sy(y) + 4:.1f}" text-anchor="end">{_fmt(y, yt[1] - yt[0])}</text>')
     for s, line in zip(p.series, lines):
-        dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         segment: list[tuple[float, float]] = []
         for q in [*line, None]:  # the sentinel ends the last segment
             if q is not None:
@@ -106,7 +110,7 @@ def _panel(p: Panel, left: float, top: float, width: float, height: float) -> li
                 continue
             if len(segment) > 1:
                 coords = " ".join(f"{a:.1f},{b:.1f}" for a, b in segment)
-                out.append(f'<polyline points="{coords}" fill="none" stroke="{s.color}" stroke-width="1.2"{dash}/>')
+                out.append(f'<polyline points="{coords}" fill="none" {s.stroke}/>')
             elif segment:  # a single evaluated point: a dot, or it would not show
                 out.append(f'<circle cx="{segment[0][0]:.1f}" cy="{segment[0][1]:.1f}" r="2" fill="{s.color}"/>')
             segment = []
@@ -133,9 +137,7 @@ def _panel(p: Panel, left: float, top: float, width: float, height: float) -> li
                    'fill="white" fill-opacity="0.85" stroke="#ccc"/>')
         for i, s in enumerate(labelled):
             yy = by + 12 + 13 * i
-            dash = ' stroke-dasharray="5 3"' if s.dashed else ""
-            out.append(f'<line x1="{bx + 4:.1f}" y1="{yy - 3:.1f}" x2="{bx + 18:.1f}" y2="{yy - 3:.1f}" '
-                       f'stroke="{s.color}" stroke-width="1.2"{dash}/>')
+            out.append(f'<line x1="{bx + 4:.1f}" y1="{yy - 3:.1f}" x2="{bx + 18:.1f}" y2="{yy - 3:.1f}" {s.stroke}/>')
             out.append(f'<text x="{bx + 21:.1f}" y="{yy:.1f}" font-size="9">{escape(s.label or "")}</text>')
     return out
 
