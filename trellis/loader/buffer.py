@@ -775,6 +775,7 @@ class PartitionBuffer:
         #: that layer is pushed down: rehearsal batches are then kept collapsed (:class:`Kept`).
         self.collapse: Callable[[CSRGraph, Tensor], Tensor] | None = None
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-buffer-io")
+        self._slots_used = 0  # rotating gather buffers handed out (:meth:`_next_slot`)
         self._lock = threading.Lock()
         if cache_rows > 0:
             self._fill_cache(int(cache_rows))
@@ -953,12 +954,22 @@ class PartitionBuffer:
             self.stats.inputs += int(ids.shape[0])
             if self.cache_piece is not None:
                 self.stats.cache_inputs += int(np.count_nonzero(self.slot_of[ids] >= self.cache_base))
-        batch.x = self.features.gather(batch.node_ids, index)
         if step_end and alone:
+            batch.x = self.features.gather(batch.node_ids, self._next_slot())
             return self._finish(batch, eids)
-        if not step_end:  # the step goes on in the next state: its rows out of the rotating buffers
-            batch.x = batch.x.clone()
-        return self._finish(batch, eids, move=False)  # a piece of a step, merged on the CPU
+        # a piece of a step, merged on the CPU into a new batch: its rows are not in the rotating buffers
+        batch.x = self.features.gather(batch.node_ids)
+        return self._finish(batch, eids, move=False)
+
+    def _next_slot(self) -> int:
+        """The rotating gather buffer for the next batch yielded with its rows in one.
+
+        Why a count and not the batch's index: pieces of a step that spans states take no buffer and are not
+        yielded, so indices skip; two batches in the prefetch window could then share a buffer (batch 0 and
+        batch 4 when 1 and 3 were pieces), and the later gather overwrote rows still being trained on.
+        """
+        self._slots_used += 1
+        return self._slots_used
 
     def _whole_step(self, pieces: list[Batch]) -> Batch:
         """The pieces of a step that spans buffer states (each sampled in its own state) as one batch.
@@ -1076,7 +1087,7 @@ class PartitionBuffer:
                       seed=int(batch_seed(self.seed, plan.epoch, k)))
         with self._lock:
             self.stats.inputs += int(node_ids.shape[0])
-        batch.x = self.features.gather(batch.node_ids, k)
+        batch.x = self.features.gather(batch.node_ids, self._next_slot())
         if self.y is not None:
             batch.y = self.y.index_select(0, batch.targets.to(self.y.device))
         return batch.to(self.device, non_blocking=True) if self.device.type != "cpu" else batch
