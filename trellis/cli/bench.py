@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
 
@@ -87,7 +88,7 @@ BENCHES: dict[str, Bench] = {
 
 def register(sub: Any) -> None:
     """Add ``bench`` with one sub-subcommand per :data:`BENCHES` entry."""
-    p = sub.add_parser("bench", help="benchmark Trellis components on a store", description=__doc__,
+    p = sub.add_parser("bench", help=help_of("bench"), description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     benches = p.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(p))
     benches.required = True

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
 _EPILOG = """\
@@ -55,8 +56,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add ``trellis compare`` to the CLI."""
-    p = sub.add_parser("compare", help="compare finished runs: metric, epoch time, time to a target, memory; "
-                                       "validation curves against wall time",
+    p = sub.add_parser("compare", help=help_of("compare"),
                        description=__doc__, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `trellis train` (any strategy)")
     p.add_argument("--target", type=_float, default=None, metavar="X",

@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from trellis.cli.args import int_at_least
+from trellis.cli.commands import help_of
 from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, NODE_FEATURE_MODES, TASK_KINDS, generate
 from trellis.data.importers import FORMATS, import_graph
 from trellis.data.info import format_info, human_bytes, store_info
@@ -111,7 +112,7 @@ _positive_int = int_at_least(1, "{text!r} is not an integer", "{value} must be >
 
 def register(subparsers: Any) -> None:
     """Add ``trellis data {import,generate,info}``."""
-    data = subparsers.add_parser("data", help="import datasets, generate graphs, describe stores",
+    data = subparsers.add_parser("data", help=help_of("data"),
                                  description="Create and inspect Trellis graph stores.")
     sub = data.add_subparsers(dest="data_command", metavar="ACTION")
     sub.required = True

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trellis.cli.args import int_at_least
+from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
 _positive_int = int_at_least(1, "expected an integer, got {text!r}", "expected an integer >= 1, got {value}")
@@ -69,7 +70,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add ``demo`` to the ``trellis`` command."""
     p = subparsers.add_parser(
-        "demo", help="generate a graph, train GCN on it, print accuracy and time (under 2 minutes)",
+        "demo", help=help_of("demo"),
         description="Generate a planted-partition graph with noisy class-correlated features into a temporary "
                     "directory, train a 2-layer GCN full-batch with the GCN paper's hyperparameters, and print "
                     "test accuracy and timing.")

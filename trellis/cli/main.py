@@ -10,23 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from trellis.cli.commands import COMMANDS
 from trellis.errors import TrellisUserError
-
-#: Subcommand modules, in the order ``trellis --help`` lists them.
-COMMAND_MODULES = (
-    "trellis.cli.data",
-    "trellis.cli.partition",
-    "trellis.cli.preprocess",
-    "trellis.cli.train",
-    "trellis.cli.sweep",
-    "trellis.cli.tune",
-    "trellis.cli.compare",
-    "trellis.cli.bench",
-    "trellis.cli.demo",
-)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,21 +24,30 @@ class _Parser(argparse.ArgumentParser):
         raise TrellisUserError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``trellis`` parser with every subcommand module that imports (modules not built yet are skipped)."""
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``trellis`` parser with every subcommand's full parser (``commands`` None) or only those named.
+
+    Only the named subcommands' modules are imported; the others are listed with their one-line help
+    (:data:`~trellis.cli.commands.COMMANDS`), which is all ``trellis --help`` and an unknown command's error
+    show. Why: the modules import torch (about 2.5 s), which a help screen or ``trellis data info`` does not need.
+    """
     parser = _Parser(prog="trellis", description="Train graph neural networks on large graphs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # subcommand not built yet
-                continue
-            raise
-        module.register(sub)
+    wanted = {c.module for c in COMMANDS if commands is None or c.name in commands}
+    for c in COMMANDS:
+        if c.module in wanted:
+            importlib.import_module(c.module).register(sub)  # may add several commands (train and predict)
+            wanted.discard(c.module)
+        elif c.name not in sub.choices:
+            sub.add_parser(c.name, help=c.help)  # listed, never parsed: a named command is always registered
     parser.set_defaults(_subcommands=sub.choices)
     return parser
+
+
+def _command_word(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word), or None for ``trellis``, ``trellis -h`` and the like."""
+    return argv[0] if argv and not argv[0].startswith("-") else None
 
 
 def _unrecognized(args: argparse.Namespace, extra: list[str]) -> TrellisUserError:
@@ -78,7 +75,9 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
             :func:`trellis.nn.build_model`; tests pass a small stub model).
     """
     try:
-        parser = build_parser()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        command = _command_word(argv)
+        parser = build_parser([command] if command is not None else [])
         args, extra = parser.parse_known_args(argv)
         if extra:
             raise _unrecognized(args, extra)

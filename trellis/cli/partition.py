@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
 DESCRIPTION = """\
@@ -25,7 +26,7 @@ random, hash (1D by source; hash-dst by destination), vertex-cut (2D grid), reve
 
 def register(subparsers: Any) -> None:
     """Add the ``partition`` subcommand."""
-    p = subparsers.add_parser("partition", help="partition a graph store and write the partitioned layout",
+    p = subparsers.add_parser("partition", help=help_of("partition"),
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", metavar="STORE", help="graph store directory")
     p.add_argument("--parts", "-p", type=int, required=True, help="number of parts P (1 <= P <= nodes)")

@@ -16,6 +16,7 @@ import json
 import sys
 from typing import Any
 
+from trellis.cli.commands import help_of
 from trellis.loader.ppcache import preprocess
 from trellis.ops.propagate import FEATURE_NORMS, OPERATORS
 from trellis.utils.sizes import format_size
@@ -26,7 +27,7 @@ PP_MODEL_NAMES = ("sgc", "sign", "hoga")
 
 def register(sub: Any) -> None:
     """Add ``preprocess`` to the ``trellis`` subcommands."""
-    p = sub.add_parser("preprocess", help="pre-propagate features for SGC/SIGN/HOGA (out of core, cached)",
+    p = sub.add_parser("preprocess", help=help_of("preprocess"),
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", metavar="STORE", help="graph store directory")
     p.add_argument("--operator", choices=OPERATORS, default="sym",

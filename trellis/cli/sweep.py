@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
 _EPILOG = """\
@@ -41,7 +42,7 @@ def _int(name: str) -> Any:
 
 def register(sub: Any) -> None:
     """Add ``trellis sweep`` to the CLI."""
-    p = sub.add_parser("sweep", help="train a hyperparameter grid with model batching; leaderboard and plot",
+    p = sub.add_parser("sweep", help=help_of("sweep"),
                        description=__doc__, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", metavar="STORE", help="graph store directory")
     p.add_argument("--model", default="gcn", metavar="NAME",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trellis.cli.args import int_at_least
+from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 from trellis.train.config import SESSION_FIELDS, TrainConfig, base_type, check_keys, flag, load_config_file
 from trellis.train.options import OPTIONS
@@ -218,7 +219,7 @@ _nonneg_int = int_at_least(0, "expected a run number, got {text!r}", "expected a
 def register(subparsers: Any) -> None:
     """Add ``train`` and ``predict`` to the ``trellis`` command."""
     p = subparsers.add_parser(
-        "train", help="train a GNN on a graph store and write a run directory",
+        "train", help=help_of("train"),
         description="Train a GNN on a graph store. Writes RUN_DIR/{config.json, metrics.jsonl, summary.json, "
                     "checkpoints/, models/, curves.svg}. SIGINT/SIGTERM write a checkpoint; --resume continues.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,7 +227,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run_train)
 
     q = subparsers.add_parser(
-        "predict", help="write predictions and embeddings of a trained run for every node of a store",
+        "predict", help=help_of("predict"),
         description="Rebuild the model of RUN_DIR (its best-validation run unless --run) and write predictions "
                     "(class ids; 0/1 labels for binary; a 0/1 matrix for multilabel) or --proba probabilities to "
                     "FILE and node embeddings to FILE_emb.npy.")

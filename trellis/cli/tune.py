@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from trellis.cli.commands import help_of
 from trellis.cli.sweep import BUDGET_HELP, _base, _int, with_budget
 from trellis.errors import TrellisUserError
 
@@ -31,8 +32,7 @@ tunable: lr, weight_decay, dropout, hidden, layers, optimizer, init, momentum
 
 def register(sub: Any) -> None:
     """Add ``trellis tune`` to the CLI."""
-    p = sub.add_parser("tune", help="search hyperparameters (successive halving on the batched sweep), report "
-                                    "test accuracy over seeds", description=__doc__, epilog=_EPILOG,
+    p = sub.add_parser("tune", help=help_of("tune"), description=__doc__, epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", metavar="STORE", nargs="?", default=None, help="graph store directory")
     p.add_argument("--model", default="gcn", metavar="NAME", help="model family (default: gcn)")

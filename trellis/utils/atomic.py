@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-import torch
 
 from trellis.errors import TrellisUserError
 
@@ -81,7 +81,8 @@ def json_default(obj: Any) -> Any:
     """``json.dumps`` fallback for numpy scalars and arrays, tensors and paths (everything else: ``str``)."""
     if isinstance(obj, np.generic):
         return obj.item()
-    if isinstance(obj, np.ndarray | torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is imported: not imported here for it
+    if isinstance(obj, np.ndarray) or (torch is not None and isinstance(obj, torch.Tensor)):
         return obj.tolist()
     return str(obj)
 
@@ -93,6 +94,8 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
 
 def torch_save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj)`` to ``path`` atomically (a reader never sees a half-written checkpoint)."""
+    import torch
+
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
