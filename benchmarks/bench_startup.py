@@ -1,6 +1,6 @@
-"""Fixed costs of a training process, each in a fresh interpreter: the optimizer's start-up and the curves plot.
+"""Fixed costs of a process, each in a fresh interpreter: the optimizer's start-up, the curves plot, the help.
 
-    python -m benchmarks.bench_startup [--pairs 5] [--only optimizer|curves]
+    python -m benchmarks.bench_startup [--pairs 5] [--only optimizer|curves|help]
 
 Each measurement is a fresh ``python`` that imports torch and trellis, builds a 2-layer model, and times
 building the optimizer plus three steps (``zero_grad``, backward, ``step``) with the optimizer that
@@ -11,7 +11,11 @@ Trellis's does not while nothing has imported it.
 The curves: every ``trellis train`` ends by drawing its run's loss and metric curves. A fresh ``python`` that has
 imported torch and trellis (as a finished run has) draws the curves of a 3-run, 200-epoch ``metrics.jsonl`` with
 ``trellis.train.runs.plot_curves`` (SVG text) or with matplotlib as Trellis did before (pyplot, two panels,
-legends, a PNG at 100 dpi); the time includes importing what each needs. Prints each pair, the medians, the ratio.
+legends, a PNG at 100 dpi); the time includes importing what each needs.
+
+The help screen: a fresh ``python`` prints ``trellis --help`` (imports included) as the command does now, the
+other subcommands only listed, or with every subcommand's parser built, as it did before (``build_parser()``,
+which imports every subcommand module and torch). Prints each pair, the medians, the ratio.
 """
 
 from __future__ import annotations
@@ -75,9 +79,22 @@ else:
 print(time.perf_counter() - t, "matplotlib" in sys.modules)
 """
 
+_HELP = """
+import contextlib, io, sys, time
+t = time.perf_counter()
+from trellis.cli.main import build_parser, main
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    if sys.argv[1] == "trellis":
+        main(["--help"])
+    else:
+        build_parser().parse_args(["--help"])
+print(time.perf_counter() - t, "torch" in sys.modules)
+"""
+
 _CASES = {  # name: (code, what is timed, the competitor's name, what the flag printed means)
     "optimizer": (_CODE, "optimizer + 3 steps", "torch.optim.Adam", "torch._dynamo imported"),
     "curves": (_CURVES, "curves of 3 x 200 epochs", "matplotlib PNG", "matplotlib imported"),
+    "help": (_HELP, "trellis --help", "every parser built", "torch imported"),
 }
 
 
@@ -90,7 +107,7 @@ def _seconds(code: str, which: str) -> tuple[float, bool]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=5)
-    p.add_argument("--only", choices=sorted(_CASES), help="one measurement (default: both)")
+    p.add_argument("--only", choices=sorted(_CASES), help="one measurement (default: all)")
     a = p.parse_args(argv)
     for case in [a.only] if a.only else list(_CASES):
         code, what, rival, flag = _CASES[case]
