@@ -45,11 +45,6 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
     return parser
 
 
-def _command_word(argv: Sequence[str]) -> str | None:
-    """The subcommand ``argv`` names (its first word), or None for ``trellis``, ``trellis -h`` and the like."""
-    return argv[0] if argv and not argv[0].startswith("-") else None
-
-
 def _unrecognized(args: argparse.Namespace, extra: list[str]) -> TrellisUserError:
     """An unknown flag of a subcommand: named, with the closest flag that subcommand has and its help."""
     import difflib
@@ -76,8 +71,8 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
     """
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
-        command = _command_word(argv)
-        parser = build_parser([command] if command is not None else [])
+        named = argv[:1] if argv and not argv[0].startswith("-") else []  # the subcommand: its first word
+        parser = build_parser(named)
         args, extra = parser.parse_known_args(argv)
         if extra:
             raise _unrecognized(args, extra)
