@@ -93,7 +93,8 @@ def test_edge_mlp_gets_the_general_plan_and_its_gradients():
 
 @pytest.mark.parametrize("strategy", ["full", "mini", "cluster"])
 def test_edge_mlp_trains_in_every_strategy(sbm_store, strategy):
-    run = trellis.train(sbm_store, model=edge_mlp, strategy=strategy, epochs=40, lr=0.01, fanouts="10,5")
+    extra = {"fanouts": "10,5"} if strategy == "mini" else {}  # another strategy refuses the flag
+    run = trellis.train(sbm_store, model=edge_mlp, strategy=strategy, epochs=40, lr=0.01, **extra)
     losses = [r["loss"] for r in run.history]
     assert losses[-1] < 0.7 * losses[0] and run.test_score() > 0.4  # 4 classes: chance is 0.25
 
@@ -180,3 +181,58 @@ def test_bad_user_model_is_a_clear_error_before_training(sbm_store, tmp_path):
 def test_builtin_models_still_declare(sbm_store):
     assert build_model("gcn", 4, 2).convs[0].declare().message == "weighted"
     assert Path(sbm_store).is_dir()
+
+
+class _Clipped(MessagePassing):
+    """The identity on unit-normal rows, not on large ones: a probe at one scale would call it a copy."""
+
+    aggregate = "sum"
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.in_dim = self.out_dim = d
+
+    def message(self, x_j):
+        return x_j.clamp(-5.0, 5.0)
+
+
+class _DropMessage(MessagePassing):
+    """Dropout on the messages: a copy in evaluation mode only."""
+
+    aggregate = "sum"
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.in_dim = self.out_dim = d
+
+    def message(self, x_j):
+        return torch.nn.functional.dropout(x_j, 0.5, self.training)
+
+
+class _Opaque(MessagePassing):
+    """A copy on every probe, which the user says must run as written."""
+
+    aggregate = "sum"
+    general_plan = True
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.in_dim = self.out_dim = d
+
+    def message(self, x_j):
+        return x_j
+
+
+def test_the_probe_does_not_call_a_clipping_or_dropout_message_a_copy():
+    g, adj = random_graph(n=30, p=0.2)
+    x = torch.randn(30, 3) * 10
+    clipped = _Clipped(3)
+    assert clipped.declare().message == "custom" and not clipped.pushdown
+    torch.testing.assert_close(clipped(g, x), adj @ x.clamp(-5, 5))
+    drop = _DropMessage(3).eval()  # first called in evaluation mode, where it copies
+    assert drop.declare().message == "custom" and not drop.training  # the probe restored the mode
+    drop.train()
+    assert not torch.equal(drop(g, x), drop(g, x))  # dropout applies in training
+    opaque = _Opaque(3)
+    assert opaque.declare().message == "custom" and not opaque.pushdown
+    torch.testing.assert_close(opaque(g, x), adj @ x)

@@ -186,3 +186,49 @@ def test_resume_and_explain(sbm_store, tmp_path):
     assert trellis.resume(tmp_path / "cut").summary == resumed.summary  # a finished run is returned as it is
     text = trellis.explain(sbm_store, model="gcn", hidden=8)
     assert "spmm" in text.lower()
+
+
+def test_run_predict_goes_the_way_trellis_predict_goes(sbm_store, tmp_path, monkeypatch):
+    """``Run.predict`` predicts as ``trellis predict`` does: a budgeted run tiles, a store that does not fit refuses."""
+    from trellis.data.generate import generate_sbm
+
+    monkeypatch.chdir(tmp_path)
+    run = trellis.train(sbm_store, epochs=2, hidden=8, memory_budget="400M")
+    assert list(tmp_path.iterdir()) == []  # no runs/<name>/ left by the spill root
+    got = run.predict(logits=True)
+    saved = trellis.train(sbm_store, epochs=2, hidden=8, memory_budget="400M", out=tmp_path / "r")
+    trellis.predict(tmp_path / "r", sbm_store, tmp_path / "p.npy", proba=True)
+    assert np.allclose(torch.softmax(got, 1).numpy(), np.load(tmp_path / "p.npy"), atol=1e-6)
+    assert torch.equal(saved.predict(logits=True), got)
+    narrow = generate_sbm(tmp_path / "narrow", nodes=200, avg_degree=4, features=8, classes=4, seed=1,
+                          progress=False)
+    with pytest.raises(TrellisUserError, match="features have width 8"):
+        trellis.train(sbm_store, epochs=1, hidden=8).predict(narrow)
+    with pytest.raises(TrellisUserError, match="embedding table of 500"):
+        trellis.train(sbm_store, epochs=1, hidden=8, features="embedding:4").predict(narrow)
+    with pytest.raises(TrellisUserError, match="run=3"):
+        run.predict(run=3)
+
+
+def test_options_a_strategy_or_model_does_not_read_are_refused(sbm_store, tmp_path):
+    with pytest.raises(TrellisUserError, match="--fanouts does not apply to --strategy full"):
+        trellis.train(sbm_store, fanouts="5,5")
+    with pytest.raises(TrellisUserError, match="--batch-size does not apply to --strategy full"):
+        trellis.train(sbm_store, batch_size=64)
+    with pytest.raises(TrellisUserError, match="--heads applies to attention models"):
+        trellis.train(sbm_store, heads=4)
+    with pytest.raises(TrellisUserError, match="gcn has no option 'bogus' .--model-args."):
+        trellis.train(sbm_store, model_args={"bogus": 1})
+    with pytest.raises(TrellisUserError, match="--model-args pre_norm: it is a flag of its own"):
+        trellis.train(sbm_store, model_args={"pre_norm": True})
+    trellis.preprocess(sbm_store, tmp_path / "pp", hops=2)
+    pp = {"strategy": "pp", "pp_dir": str(tmp_path / "pp"), "model": "sign"}
+    with pytest.raises(TrellisUserError, match="--split-seed does not apply to --strategy pp"):
+        trellis.train(sbm_store, split_seed=1, **pp)
+    with pytest.raises(TrellisUserError, match="--feature-norm l2 does not apply to --strategy pp"):
+        trellis.train(sbm_store, feature_norm="l2", **pp)
+    with pytest.raises(TrellisUserError, match="sign has no option 'hops'"):
+        trellis.train(sbm_store, model_args={"hops": 5}, **pp)
+    run = trellis.train(sbm_store, epochs=1, **pp)
+    assert run.summary["feature_norm"] == json.loads((tmp_path / "pp" / "manifest.json").read_text())[
+        "settings"]["feature_norm"]

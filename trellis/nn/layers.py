@@ -58,7 +58,9 @@ class MessagePassing(nn.Module):
 
     The planner reads the message: an unparameterized copy or weighted message with a linear aggregate is
     pushed down into one SpMM and reordered with the transform, like the built-in layers (and such a layer is
-    model-batchable); any other message gets the general plan (gather, apply per edge, segment-reduce).
+    model-batchable); any other message gets the general plan (gather, apply per edge, segment-reduce). The
+    planner tells a copy by probing ``message`` (random rows of several scales, in training and in evaluation
+    mode); a layer whose message must run as written whatever the probes show sets ``general_plan = True``.
 
     **Built-in layers** override :meth:`declare` and ``forward``. Calling ``layer(graph, x)`` runs the layer's
     step plan for this input (:meth:`step_plan`); ``layer(graph, x, plan=...)`` runs a given plan (a
@@ -69,6 +71,9 @@ class MessagePassing(nn.Module):
     aggregate: str = "sum"
     #: Name of a user layer's transform: a bias-free ``nn.Linear`` submodule applied to every source row.
     transform: ClassVar[str | None] = None
+    #: True: never push a user layer's message down into one SpMM (probes are evidence, not proof, that a message
+    #: copies its source rows); the general plan runs it as written.
+    general_plan: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -324,6 +324,28 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": _mlp,
 }
 _BUILTIN = frozenset(MODELS)
+#: The options every built-in builder is handed (``trellis train`` flags, not ``--model-args``).
+_FLAGS = ("hidden", "layers", "heads", "dropout", "edge_dim", "norm", "residual", "jk", "mlp_hidden", "edge_weight",
+          "pre_norm")
+
+
+def refuse_unknown_options(name: str, builder: Callable[..., Any], options: dict[str, Any],
+                           common: Sequence[str] = ()) -> None:
+    """Refuse an option ``builder`` does not name (a built-in builder would swallow it: a typo trains silently).
+
+    ``common`` are the options every builder is handed whether it reads them or not; the message lists the rest.
+
+    Raises:
+        ValueError: Names the option and what ``--model-args`` accepts for ``name``.
+    """
+    import inspect
+
+    own = [p.name for p in inspect.signature(builder).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(own))
+    if unknown:
+        extra = [n for n in own if n not in common]
+        raise ValueError(f"{name} has no option {unknown[0]!r} (--model-args); "
+                         + (f"it takes {', '.join(extra)}" if extra else "it takes none beyond its flags"))
 
 
 def register_model(name: str, builder: Callable[..., nn.Module]) -> None:
@@ -372,5 +394,7 @@ def build_model(name: str, in_dim: int, out_dim: int, *, hidden: int = 64, layer
         raise KeyError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     if layers < 1:
         raise ValueError("a model needs at least one layer")
+    if name in _BUILTIN:
+        refuse_unknown_options(name, MODELS[name], extra, common=_FLAGS)
     return MODELS[name](in_dim, out_dim, hidden=hidden, layers=layers, heads=heads, dropout=dropout,
                         edge_dim=edge_dim, **extra)

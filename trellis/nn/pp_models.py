@@ -179,9 +179,19 @@ def _cls(name: str) -> type[PPModel]:
 
 
 def build_pp_model(name: str, in_dim: int, num_hops: int, out_dim: int, *, hidden: int = 256, layers: int = 2,
-                   heads: int = 4, dropout: float = 0.5, input_dropout: float = 0.0) -> PPModel:
-    """Build ``sgc``, ``sign`` or ``hoga`` for ``F = in_dim``, ``R = num_hops`` and ``out_dim`` outputs."""
+                   heads: int = 4, dropout: float = 0.5, input_dropout: float = 0.0, **extra: object) -> PPModel:
+    """Build ``sgc``, ``sign`` or ``hoga`` for ``F = in_dim``, ``R = num_hops`` and ``out_dim`` outputs.
+
+    Raises:
+        TrellisUserError: An unknown model or option (``extra``: what ``--model-args`` gave beyond these).
+    """
+    from trellis.nn.models import refuse_unknown_options
+
     cls = _cls(name)
+    try:
+        refuse_unknown_options(name, build_pp_model, extra, common=("hidden", "layers", "heads", "dropout"))
+    except ValueError as exc:
+        raise TrellisUserError(f"--model {name}: {exc}") from None
     if hidden < 1 or layers < 1:
         raise TrellisUserError("--hidden and --layers must be >= 1")
     builders: dict[str, Callable[[], PPModel]] = {

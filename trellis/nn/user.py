@@ -13,7 +13,8 @@ A user subclasses :class:`trellis.nn.MessagePassing` and writes
 Why read the code instead of asking for a declaration: the planner can move only what it understands, and a
 user should not have to know the planner. :func:`declare` probes ``message`` numerically: a message that reads
 only ``x_j`` (and ``edge_weight``), touches no parameter, and returns ``x_j`` (or ``edge_weight * x_j``) on
-random probes is a copy (weighted) message; with a linear aggregate (sum, mean) the layer is then pushed down
+random probes of several scales, in training and in evaluation mode, is a copy (weighted) message (a layer
+sets ``general_plan = True`` to opt out); with a linear aggregate (sum, mean) the layer is then pushed down
 into one SpMM, and the transform may run before or after it (Lotan §4.2), exactly like the built-in GCN — so it
 is also model-batchable. Anything else gets the general plan (:func:`run_general`): gather the rows per edge,
 apply the message, segment-reduce to the destinations, one layer's edges at a time; autograd supplies the
@@ -76,38 +77,55 @@ def transform_of(layer: MessagePassing) -> nn.Linear | None:
     return lin
 
 
+#: Scales of the probes' values: a message that is the identity on unit normals but clips, saturates or rounds
+#: larger or smaller values (``x_j.clamp(-5, 5)``, ``torch.tanh``) is told apart from a copy.
+_PROBE_SCALES = (1.0, 1e-3, 1e3, 1e6)
+
+
 def _probe(layer: MessagePassing, names: list[str]) -> str:
-    """``copy``, ``weighted`` or ``custom``: what ``message`` computes on random probes."""
-    if "x_i" in names or "edge_attr" in names:
+    """``copy``, ``weighted`` or ``custom``: what ``message`` computes on random probes.
+
+    The probes run in training mode and in evaluation mode (a message with dropout copies in one only) and at
+    several scales; the layer's modes are restored afterwards. A probe is evidence, not proof: a layer whose
+    message must never be pushed down says so with ``general_plan = True``.
+    """
+    if "x_i" in names or "edge_attr" in names or type(layer).general_plan:
         return "custom"
     params = [p for p in layer.parameters() if p.requires_grad]
+    modes = {m: m.training for m in layer.modules()}
     gen = torch.Generator().manual_seed(0)
     kind = None
-    probe: Any = layer.message
-    for width in (3, 5):
-        x_j = torch.randn(7, width, generator=gen)
-        w = torch.rand(7, generator=gen) + 0.5
-        args = {"x_j": x_j, "edge_weight": w} if "edge_weight" in names else {"x_j": x_j}
-        with torch.enable_grad():
-            try:
-                out = probe(**args)
-            except Exception:  # noqa: BLE001 - a message that needs more than a probe gives: the general plan
-                return "custom"
-            if not isinstance(out, Tensor) or out.shape != x_j.shape:
-                return "custom"
-            if params and out.requires_grad:
-                grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
-                if any(g is not None for g in grads):
+    try:
+        for training in (True, False):
+            layer.train(training)
+            for width, scale in zip((3, 5, 4, 6), _PROBE_SCALES):
+                x_j = torch.randn(7, width, generator=gen) * scale
+                w = torch.rand(7, generator=gen) + 0.5
+                args = {"x_j": x_j, "edge_weight": w} if "edge_weight" in names else {"x_j": x_j}
+                with torch.enable_grad():
+                    try:
+                        out = layer.message(**args)
+                    except Exception:  # noqa: BLE001 - a message that needs more than a probe gives: the general plan
+                        return "custom"
+                    if not isinstance(out, Tensor) or out.shape != x_j.shape:
+                        return "custom"
+                    if params and out.requires_grad:
+                        grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
+                        if any(g is not None for g in grads):
+                            return "custom"
+                tol = 1e-6 * scale
+                if torch.allclose(out, x_j, rtol=0, atol=tol):
+                    now = "copy"
+                elif "edge_weight" in names and torch.allclose(out, w[:, None] * x_j, rtol=1e-6, atol=tol):
+                    now = "weighted"
+                else:
                     return "custom"
-        if torch.allclose(out, x_j, rtol=0, atol=1e-6):
-            now = "copy"
-        elif "edge_weight" in names and torch.allclose(out, w[:, None] * x_j, rtol=1e-6, atol=1e-6):
-            now = "weighted"
-        else:
-            return "custom"
-        if kind not in (None, now):
-            return "custom"
-        kind = now
+                if kind not in (None, now):
+                    return "custom"
+                kind = now
+    finally:
+        for m, training in modes.items():
+            m.training = training
     return kind or "custom"
 
 

@@ -26,10 +26,8 @@ from trellis.errors import TrellisUserError
 from trellis.nn.models import MODELS, register_model
 from trellis.train.build import default_model_factory, make_model
 from trellis.train.config import TrainConfig
-from trellis.train.data import resolve_device
 from trellis.train.features import NodeEmbedding
 from trellis.train.runs import iter_jsonl, open_run_dir, read_json
-from trellis.train.strategies import strategy_class
 from trellis.train.tasks import TASKS, Task
 
 #: What :func:`train` accepts as the graph.
@@ -46,6 +44,7 @@ class Run:
         models: Per run (seed), the best-validation model.
         config: The resolved configuration.
         run_dir: The run directory, or None.
+        headers: Per run, what its model file holds beside the weights (what rebuilds and checks the model).
     """
 
     summary: dict[str, Any]
@@ -53,6 +52,7 @@ class Run:
     models: list[nn.Module]
     config: TrainConfig
     run_dir: Path | None = None
+    headers: list[dict[str, Any]] = field(default_factory=list)
     _keep: Any = field(default=None, repr=False)  # a temporary store the run trained on, kept alive with it
 
     @property
@@ -85,20 +85,16 @@ class Run:
             logits: The model's raw outputs.
             device: ``auto|cpu|cuda[:N]`` (default: the run's).
         """
-        cfg = TrainConfig.from_dict({**self.config.to_dict(), "store": _store_path(store) if store else
-                                     self.config.store, "device": device or self.config.device,
-                                     "progress": False, "nproc": 1 if self.config.parts_dir else None},
-                                    source="Run.predict")
-        model = self.models[int(self.summary["best_run"]) if run is None else run]
-        strategy = strategy_class(cfg.strategy).for_config(cfg)(cfg, resolve_device(cfg.device))
-        strategy.load()
-        try:
-            was_training = model.training
-            model.eval()
-            out = strategy.predict(model)
-            model.train(was_training)
-        finally:
-            strategy.close()
+        from trellis.train.predict import predict_saved
+
+        r = int(self.summary["best_run"]) if run is None else run
+        if not 0 <= r < len(self.models):
+            raise TrellisUserError(f"run={r}: this Run has runs 0..{len(self.models) - 1}")
+        saved = {**self.headers[r], "state_dict": self.models[r].state_dict()}
+        with tempfile.TemporaryDirectory(prefix="trellis-predict-") as scratch:  # an out-of-core run's spill
+            out = predict_saved(saved, self.run_dir or Path(scratch), self.config.to_dict(),
+                                _store_path(store) if store else self.config.store,
+                                device=device or self.config.device).logits
         if logits:
             return out
         task: Task = TASKS[self.summary["task"]](int(self.summary["num_classes"]))
@@ -199,7 +195,7 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
     trainer = Trainer(cfg, handle_signals=False, run_dir=out is not None, keep_models=True)
     summary = trainer.fit()
     return Run(summary, trainer.history, trainer.models, trainer.cfg,
-               Path(summary["run_dir"]) if summary.get("run_dir") else None, _keep=keep)
+               Path(summary["run_dir"]) if summary.get("run_dir") else None, trainer.headers, _keep=keep)
 
 
 def load_run(run_dir: str | os.PathLike[str]) -> Run:
@@ -210,12 +206,13 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
                                f"`trellis train --resume {paths.root}`")
     summary = dict(read_json(paths.summary))
     cfg = TrainConfig.from_dict(read_json(paths.config), source=f"{paths.config}")
-    models = []
+    models, headers = [], []
     for r in range(len(summary["seeds"])):
         saved = torch.load(paths.model(r), map_location="cpu", weights_only=True)
         if saved.get("strategy") == "pp" or "kwargs" not in saved:
             raise TrellisUserError(f"{paths.model(r)}: a {saved.get('model')} model file cannot be rebuilt as a "
                                    "module here; use trellis.predict(run_dir, store, out)")
+        headers.append({k: v for k, v in saved.items() if k != "state_dict"})
         m = make_model(default_model_factory, saved["model"], saved["in_dim"], saved["out_dim"],
                        edge_dim=saved["edge_dim"], **saved["kwargs"])
         features = str(saved.get("features", "store"))
@@ -223,7 +220,7 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
             m = NodeEmbedding(m, saved["num_nodes"], int(features.split(":", 1)[1]))
         m.load_state_dict(saved["state_dict"])
         models.append(m)
-    return Run(summary, list(iter_jsonl(paths.metrics)), models, cfg, paths.root)
+    return Run(summary, list(iter_jsonl(paths.metrics)), models, cfg, paths.root, headers)
 
 
 def _duration(budget: str | float | None) -> float | None:

@@ -224,13 +224,18 @@ class TrainConfig:
         for key, value in STRATEGY_DEFAULTS.get(self.strategy, {}).items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
-        if self.batch_size is None:
-            self.batch_size = 1024
-        if self.fanouts is None and isinstance(self.layers, int) and self.layers >= 1:
-            extra = max(0, self.layers - len(DEFAULT_FANOUTS))
-            fan = list(DEFAULT_FANOUTS[: self.layers]) + [DEFAULT_FANOUTS[-1]] * extra
-            self.fanouts = ",".join(map(str, fan))
+        for key, value in self._resolved_defaults().items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         self.validate()
+
+    def _resolved_defaults(self) -> dict[str, Any]:
+        """What the resolved fields (``batch_size``, ``fanouts``) hold when not given, for this strategy and depth."""
+        out: dict[str, Any] = {"batch_size": 1024}
+        if isinstance(self.layers, int) and self.layers >= 1:
+            extra = max(0, self.layers - len(DEFAULT_FANOUTS))
+            out["fanouts"] = ",".join(map(str, list(DEFAULT_FANOUTS[: self.layers]) + [DEFAULT_FANOUTS[-1]] * extra))
+        return {**out, **{k: v for k, v in STRATEGY_DEFAULTS.get(self.strategy, {}).items() if k in out}}
 
     # ---- validation ----------------------------------------------------------------------------
     def _validate_model_options(self) -> None:
@@ -248,6 +253,13 @@ class TrainConfig:
             raise TrellisUserError(f"--pre-norm builds gcn, sage and gin blocks (got --model {self.model})")
         if self.pre_norm and self.jk != "none":
             raise TrellisUserError("--pre-norm blocks end in their own output layer; drop --jk")
+        flags = [k for k in ("hidden", "layers", "heads", "dropout", "norm", "residual", "jk", "mlp_hidden",
+                             "edge_weight", "pre_norm") if k in self.model_args]
+        if flags:
+            raise TrellisUserError(f"--model-args {flags[0]}: it is a flag of its own; pass "
+                                   f"--{flags[0].replace('_', '-')} (a Python caller: {flags[0]}=...) instead")
+        if self.heads != 1 and self.model in ("gcn", "sage", "gin", "mlp", "sgc", "sign"):
+            raise TrellisUserError(f"--heads applies to attention models (gat, gate, hoga), not --model {self.model}")
         if self.mlp_hidden and self.model != "gin":
             raise TrellisUserError(f"--mlp-hidden is GIN's MLP width; --model {self.model} has no such MLP")
         if self.edge_weight and self.model not in ("gcn", "sage"):
@@ -297,7 +309,7 @@ class TrainConfig:
             from trellis.plan.price import Price
 
             Price.parse(self.price_per_hour)
-        refuse_foreign(self)
+        refuse_foreign(self, self._resolved_defaults())
         self.options.validate(self)
         for name in ("optimizer", "task", "feature_norm", "init"):
             choices = _field_meta(name)["choices"]

@@ -403,6 +403,13 @@ class PPOptions(_Memory, _Batched, _Ranks):
         if cfg.features != "store":
             raise TrellisUserError(f"--features {cfg.features} does not apply to --strategy pp: it trains on the "
                                    "pre-propagated features of PP_DIR")
+        if cfg.split_seed is not None:
+            raise TrellisUserError("--split-seed does not apply to --strategy pp: PP_DIR holds the split it was built "
+                                   "with (its train/val/test rows); drop it, or train another strategy")
+        if cfg.feature_norm != "auto":
+            raise TrellisUserError(f"--feature-norm {cfg.feature_norm} does not apply to --strategy pp: the features "
+                                   "were normalized when PP_DIR was built (`trellis preprocess --feature-norm`); "
+                                   "drop it")
         if self.pp_dir is None:
             raise TrellisUserError("--strategy pp needs --pp-dir PP_DIR (build it with `trellis preprocess "
                                    "STORE --out PP_DIR`)")
@@ -430,13 +437,16 @@ def option_fields() -> dict[str, Any]:
     return out
 
 
-def refuse_foreign(cfg: TrainConfig) -> None:
-    """Refuse an option set away from its default that ``cfg.strategy`` does not read, naming who reads it."""
+def refuse_foreign(cfg: TrainConfig, resolved: dict[str, Any]) -> None:
+    """Refuse an option set away from its default that ``cfg.strategy`` does not read, naming who reads it.
+
+    A resolved field (batch size, fanouts) always holds a value: its default is the one ``resolved`` gives.
+    """
     own = options_class(cfg.strategy).names()
     for name, f in sorted(option_fields().items()):
-        if name in own or f.metadata.get("resolved"):
-            continue  # resolved fields (batch size, fanouts) always hold a value
-        if getattr(cfg, name) != f.default:
+        if name in own:
+            continue
+        if getattr(cfg, name) != (resolved.get(name) if f.metadata.get("resolved") else f.default):
             users = [s for s, c in OPTIONS.items() if name in c.names()]
             raise TrellisUserError(f"{_flag(name)} does not apply to --strategy {cfg.strategy}; it applies to "
                                    f"--strategy {' and '.join(users)} (drop it, or choose that strategy)")

@@ -23,7 +23,7 @@ from trellis.train.build import ModelFactory
 from trellis.train.config import TrainConfig
 from trellis.train.runs import open_run_dir, read_json
 from trellis.train.strategies import Strategy, strategy_class
-from trellis.train.strategy import PredictRequest
+from trellis.train.strategy import Prediction, PredictRequest
 from trellis.train.tasks import TASKS
 from trellis.train.trainer import MODEL_FORMAT
 from trellis.utils.atomic import file_mode
@@ -103,13 +103,26 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     if not pp and saved.get("format") != MODEL_FORMAT:
         raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
     run_cfg = {} if pp else read_json(open_run_dir(run_dir).config)
-    cls, budget = prediction_strategy(saved, run_cfg, store, memory_budget)
-    req = PredictRequest(saved, run_dir, run_cfg, str(store), device=device, memory_budget=budget,
-                         spill_dir=spill_dir or run_cfg.get("spill_dir"), model_factory=model_factory)
-    result = cls.predict_saved(req, embedding_path(out_path))
+    result = predict_saved(saved, run_dir, run_cfg, store, device=device, memory_budget=memory_budget,
+                           spill_dir=spill_dir, model_factory=model_factory, embeddings_to=embedding_path(out_path))
     task = TASKS[saved.get("task", "multiclass")](saved.get("out_dim", saved.get("num_classes")))
     return _write(out_path, result.logits, result.embeddings, result.embedding_source, task, proba, r,
                   saved["model"], run_dir, emb_dim=result.embedding_dim)
+
+
+def predict_saved(saved: dict[str, Any], run_dir: Path, run_cfg: dict[str, Any], store: str | os.PathLike[str], *,
+                  device: str = "auto", memory_budget: str | None = None, spill_dir: str | None = None,
+                  model_factory: ModelFactory | None = None, embeddings_to: Path | None = None) -> Prediction:
+    """Logits of every node of ``store`` from a saved model (``models/run-N.pt``'s contents), as its run predicts.
+
+    The one path of ``trellis predict``, :func:`predict` and ``Run.predict``: the run's strategy
+    (:func:`prediction_strategy`) checks that the store fits the model and predicts. ``embeddings_to`` is where a
+    strategy that writes the embeddings itself puts them (None: only the logits are wanted).
+    """
+    cls, budget = prediction_strategy(saved, run_cfg, store, memory_budget)
+    req = PredictRequest(saved, run_dir, run_cfg, str(store), device=device, memory_budget=budget,
+                         spill_dir=spill_dir or run_cfg.get("spill_dir"), model_factory=model_factory)
+    return cls.predict_saved(req, embeddings_to)
 
 
 def prediction_strategy(saved: dict[str, Any], run_cfg: dict[str, Any], store: str | os.PathLike[str],

@@ -228,10 +228,11 @@ class Strategy(ABC):
         raise TrellisUserError(f"--strategy {self.name} cannot predict every node")
 
     @classmethod
-    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path | None) -> Prediction:
         """``trellis predict`` with a model this strategy trained.
 
-        ``embeddings_to`` is where the embeddings go when the strategy writes them itself (tile by tile).
+        ``embeddings_to`` is where the embeddings go when the strategy writes them itself (tile by tile); None
+        when only the logits are wanted (``Run.predict``), so no strategy computes embeddings for nothing.
 
         Raises:
             TrellisUserError: The strategy cannot predict every node, or the store does not fit the model.

@@ -66,7 +66,7 @@ from trellis.train.strategies.full import FullBatch
 from trellis.train.strategies.outofcore import OutOfCoreFull
 from trellis.train.strategies.pp import PrePropagation
 from trellis.train.summary import RunSummary, split_metrics_of
-from trellis.train.trainer import save_model
+from trellis.train.trainer import model_header, save_model
 from trellis.utils.atomic import check_output, replace_dir, temp_sibling
 from trellis.utils.manifest import format_of
 from trellis.utils.memory import PeakMemory
@@ -471,7 +471,7 @@ def _finish(s: ConfigState, b: int, strategy: Strategy, metric: str, root: Path,
     best = s.stopper.best_metrics
     result = {"run": 0, "seed": cfg.seed, "best_epoch": s.stopper.best_epoch, "epochs": s.epochs,
               "time_s": s.time_s, **best}
-    save_model(d / "models" / "run-0.pt", s.model, cfg, metric, result, strategy.model_record(cfg))
+    save_model(d / "models" / "run-0.pt", s.model, model_header(cfg, metric, result, strategy.model_record(cfg)))
     times = s.step_times or [float("nan")]
     summary = RunSummary(
         metric=metric, strategy=cfg.strategy, model=cfg.model, task=task.name, runs=1, seeds=[cfg.seed],

@@ -142,6 +142,8 @@ class Trainer:
         self.paths: RunPaths | None = None
         #: Per run, its best-validation model (with ``keep_models``).
         self.models: list[nn.Module] = []
+        #: Per run, what its model file holds beside the weights (with ``keep_models``; ``Run.predict`` reads it).
+        self.headers: list[dict[str, Any]] = []
         #: The metrics records of every epoch (with ``keep_models``), as ``metrics.jsonl`` holds them.
         self.history: list[dict[str, Any]] = []
 
@@ -349,11 +351,13 @@ class Trainer:
             bar.close()
         run_time = lane.time_s
         stopper.restore(model)  # the run ended (patience or epoch budget): keep the best-validation weights
-        if self.keep_models:
-            self.models.append(model)
         result = {"run": r, "seed": seed, "best_epoch": stopper.best_epoch, "epochs": lane.epochs, "time_s": run_time,
                   **stopper.best_metrics}
-        save_model(ctx.paths.model(r), model, cfg, ctx.metric, result, strategy.model_record(cfg))
+        header = model_header(cfg, ctx.metric, result, strategy.model_record(cfg))
+        save_model(ctx.paths.model(r), model, header)
+        if self.keep_models:
+            self.models.append(model)
+            self.headers.append(header)
         prog.results.append(result)
         prog.run, prog.epoch = r + 1, 0
         self._checkpoint(ctx, None)
@@ -409,14 +413,15 @@ class Trainer:
         return {"price": price.describe(), "machines": len(hourly), **run_value(epoch_s, hourly)}
 
 
-def save_model(path: Path, model: nn.Module, cfg: TrainConfig, metric: str, result: dict[str, Any],
-               record: dict[str, Any]) -> None:
-    """Write ``models/run-N.pt``: the weights and ``record``, what ``trellis predict`` rebuilds the model from."""
-    torch_save_atomic({
-        "format": MODEL_FORMAT, "version": FORMAT_VERSION, "model": cfg.model, "strategy": cfg.strategy,
-        "metric": metric, "result": result, "init": cfg.init, **record,
-        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-    }, path)
+def model_header(cfg: TrainConfig, metric: str, result: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """What ``models/run-N.pt`` holds beside the weights: the strategy's ``record`` (what rebuilds the model)."""
+    return {"format": MODEL_FORMAT, "version": FORMAT_VERSION, "model": cfg.model, "strategy": cfg.strategy,
+            "metric": metric, "result": result, "init": cfg.init, **record}
+
+
+def save_model(path: Path, model: nn.Module, header: dict[str, Any]) -> None:
+    """Write ``models/run-N.pt``: the weights and ``header`` (:func:`model_header`), what ``trellis predict`` reads."""
+    torch_save_atomic({**header, "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}, path)
 
 
 def _num_parameters(model_file: Path) -> int:

@@ -81,6 +81,11 @@ class SpillDir:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self._made: list[Path] = []  # the root and the parents this created, deepest first
+        missing = self.root
+        while not missing.exists():
+            self._made.append(missing)
+            missing = missing.parent
         self.root.mkdir(parents=True, exist_ok=True)
         clean_stale_spills(self.root)
         self.path = self.root / f"{PREFIX}{os.getpid()}-{next(_counter)}"
@@ -133,13 +138,18 @@ class SpillDir:
             drop_map_cache(arr)
 
     def close(self) -> None:
-        """Remove every spill file and the directory (and the root, when this left it empty)."""
+        """Remove every spill file and the directory, and the root and its parents this created when left empty.
+
+        A run without a run directory (``trellis.train`` without ``out``) leaves nothing behind, not even the
+        ``runs/<name>/`` that held its spill root; another process's spills, or a run directory, keep theirs.
+        """
         self._arrays.clear()
         shutil.rmtree(self.path, ignore_errors=True)
-        try:
-            self.root.rmdir()  # only succeeds when empty: another process's spills keep it
-        except OSError:
-            pass
+        for d in [self.root] + [m for m in self._made if m != self.root]:
+            try:
+                d.rmdir()  # only succeeds when empty
+            except OSError:
+                break
 
 
 def drop_file_cache(path: str | os.PathLike[str]) -> None:

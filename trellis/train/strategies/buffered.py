@@ -291,7 +291,7 @@ class BufferedMini(BatchStrategy):
 
 
     @classmethod
-    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path | None) -> Prediction:
         """Inference over the run's layout: layer-wise through the buffer within the budget, exact without one.
 
         The features are read from the layout (the store may hold none after ``trellis partition

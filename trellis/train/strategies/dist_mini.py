@@ -654,7 +654,7 @@ class DistributedMini(BatchStrategy):
         super().close()
 
     @classmethod
-    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path | None) -> Prediction:
         """Prediction runs in one process over the run's layout (the partition buffer's exact inference)."""
         return BufferedMini.predict_saved(req, embeddings_to)
 

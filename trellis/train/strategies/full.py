@@ -73,7 +73,7 @@ class GraphStrategy(Strategy):
 
     @classmethod
     @torch.no_grad()
-    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path | None) -> Prediction:
         """The whole graph in memory: logits, and the penultimate layer's output when the model returns it."""
         saved = req.saved
         features = saved.get("features", "store")
@@ -95,7 +95,8 @@ class GraphStrategy(Strategy):
             model.load_state_dict(saved["state_dict"])
         model.to(data.x.device).eval()
         logits: Tensor = model(data.graph, data.x)
-        if not _accepts_return_embedding(getattr(model, "model", model)):  # a NodeEmbedding passes it on
+        # A NodeEmbedding passes return_embedding on to its model.
+        if embeddings_to is None or not _accepts_return_embedding(getattr(model, "model", model)):
             return Prediction(logits, logits, "logits")
         res = model(data.graph, data.x, return_embedding=True)
         return Prediction(logits, res[1] if isinstance(res, tuple) else res, "penultimate")

@@ -363,7 +363,7 @@ class OutOfCoreFull(Strategy):
             self.spill = None
 
     @classmethod
-    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path | None) -> Prediction:
         """Tiled inference under the request's budget; the embeddings go to ``embeddings_to`` tile by tile."""
         saved = req.saved
         if saved.get("features", "store") not in ("store", "none", "degree"):
@@ -443,12 +443,14 @@ class SharedTiles(ModelBatch):
         return [metrics(logits) for logits in self.eng.forward(False, st.eval_rows)]
 
 
-def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task, emb_path: Path) -> tuple[Tensor, int]:
+def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task,
+                        emb_path: Path | None) -> tuple[Tensor, int]:
     """Logits of every node by tiled inference under ``cfg.memory_budget``; the embeddings go to ``emb_path``.
 
     The embeddings (the last layer's input: the penultimate layer's ReLU output, or the features of a
     one-layer model) are copied tile by tile from their spill into a ``.npy`` file (written to a temporary
-    name and renamed), so they never sit in memory whole. Returns the logits and the embedding width.
+    name and renamed), so they never sit in memory whole. Returns the logits and the embedding width (0
+    when ``emb_path`` is None: no embeddings wanted).
     """
     strategy = OutOfCoreFull(cfg, torch.device("cpu"))
     strategy.predict_task = task
@@ -463,8 +465,10 @@ def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task, emb_path
             raise TrellisUserError(f"--memory-budget: --model {cfg.model} cannot run out of core (GCN, SAGE and "
                                    "GIN tile); drop --memory-budget") from None
         strategy.plan_for(model)
-        strategy._engine_for(model).keep_outputs = True  # the embeddings: the last hidden layer's output spill
+        strategy._engine_for(model).keep_outputs = emb_path is not None  # the embeddings: the last hidden output
         logits = strategy.predict(model)
+        if emb_path is None:
+            return logits, 0
         assert strategy.spill is not None
         layers = len(cast(GNN, model).convs)
         src = strategy.spill.get(f"h{layers - 1}") if layers > 1 else strategy._input()

@@ -163,7 +163,7 @@ class PrePropagation(Strategy):
         """What rebuilds the model for ``trellis predict``: widths, hops and the cache."""
         return {"strategy": "pp", "num_features": self.cache.num_features, "hops": self.cache.hops,
                 "out_dim": self.task.num_outputs, "kwargs": self._model_kwargs(cfg), "task": self.task.name,
-                "pp_dir": str(self.cache.path), "feature_norm": "none", "features": "store",
+                "pp_dir": str(self.cache.path), "feature_norm": self.cache.feature_norm, "features": "store",
                 "num_nodes": self.store.num_nodes}
 
     def begin_run(self, seed: int) -> None:
@@ -240,7 +240,7 @@ class PrePropagation(Strategy):
                           self.store, self.device)
 
     @classmethod
-    def predict_saved(cls, req: PredictRequest, embeddings_to: Path) -> Prediction:
+    def predict_saved(cls, req: PredictRequest, embeddings_to: Path | None) -> Prediction:
         """Logits of every node from the run's cache (the model's input is pre-propagated rows, not a graph)."""
         saved = req.saved
         record = {**saved, "out_dim": saved.get("out_dim", saved.get("num_classes"))}  # older pp model files
@@ -264,7 +264,7 @@ class PrePropagation(Strategy):
                 "loader": self.data.train.describe(), "load_time_s": self.load_time_s,
                 "preprocess_seconds": self.cache.manifest.get("build", {}).get("seconds"),
                 "read_bytes": io1.get("read_bytes", 0) - self._io0.get("read_bytes", 0),
-                "feature_norm": "none", "features": "store"}
+                "feature_norm": self.cache.feature_norm, "features": "store"}
 
     def close(self) -> None:
         """Close the storage source's files."""
