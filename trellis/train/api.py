@@ -93,7 +93,7 @@ class Run:
         saved = {**self.headers[r], "state_dict": self.models[r].state_dict()}
         with tempfile.TemporaryDirectory(prefix="trellis-predict-") as scratch:  # an out-of-core run's spill
             out = predict_saved(saved, self.run_dir or Path(scratch), self.config.to_dict(),
-                                _store_path(store) if store else self.config.store,
+                                _store_path(store) if store else str(self.config.store),
                                 device=device or self.config.device).logits
         if logits:
             return out

@@ -33,6 +33,8 @@ class TrainConfig(Protocol):
     strategy: str
     layers: int
     features: str
+    split_seed: int | None
+    feature_norm: str
 
 #: ``--pp-loader`` choices (trellis.loader.pp.LOADERS; auto = the placement planner's choice).
 PP_LOADERS = ("auto", "naive", "naive-batch", "index", "prefetch", "chunk", "storage")
