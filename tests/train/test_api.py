@@ -232,3 +232,49 @@ def test_options_a_strategy_or_model_does_not_read_are_refused(sbm_store, tmp_pa
     run = trellis.train(sbm_store, epochs=1, **pp)
     assert run.summary["feature_norm"] == json.loads((tmp_path / "pp" / "manifest.json").read_text())[
         "settings"]["feature_norm"]
+
+
+def test_python_spellings_and_mistakes_get_the_cli_rules(sbm_store, tmp_path, capsys):
+    from trellis.train.config import TrainConfig
+
+    cfg = TrainConfig.from_dict({"store": str(sbm_store), "strategy": "mini", "fanouts": (5, 3)})
+    assert cfg.fanouts == "5,3"
+    assert TrainConfig.from_dict({"store": str(sbm_store), "memory_budget": 400_000_000}).memory_budget == "400000000"
+    with pytest.raises(TrellisUserError, match=r"--fanouts \[1.5, 2\]: give integers"):
+        trellis.MiniOptions(fanouts=[1.5, 2])
+    with pytest.raises(TrellisUserError, match="strategy= takes a name"):
+        trellis.train(sbm_store, strategy={"name": "mini"})
+    for parts in ("2", 2.5):
+        with pytest.raises(TrellisUserError, match="--parts must be an integer"):
+            trellis.partition(sbm_store, parts)
+
+    def returns_text(in_dim, out_dim):
+        return "a model"
+
+    def plain_linear(in_dim, out_dim):
+        return torch.nn.Linear(in_dim, out_dim)
+
+    with pytest.raises(TrellisUserError, match="returned a str"):
+        trellis.train(sbm_store, model=returns_text)
+    with pytest.raises(TrellisUserError, match=r"cannot be called as model\(graph, x\)"):
+        trellis.train(sbm_store, model=plain_linear)
+    with pytest.raises(TrellisUserError, match=r"space=: lr"):
+        trellis.tune(sbm_store, space={"lr": "bad"})
+    with pytest.raises(TrellisUserError, match="needs splits="):
+        trellis.train({"src": np.array([0, 1]), "dst": np.array([1, 2]), "x": np.ones((3, 2), np.float32),
+                       "y": np.array([0, 1, 0])})
+    board = trellis.sweep(sbm_store, {"lr": "0.01,0.02"}, epochs=1, hidden=8)  # the CLI's string form
+    assert sorted(r["lr"] for r in board["rows"]) == [0.01, 0.02]
+    capsys.readouterr()
+    run = trellis.train(sbm_store, epochs=1, hidden=8, memory_budget="400M")  # prints no banner
+    assert capsys.readouterr() == ("", "") and run.summary["run_dir"] is None
+
+
+def test_a_user_model_run_read_back_without_its_builder_says_what_to_register(sbm_store, tmp_path):
+    trellis.train(sbm_store, epochs=1, model=LinearProbe, out=tmp_path / "r")
+    code = ("import sys, trellis\ntry:\n    trellis.load_run(sys.argv[1])\nexcept trellis.TrellisUserError as e:\n"
+            "    print(e)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert "register_model('linearprobe', builder)" in out.stdout, out.stderr

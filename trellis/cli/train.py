@@ -167,7 +167,10 @@ def run_train(args: argparse.Namespace) -> int:
             rank = env.rank
             if env.restart_count and cfg.resume is None and cfg.out and Path(cfg.out, "config.json").is_file():
                 cfg.resume = cfg.out  # a job torchrun restarted continues from its checkpoint
-    trainer = Trainer(cfg, model_factory=getattr(args, "model_factory", None))
+    from trellis.train.launch import QUIET_ENV
+
+    trainer = Trainer(cfg, model_factory=getattr(args, "model_factory", None),
+                      quiet=os.environ.get(QUIET_ENV) == "1")  # a rank a library call started
     if cfg.explain:
         text = trainer.explain()
         print(text)

@@ -157,12 +157,14 @@ def weights(layer: MessagePassing, graph: CSRGraph) -> tuple[Tensor | None, Tens
     got = layer.edge_weights(graph)
     if got is None:
         return None, None
-    if isinstance(got, tuple):
-        if len(got) != 2:
-            raise TrellisUserError(f"{type(layer).__name__}.edge_weights must return weights [E] or "
-                                   "(weights [E], self-loop weights [n])")
-        return got[0], got[1]
-    return got, None
+    ew, sw = got if isinstance(got, tuple) and len(got) == 2 else (got, None)
+    e, n = graph.num_edges, graph.num_dst
+    if not isinstance(ew, Tensor) or ew.shape[:1] != (e,) or ew.dim() > 2 or not (
+            sw is None or (isinstance(sw, Tensor) and tuple(sw.shape) == (n,))):
+        shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (ew, sw) if t is not None]
+        raise TrellisUserError(f"{type(layer).__name__}.edge_weights must return weights [E] or (weights [E], "
+                               f"self-loop weights [n]) with E = {e}, n = {n} on this graph; got {shapes}")
+    return ew, sw
 
 
 def aggregation(layer: MessagePassing, graph: CSRGraph) -> Aggregation:

@@ -11,6 +11,8 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+
 from trellis.data.store import GraphStore, open_store
 from trellis.errors import TrellisUserError
 from trellis.partition.balance import parse_balance
@@ -42,10 +44,11 @@ def partition(store: str | os.PathLike[str] | GraphStore, parts: int, *, method:
     Returns:
         The report (``trellis partition --json``'s fields) and the quality object (``.table()`` prints it).
     """
-    if parts < 1:
-        raise TrellisUserError(f"--parts must be at least 1 (got {parts})")
-    if width < 1:
-        raise TrellisUserError(f"--width must be at least 1 (got {width})")
+    for flag, value in (("parts", parts), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TrellisUserError(f"--{flag} must be an integer (got {value!r})")
+        if value < 1:
+            raise TrellisUserError(f"--{flag} must be at least 1 (got {value})")
     if move_features and out is None:
         raise TrellisUserError("--move-features needs a layout to move the features into; pass --out PART_DIR")
     opts = {"seed": seed, "imbalance": imbalance, **options}

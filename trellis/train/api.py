@@ -24,7 +24,7 @@ from trellis.data.convert import from_arrays, from_pyg
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.models import MODELS, register_model
-from trellis.train.build import default_model_factory, make_model
+from trellis.train.build import check_registered, default_model_factory, make_model
 from trellis.train.config import TrainConfig
 from trellis.train.features import NodeEmbedding
 from trellis.train.runs import iter_jsonl, open_run_dir, read_json
@@ -123,6 +123,9 @@ def as_store(data: GraphLike, tmp: str | None = None) -> tuple[str, Any]:
         if "src" not in data or "dst" not in data:
             raise TrellisUserError("a graph given as a dict needs 'src' and 'dst' edge arrays (the arguments of "
                                    "trellis.data.from_arrays)")
+        if "splits" not in data:
+            raise TrellisUserError("a graph given as a dict needs splits={'train': ids, 'val': ids, 'test': ids} "
+                                   "(node ids of each split) to train and evaluate on")
         return str(from_arrays(out=out, **data)), keep
     raise TrellisUserError(f"cannot train on a {type(data).__name__}: pass a store path, a GraphStore, a PyG Data "
                            "or a dict of arrays (trellis.data.from_arrays)")
@@ -167,7 +170,6 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
         TrellisUserError: A bad option or store (the CLI's message, which names the flag).
     """
     from trellis.train.trainer import Trainer
-    from trellis.train.trainer import train as train_cfg
 
     for bad in ("store", "resume", "json", "explain"):
         if bad in options:
@@ -184,15 +186,15 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
     if out is not None:
         values["out"] = os.fspath(out)
     cfg = TrainConfig.from_dict(values, source="trellis.train")
-    from trellis.train.launch import needs_launch
+    from trellis.train.launch import needs_launch, train_ranks
 
     if needs_launch(cfg):
         if out is None:
             raise TrellisUserError("trellis.train: a run over several processes (nproc > 1) needs out= (the ranks "
                                    "write their models there)")
-        train_cfg(cfg)
+        train_ranks(cfg, quiet=not progress)
         return load_run(cfg.out or "")
-    trainer = Trainer(cfg, handle_signals=False, run_dir=out is not None, keep_models=True)
+    trainer = Trainer(cfg, handle_signals=False, run_dir=out is not None, keep_models=True, quiet=not progress)
     summary = trainer.fit()
     return Run(summary, trainer.history, trainer.models, trainer.cfg,
                Path(summary["run_dir"]) if summary.get("run_dir") else None, trainer.headers, _keep=keep)
@@ -205,7 +207,9 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
         raise TrellisUserError(f"{paths.root}: the run has not finished (no summary.json); continue it with "
                                f"`trellis train --resume {paths.root}`")
     summary = dict(read_json(paths.summary))
-    cfg = TrainConfig.from_dict(read_json(paths.config), source=f"{paths.config}")
+    saved_cfg = read_json(paths.config)
+    check_registered(str(saved_cfg.get("model")), str(paths.root))
+    cfg = TrainConfig.from_dict(saved_cfg, source=f"{paths.config}")
     models, headers = [], []
     for r in range(len(summary["seeds"])):
         saved = torch.load(paths.model(r), map_location="cpu", weights_only=True)
@@ -252,7 +256,8 @@ def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn"
     from trellis.train.sweep import SweepConfig, parse_grid, run_sweep
 
     path, keep = as_store(store)
-    items = [f"{k}={','.join(str(v) for v in values)}" for k, values in grid.items()]
+    items = [f"{k}={values if isinstance(values, str) else ','.join(str(v) for v in values)}"  # "0.01,0.02" too
+             for k, values in grid.items()]
     with tempfile.TemporaryDirectory(prefix="trellis-sweep-") as scratch:
         sc = SweepConfig(store=path, model=model, grid=parse_grid(items), base=base, epochs=epochs, patience=patience,
                          seed=seed, device=device, batch_models=batch_models,
@@ -293,6 +298,9 @@ def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str
     path, keep = as_store(store)
     with tempfile.TemporaryDirectory(prefix="trellis-tune-") as scratch:
         if isinstance(space, dict):  # the tune records its space file: write the dict as one
+            from trellis.train.space import parse_space
+
+            parse_space(space, "space=")  # a bad space is named as the caller gave it, not by the scratch file
             space_arg: str | None = os.path.join(scratch, "space.json")
             Path(os.path.join(scratch, "space.json")).write_text(json.dumps(space))
         else:
@@ -330,6 +338,7 @@ def resume(run_dir: str | os.PathLike[str]) -> Run:
     paths = open_run_dir(run_dir)
     if not paths.summary.is_file():
         saved = read_json(paths.config)
+        check_registered(str(saved.get("model")), str(paths.root))
         cfg = TrainConfig.from_dict({**saved, "resume": str(paths.root), "progress": False},
                                     source=f"{paths.config}")
         Trainer(cfg, handle_signals=False).fit()

@@ -8,6 +8,7 @@ loop by handing the trainer another factory — no module global to patch.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -53,10 +54,36 @@ def make_model(factory: ModelFactory, name: str, in_dim: int, out_dim: int, *, e
                **kwargs: Any) -> nn.Module:
     """Build a model, turning a builder's complaint about the options into a user error naming ``--model``."""
     try:
-        return factory(name, in_dim, out_dim, edge_dim=edge_dim, **kwargs)
+        model = factory(name, in_dim, out_dim, edge_dim=edge_dim, **kwargs)
     except (KeyError, ValueError, TypeError) as exc:
         msg = exc.args[0] if exc.args else str(exc)
         raise TrellisUserError(f"--model {name}: {msg}") from exc
+    if not isinstance(model, nn.Module):
+        raise TrellisUserError(f"--model {name}: the builder returned a {type(model).__name__}; it must return a "
+                               "torch.nn.Module")
+    try:
+        inspect.signature(model.forward).bind(None, None)
+    except TypeError:
+        raise TrellisUserError(f"--model {name}: {type(model).__name__}.forward cannot be called as model(graph, x); "
+                               "a model takes the graph (a CSRGraph, or one block per layer) and the input rows"
+                               ) from None
+    except ValueError:
+        pass  # no signature to read (a C function): the first step tells
+    return model
+
+
+def check_registered(model: str, where: str) -> None:
+    """Refuse a saved run whose model this process cannot build: a user's builder not registered here.
+
+    Raises:
+        TrellisUserError: Names the model and ``trellis.nn.register_model``.
+    """
+    from trellis.nn import MODELS
+    from trellis.nn.pp_models import PP_MODELS
+
+    if model not in MODELS and model not in PP_MODELS:
+        raise TrellisUserError(f"{where}: the run trained the model {model!r}, which this process does not know; "
+                               f"register its builder first: trellis.nn.register_model({model!r}, builder)")
 
 
 def build_run_model(cfg: TrainConfig, spec: ModelSpec, factory: ModelFactory = default_model_factory) -> nn.Module:

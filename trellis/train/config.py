@@ -36,6 +36,7 @@ from trellis.train.optim import OPTIMIZERS
 from trellis.train.options import (
     OPTIONS,
     StrategyOptions,
+    fanouts_text,
     option_fields,
     options_class,
     refuse_foreign,
@@ -377,6 +378,9 @@ def flatten_options(values: dict[str, Any], source: str) -> dict[str, Any]:
     """
     out = dict(values)
     strategy = out.get("strategy")
+    if strategy is not None and not isinstance(strategy, (str, StrategyOptions)):
+        raise TrellisUserError(f"{source}: strategy= takes a name ({', '.join(OPTIONS)}) or an options object "
+                               f"(trellis.MiniOptions(...)); got a {type(strategy).__name__}")
     nested: dict[str, Any] = {}
     if isinstance(strategy, StrategyOptions):
         out["strategy"] = strategy.strategy
@@ -499,10 +503,19 @@ def parse_value(name: str, text: str) -> Any:
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Accept JSON values of the right kind (an int where a float is expected)."""
+    """Accept JSON values of the right kind, and a library caller's spellings of the CLI's strings.
+
+    An int where a float is expected; a byte count as an int where a size is (``memory_budget=2_000_000_000``);
+    fanouts as a list (``fanouts=[10, 5]``).
+    """
     typ, _ = base_type(name)
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+    number = isinstance(value, int) and not isinstance(value, bool)
+    if typ is float and number:
         return float(value)
+    if typ is str and number and _field_meta(name).get("metavar") == "SIZE":
+        return str(value)
+    if name in ("fanouts", "buffer_replay_fanouts"):
+        return fanouts_text(name, value)
     return value
 
 

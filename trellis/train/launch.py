@@ -118,8 +118,17 @@ def _describe(code: int) -> str:
     return f"exit code {code}"
 
 
-def launch(cfg: TrainConfig, err: Any = None) -> int:
-    """Start ``--nproc`` ranks running ``cfg`` and wait for them; returns the job's exit code."""
+#: Set to ``1`` in the ranks of a quiet launch: their trainers print no banner.
+QUIET_ENV = "TRELLIS_QUIET"
+
+
+def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
+    """Start ``--nproc`` ranks running ``cfg`` and wait for them; returns the job's exit code.
+
+    ``quiet``: the ranks print no banner and their standard output (rank 0's summary lines) is dropped, for a
+    library caller that reads the summary from the run directory; errors still reach ``err`` and the ranks'
+    standard error.
+    """
     err = err if err is not None else sys.stderr
     nproc = preflight(cfg)
     port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else free_port()
@@ -145,11 +154,12 @@ def launch(cfg: TrainConfig, err: Any = None) -> int:
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for r in range(total):
-            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r)}
+            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), **({QUIET_ENV: "1"} if quiet else {})}
             # Own session: a terminal's Ctrl-C reaches only the launcher, which passes it on once (two
             # SIGINTs would make a rank abort without its checkpoint); ranks die with the launcher.
             procs.append(subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", "--config", str(cfg_file)],
-                                          env=env, start_new_session=True, preexec_fn=_die_with_parent))
+                                          env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                                          stdout=subprocess.DEVNULL if quiet else None))
         return _watch(procs, err, stopping)
     finally:
         for s, h in previous.items():
@@ -176,7 +186,7 @@ def needs_launch(cfg: TrainConfig) -> bool:
     return cfg.strategy == "full" and (cfg.nproc or 0) != 1
 
 
-def train_ranks(cfg: TrainConfig, err: Any = None) -> dict[str, Any]:
+def train_ranks(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> dict[str, Any]:
     """Start the ranks of ``cfg`` on this machine, wait for them and return the job's summary.
 
     The library's counterpart of ``trellis train --parts-dir PART_DIR --nproc P``: the same launcher, and the
@@ -188,7 +198,7 @@ def train_ranks(cfg: TrainConfig, err: Any = None) -> dict[str, Any]:
     """
     if cfg.out is None:  # the ranks must agree on the run directory, and the caller must find it
         cfg = dataclasses.replace(cfg, out=str(default_run_dir(Path(str(cfg.store)).name, cfg.model)))
-    code = launch(cfg, err)
+    code = launch(cfg, err, quiet=quiet)
     if code != 0:
         raise RuntimeError(f"the distributed run in {cfg.out} stopped with exit code {code}; continue it with "
                            f"resume={cfg.out!r}")

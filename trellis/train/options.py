@@ -69,6 +69,20 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def fanouts_text(name: str, value: Any) -> Any:
+    """``[15, 10]`` as the CLI's ``"15,10"`` (a library caller's spelling); other values pass unchanged.
+
+    Raises:
+        TrellisUserError: An element that is not an integer, naming the flag.
+    """
+    if not isinstance(value, (list, tuple)):
+        return value
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise TrellisUserError(f"{_flag(name)} {list(value)!r}: give integers, one per layer, target layer first "
+                               "(-1 = all neighbours)")
+    return ",".join(str(v) for v in value)
+
+
 def _at_least(name: str, value: int | None, low: int) -> None:
     if value is not None and value < low:
         raise TrellisUserError(f"{_flag(name)} must be an integer >= {low} (got {value})")
@@ -310,10 +324,8 @@ class MiniOptions(_Buffer, _Batched):
                                     metavar="SIZE")
 
     def __post_init__(self) -> None:
-        if isinstance(self.fanouts, (list, tuple)):  # the library may pass [15, 10]
-            object.__setattr__(self, "fanouts", ",".join(str(int(f)) for f in self.fanouts))
-        if isinstance(self.buffer_replay_fanouts, (list, tuple)):
-            object.__setattr__(self, "buffer_replay_fanouts", ",".join(str(int(f)) for f in self.buffer_replay_fanouts))
+        for name in ("fanouts", "buffer_replay_fanouts"):  # the library may pass [15, 10]
+            object.__setattr__(self, name, fanouts_text(name, getattr(self, name)))
 
     def validate(self, cfg: TrainConfig) -> None:
         """The buffer's rules, and one fanout per layer."""

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from trellis.errors import TrellisUserError
-from trellis.train.build import ModelFactory
+from trellis.train.build import ModelFactory, check_registered
 from trellis.train.config import TrainConfig
 from trellis.train.runs import open_run_dir, read_json
 from trellis.train.strategies import Strategy, strategy_class
@@ -102,6 +102,8 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     pp = saved.get("strategy") == "pp" or saved.get("format") == "trellis-pp-model"
     if not pp and saved.get("format") != MODEL_FORMAT:
         raise TrellisUserError(f"{run_dir}: models/run-{r}.pt is not a trellis model file")
+    if model_factory is None:
+        check_registered(str(saved.get("model")), str(run_dir))
     run_cfg = {} if pp else read_json(open_run_dir(run_dir).config)
     result = predict_saved(saved, run_dir, run_cfg, store, device=device, memory_budget=memory_budget,
                            spill_dir=spill_dir, model_factory=model_factory, embeddings_to=embedding_path(out_path))

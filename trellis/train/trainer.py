@@ -126,11 +126,13 @@ class Trainer:
             the end: the models and the history stay in memory (:attr:`models`, :attr:`history`), and the
             summary's ``run_dir`` is None (``trellis.train`` without ``out``).
         keep_models: Keep every run's best-validation model and the metrics records in memory.
+        quiet: Print no banner (the strategy's description of what it runs): a library caller without progress.
     """
 
     def __init__(self, cfg: TrainConfig, *, model_factory: ModelFactory | None = None,
                  callbacks: Sequence[EpochCallback] = (), err: IO[str] | None = None,
-                 handle_signals: bool = True, run_dir: bool = True, keep_models: bool = False) -> None:
+                 handle_signals: bool = True, run_dir: bool = True, keep_models: bool = False,
+                 quiet: bool = False) -> None:
         self.cfg = copy.deepcopy(cfg)
         self.model_factory = model_factory or default_model_factory
         self.callbacks = list(callbacks)
@@ -138,6 +140,7 @@ class Trainer:
         self.handle_signals = handle_signals
         self.write_run_dir = run_dir
         self.keep_models = keep_models or not run_dir
+        self.quiet = quiet
         self._signal = StopOnSignal(self.err, enabled=False)
         self.paths: RunPaths | None = None
         #: Per run, its best-validation model (with ``keep_models``).
@@ -232,7 +235,7 @@ class Trainer:
             write_json_atomic(paths.config, {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())})
         strategy.world.barrier("after the run directory")
         self.paths = paths
-        if strategy.banner() and strategy.world.rank == 0:
+        if not self.quiet and strategy.banner() and strategy.world.rank == 0:
             print(strategy.banner(), file=self.err)
         log = MetricsLog(paths.metrics, offset=prog.log_offset if scratch is None else None)
         meter = PeakMemory(device=device).start()
