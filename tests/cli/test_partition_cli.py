@@ -72,6 +72,8 @@ def test_methods_and_options(store_path, tmp_path, capsys, method, extra):
     (["--parts", 2, "--method", "metis", "--no-refine"], "--no-refine does not apply to --method metis"),
     (["--parts", 2, "--seed-method", "spectral"], "--seed-method must be one of"),
     (["--parts", "two"], "invalid int value"),
+    (["--parts", 2, "--seed=-1"], "--seed: -1 must be >= 0"),
+    (["--parts", 2, "--seed", "-1"], "--seed: -1 must be >= 0"),  # a value after its flag, starting with -
 ])
 def test_bad_input_exits_2_and_writes_nothing(store_path, tmp_path, capsys, argv, message):
     out_dir = tmp_path / "parts"

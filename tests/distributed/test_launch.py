@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,8 +63,13 @@ def whole(dist_store, layouts, tmp_path_factory) -> Path:
     return out
 
 
+def _peer_dirs() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("trellis-peer-*"))
+
+
 def test_killed_rank_is_named_every_rank_exits_and_resume_finishes_the_run(dist_store, layouts, whole, tmp_path):
     out = tmp_path / "cut"
+    peers = _peer_dirs()
     proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(dist_store), "--parts-dir",
                              str(layouts[("metis", 2)]), "--out", str(out), *TRAIN], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -75,6 +81,7 @@ def test_killed_rank_is_named_every_rank_exits_and_resume_finishes_the_run(dist_
     assert proc.returncode != 0
     assert f"rank 1 (pid {pid}) died: killed by SIGKILL" in err.decode()
     assert not _ranks()  # every rank has exited
+    assert _peer_dirs() <= peers  # the launcher removed the killed peer's scratch directory
     assert (out / "checkpoints" / "last.pt").is_file() and not (out / "summary.json").exists()
     rc = subprocess.run([sys.executable, "-m", "trellis.cli", "train", "--resume", str(out), "--no-progress"],
                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
@@ -138,8 +145,17 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(dist_store, lay
     arr[0] = (arr[0] + 1) % 600
     np.save(target, arr)
     assert "sha256 does not match" in _bad([*base, "--parts-dir", str(damaged)], capsys)
+    with open(target, "r+b") as f:  # a truncated array: its header promises more rows than the file holds
+        f.truncate(200)
+    assert "unreadable" in _bad([*base, "--parts-dir", str(damaged)], capsys)
     (damaged / "part-00001" / "indices.npy").unlink()
     assert "missing" in _bad([*base, "--parts-dir", str(damaged)], capsys)
+    mini = [*base, "--parts-dir", parts, "--strategy", "mini", "--nproc", "2"]
+    assert "--features none with --parts-dir" in _bad([*mini, "--features", "none"], capsys)
+    assert "--features degree with --parts-dir" in _bad([*mini[:-4], "--strategy", "cluster", "--features", "degree"],
+                                                        capsys)
+    for timeout in ("0", "nan", "-1"):
+        assert "--timeout must be a number of seconds >= 1" in _bad([*mini, f"--timeout={timeout}"], capsys)
     assert not out.exists()
 
 

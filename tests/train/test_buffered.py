@@ -83,6 +83,9 @@ def test_trains_from_the_layout_alone(sbm_store, p4, tmp_path):
     assert again["test_acc"] == ref["test_acc"]
     with pytest.raises(TrellisUserError, match="moved to the partitioned layout"):
         trainer.train(_cfg(store, tmp_path / "c"))  # in-memory mini needs the rows: a clear error
+    from trellis.data.info import format_info, store_info
+
+    assert f"x moved to {p4}" in format_info(store_info(GraphStore(store)))  # `trellis data info` still works
 
 
 def test_resume_is_exact(sbm_store, p4, tmp_path):

@@ -113,6 +113,13 @@ def test_bench_sampler_cli(sbm, capsys):
     assert main(["bench", "sampler", sbm, "--fanouts", "5,5", "--batches", "2", "--labor", "--workers", "2"]) == 0
     assert "sampling + feature gather" in capsys.readouterr().out
     assert main(["bench", "sampler", sbm, "--batch-size", "0"]) == 2
+    from trellis.utils.numba import max_threads
+
+    assert main(["bench", "sampler", sbm, "--threads", str(max_threads() + 1)]) == 2
+    assert "numba runs at most" in capsys.readouterr().err
+    # "-1 = all neighbours" right after the flag (argparse alone reads -1,3 as an unknown option)
+    assert main(["bench", "sampler", sbm, "--fanouts", "-1,3", "--batches", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["fanouts"] == [-1, 3]
 
 
 def test_sampler_processes_get_cores_of_their_own_on_four_cores_or_more():

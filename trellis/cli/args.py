@@ -29,3 +29,7 @@ def int_at_least(minimum: int, not_int: str, too_small: str) -> Callable[[str], 
         return value
 
     return parse
+
+
+#: ``--seed`` / ``--split-seed``: numpy's generators take no negative seed.
+seed_int = int_at_least(0, "{text!r} is not an integer", "{value} must be >= 0 (a seed is a non-negative integer)")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trellis.cli.args import seed_int
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
@@ -43,7 +44,7 @@ def _sampler_args(p: argparse.ArgumentParser) -> None:
                    help="targets: the training split or every node (default: train)")
     p.add_argument("--mmap", action="store_true",
                    help="gather features from the store's memory map instead of a copy in RAM")
-    p.add_argument("--seed", type=int, default=0, help="seed of shuffle and samples (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of shuffle and samples (default: 0)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -59,6 +60,12 @@ def _sampler_run(args: argparse.Namespace) -> int:
         raise TrellisUserError(f"--batch-size must be a positive integer (got {args.batch_size})")
     if args.batches <= 0 or args.workers <= 0 or (args.threads is not None and args.threads <= 0):
         raise TrellisUserError("--batches, --workers and --threads must be positive integers")
+    if args.threads is not None:
+        from trellis.utils.numba import max_threads
+
+        if args.threads > max_threads():
+            raise TrellisUserError(f"--threads {args.threads}: numba runs at most {max_threads()} threads here "
+                                   "(NUMBA_NUM_THREADS, the cores it saw); give at most that")
     store = open_store(args.store, verify=False)
     ids = store.split("train") if args.split == "train" else None
     if ids is None or len(ids) == 0:

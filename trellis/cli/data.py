@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Any
 
-from trellis.cli.args import int_at_least
+from trellis.cli.args import int_at_least, seed_int
 from trellis.cli.commands import help_of
 from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, NODE_FEATURE_MODES, TASK_KINDS, generate
 from trellis.data.importers import FORMATS, import_graph
@@ -127,7 +127,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--split", default=None, metavar="TRAIN,VAL,TEST",
                    help="edgelist: a random split of the labelled nodes by fractions, e.g. 0.5,0.25,0.25 (instead of "
                         "train/val/test files)")
-    p.add_argument("--split-seed", type=int, default=None,
+    p.add_argument("--split-seed", type=seed_int, default=None,
                    help="seed of the random split (npz: per-class; edgelist: --split) (default 0)")
     p.add_argument("--split-name", default=None, help="ogb: which split/<name> folder (default: the first)")
     p.add_argument("--train-per-class", type=int, default=None, help="npz: training nodes per class (default 20)")
@@ -152,7 +152,7 @@ def register(subparsers: Any) -> None:
     g.add_argument("--avg-degree", type=float, default=10.0, help="directed edges per node (default 10)")
     g.add_argument("--features", type=int, default=32, help="feature width; 0 for none (default 32)")
     g.add_argument("--classes", type=_positive_int, default=4, help="number of classes (default 4)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--seed", type=seed_int, default=0, help="random seed (default 0)")
     g.add_argument("--out", required=True, help="store directory to create")
     g.add_argument("--homophily", type=float, default=None, help="sbm: fraction of edges inside a class (0.8)")
     g.add_argument("--feature-noise", type=float, default=DEFAULT_FEATURE_NOISE,

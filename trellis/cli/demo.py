@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trellis.cli.args import int_at_least
+from trellis.cli.args import int_at_least, seed_int
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
@@ -79,7 +79,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--features", type=_positive_int, default=64, help="feature width (default: 64)")
     p.add_argument("--classes", type=_positive_int, default=8, help="number of classes (default: 8)")
     p.add_argument("--epochs", type=_positive_int, default=200, help="maximum epochs (default: 200)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the graph and the run (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the graph and the run (default: 0)")
     p.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}", help="(default: auto)")
     p.add_argument("--keep", metavar="DIR", default=None,
                    help="keep the store and the run directory in DIR (default: a temporary directory, removed)")

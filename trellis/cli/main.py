@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from trellis.cli.commands import COMMANDS
-from trellis.errors import TrellisUserError
+from trellis.errors import ProcessFailure, TrellisUserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +62,40 @@ def _unrecognized(args: argparse.Namespace, extra: list[str]) -> TrellisUserErro
                             + f" (see `trellis {command} --help`)")
 
 
+def _value_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option string of ``parser`` and its built subparsers, by option string."""
+    out: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        out.update({o: action for o in action.option_strings})
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to one parser
+                out.update(_value_options(sub))
+    return out
+
+
+def attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--fanouts -1,10`` as ``--fanouts=-1,10``: a value that starts with ``-`` given after its option.
+
+    argparse reads any word that starts with ``-`` and is not a plain negative number as an option, so the
+    documented ``--fanouts -1,10`` ("-1 = all") failed with "expected one argument". A word is attached to the
+    option before it when that option takes one value and the word is not an option of the command.
+    """
+    options = _value_options(parser)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        action = options.get(word)
+        if (action is not None and action.nargs is None and i + 1 < len(argv) and argv[i + 1].startswith("-")
+                and len(argv[i + 1]) > 1 and not argv[i + 1].startswith("--") and argv[i + 1] not in options):
+            out.append(f"{word}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any] | None = None) -> int:
     """Entry point; returns the exit code (also used by tests).
 
@@ -73,7 +108,7 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
         argv = sys.argv[1:] if argv is None else list(argv)
         named = argv[:1] if argv and not argv[0].startswith("-") else []  # the subcommand: its first word
         parser = build_parser(named)
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(attach_dash_values(parser, argv))
         if extra:
             raise _unrecognized(args, extra)
         args.model_factory = model_factory
@@ -82,6 +117,11 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
     except TrellisUserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ProcessFailure as exc:
+        if os.environ.get("TRELLIS_TRACEBACK"):
+            raise
+        print(f"error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from trellis.cli.args import seed_int
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
@@ -37,7 +38,7 @@ def register(subparsers: Any) -> None:
     chunk.add_argument("--chunk-frac", type=float, help="grem: chunk size as a fraction of the edges, in (0, 1] "
                        "(default: the whole graph up to 16M edges, METIS then seeds every edge; 0.1 above)")
     chunk.add_argument("--chunk-edges", type=int, help="grem: chunk size in edges (memory stays fixed)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (default: 0)")
     p.add_argument("--no-refine", action="store_true", help="grem: fixed assignments (no re-assignment)")
     p.add_argument("--seed-method", help="grem: seed partitioner on the first chunk: metis, ldg or fennel "
                    "(default: metis)")

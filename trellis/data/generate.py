@@ -80,6 +80,8 @@ def _check_common(nodes: int, avg_degree: float, features: int, classes: int, fe
 
 
 def _streams(seed: int) -> dict[str, np.random.Generator]:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise TrellisUserError(f"--seed must be a non-negative integer (got {seed!r})")
     # New streams go at the end: SeedSequence children are keyed by position, so earlier streams (and
     # every store generated before a stream was added) stay the same.
     names = ("labels", "edges", "features", "splits", "permute", "edge_features")

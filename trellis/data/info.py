@@ -99,6 +99,7 @@ def store_info(store: GraphStore | str | os.PathLike[str], *, verify: bool = Fal
         "isolated_nodes": int(np.count_nonzero((in_deg == 0) & (out_deg == 0))),
         **_edge_scan(store, chunk_edges),
         "disk_bytes": store.nbytes(),
+        "moved": {k: m["moved_to"] for k, m in sorted(arrays.items()) if m.get("moved_to")},
         "memory_bytes": int(sum(memory.values())),
         "arrays": {k: {"dtype": arrays[k]["dtype"], "shape": arrays[k]["shape"], "bytes": memory[k]}
                    for k in sorted(arrays)},
@@ -143,7 +144,8 @@ def format_info(info: dict[str, Any]) -> str:
         ("isolated nodes", f"{info['isolated_nodes']:,}"),
         ("self loops", f"{info['self_loops']:,}"),
         ("duplicate edges", f"{info['duplicate_edges']:,}"),
-        ("on disk", human_bytes(info["disk_bytes"])),
+        ("on disk", human_bytes(info["disk_bytes"])
+         + "".join(f"; {k} moved to {where}" for k, where in info.get("moved", {}).items())),
         ("in memory", f"{human_bytes(info['memory_bytes'])} (all arrays loaded)"),
         ("verified", "sha256 ok" if info["verified"] else "not checked (use --verify)"),
     ]

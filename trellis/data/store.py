@@ -529,8 +529,9 @@ class GraphStore:
         return self.array("rev_indptr"), self.array("rev_indices"), self.array("rev_perm")
 
     def nbytes(self) -> int:
-        """Bytes on disk of all arrays."""
-        return sum((self.path / m["file"]).stat().st_size for m in self.manifest["arrays"].values())
+        """Bytes on disk of the arrays the store holds (an array moved to a layout is counted there)."""
+        return sum((self.path / m["file"]).stat().st_size for m in self.manifest["arrays"].values()
+                   if not m.get("moved_to"))
 
     def __repr__(self) -> str:
         return (f"GraphStore({str(self.path)!r}, nodes={self.num_nodes}, edges={self.num_edges}, "

@@ -74,7 +74,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trellis.errors import TrellisUserError
+from trellis.errors import ProcessFailure, TrellisUserError
 from trellis.loader.blocks import Batch
 from trellis.loader.features import FeatureGather
 from trellis.loader.prefetch import Prefetcher
@@ -940,11 +940,11 @@ class _Pool:
         finally:
             shared.close()
 
-    def fail(self, message: str) -> RuntimeError:
+    def fail(self, message: str) -> ProcessFailure:
         """Stop every worker and return the error to raise (the pool is unusable afterwards)."""
         self.broken = message
         self.close()
-        return RuntimeError(message)
+        return ProcessFailure(message)
 
     def send_plan(self, epoch_id: int, plan: Any) -> None:
         shared = _Shared.dump(plan)

@@ -44,11 +44,11 @@ def partition(store: str | os.PathLike[str] | GraphStore, parts: int, *, method:
     Returns:
         The report (``trellis partition --json``'s fields) and the quality object (``.table()`` prints it).
     """
-    for flag, value in (("parts", parts), ("width", width)):
+    for flag, value, least in (("parts", parts, 1), ("width", width, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TrellisUserError(f"--{flag} must be an integer (got {value!r})")
-        if value < 1:
-            raise TrellisUserError(f"--{flag} must be at least 1 (got {value})")
+        if value < least:
+            raise TrellisUserError(f"--{flag} must be at least {least} (got {value})")
     if move_features and out is None:
         raise TrellisUserError("--move-features needs a layout to move the features into; pass --out PART_DIR")
     opts = {"seed": seed, "imbalance": imbalance, **options}

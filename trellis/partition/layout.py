@@ -547,7 +547,11 @@ class PartitionedGraph:
             fpath = self.path / rel
             if not fpath.is_file():
                 raise TrellisUserError(f"{fpath}: listed in the manifest but missing; re-run `trellis partition`")
-            arr = np.load(fpath, mmap_mode="r")
+            try:
+                arr = np.load(fpath, mmap_mode="r")
+            except (ValueError, OSError) as exc:  # a truncated file: its header promises more than it holds
+                raise TrellisUserError(f"{fpath}: unreadable ({exc}); the layout is damaged, re-run "
+                                       "`trellis partition`") from exc
             if str(arr.dtype) != meta["dtype"] or list(arr.shape) != meta["shape"]:
                 raise TrellisUserError(f"{fpath}: dtype/shape do not match the manifest; re-run `trellis partition`")
             total += fpath.stat().st_size
@@ -651,23 +655,24 @@ def open_partitioned(path: str | os.PathLike[str], verify: bool | str = "auto") 
     return PartitionedGraph(path, verify=verify)
 
 
-def open_layout_of(path: str | os.PathLike[str], store: GraphStore, fix: str) -> PartitionedGraph:
+def open_layout_of(path: str | os.PathLike[str], store: GraphStore) -> PartitionedGraph:
     """Open the layout ``--parts-dir PATH`` and refuse one made from another store than ``store``.
 
     Args:
         path: The layout directory.
         store: The store the run trains on.
-        fix: The command that remakes the layout (named in the error).
 
     Raises:
-        TrellisUserError: The layout is missing or damaged, or its recorded store checksum differs.
+        TrellisUserError: The layout is missing or damaged, or its recorded store checksum differs (the message
+            names the store it was made from, and the command that partitions this one into a new directory).
     """
     layout = PartitionedGraph(path)
-    made_from = layout.manifest.get("store", {}).get("checksum")
-    if made_from != store.checksum:
-        raise TrellisUserError(f"--parts-dir {path}: the layout was made from another store (checksum "
-                               f"{str(made_from)[:12]}…, {store.path} has {str(store.checksum)[:12]}…); re-run "
-                               f"`{fix}`")
+    made = layout.manifest.get("store", {})
+    if made.get("checksum") != store.checksum:
+        raise TrellisUserError(f"--parts-dir {path}: the layout was made from another store ({made.get('path', '?')}, "
+                               f"checksum {str(made.get('checksum'))[:12]}…; {store.path} has "
+                               f"{str(store.checksum)[:12]}…); train on that store, or partition this one: "
+                               f"`trellis partition {store.path} --parts {layout.num_parts} --out NEW_PART_DIR`")
     return layout
 
 

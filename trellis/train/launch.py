@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from trellis.data.store import GraphStore
 from trellis.distributed.comm import RankEnv, free_port, rank_threads
 from trellis.errors import TrellisUserError
 from trellis.train.config import TrainConfig
-from trellis.train.runs import default_run_dir
+from trellis.train.runs import JOB_ENV, PEER_PREFIX, default_run_dir
 from trellis.train.strategies import strategy_class
 from trellis.train.strategies.dist_mini import check_ranks
 from trellis.train.strategies.dist_pp import check_pp_ranks
@@ -141,7 +142,8 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
     total = nproc + int(getattr(cfg, "sampler_ranks", 0) or 0)  # trainers first, then the sampler ranks
     threads = rank_threads(total)
     procs: list[subprocess.Popen[bytes]] = []
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(total),
+    job = f"{os.getpid()}-{port}"
+    base = {**os.environ, JOB_ENV: job, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(total),
             "LOCAL_WORLD_SIZE": str(total), "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
     stopping: list[int] = []
 
@@ -165,6 +167,8 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         cfg_file.unlink(missing_ok=True)
+        for d in Path(tempfile.gettempdir()).glob(f"{PEER_PREFIX}{job}-*"):  # a killed peer's scratch directory
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def needs_launch(cfg: TrainConfig) -> bool:

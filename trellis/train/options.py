@@ -194,6 +194,8 @@ class _Ranks(StrategyOptions):
 
     def validate(self, cfg: TrainConfig) -> None:
         _at_least("nproc", self.nproc, 1)
+        if not 1.0 <= self.timeout < float("inf"):  # below a second the rendezvous itself times out
+            raise TrellisUserError(f"--timeout must be a number of seconds >= 1 (got {self.timeout})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,6 +241,10 @@ class _Buffer(_Parts, _Budget, _Loader):
                            "buffer_replay_share", "buffer_replay_fanouts"])
         if self.samplers > 0 and self.parts_dir is not None and (self.nproc or 1) == 1:
             raise TrellisUserError(NO_BUFFER_SAMPLERS)
+        if self.parts_dir is not None and cfg.features != "store":
+            raise TrellisUserError(f"--features {cfg.features} with --parts-dir: --strategy {self.strategy} trains on "
+                                   "the layout's node features (in one process and across ranks); drop --features "
+                                   "or --parts-dir")
         if self.parts_dir is not None and self.feature_residency == "device":
             raise TrellisUserError("--feature-residency device with --parts-dir: a partitioned run reads its rows "
                                    "from the layout part by part; drop --feature-residency (or --parts-dir to "
@@ -265,8 +271,6 @@ class FullOptions(_Parts, _Budget):
         """Distributed options need ``--parts-dir``; spills need a budget; the link must parse."""
         _Budget.validate(self, cfg)
         _Parts.validate(self, cfg)
-        if not 0.0 < self.timeout < float("inf"):
-            raise TrellisUserError(f"--timeout must be a positive number of seconds (got {self.timeout})")
         if self.staleness < 0:
             raise TrellisUserError(f"--staleness must be 0 (exact) or a positive number of epochs (got "
                                    f"{self.staleness})")

@@ -71,6 +71,12 @@ class RunPaths:
         return self.models / f"run-{run}.pt"
 
 
+#: The launch's id in its ranks' environment: a peer rank's scratch directory is ``<tmp>/PEER_PREFIX<id>-*``,
+#: which the launcher removes when the job ends (a peer killed with ``kill -9`` cannot).
+JOB_ENV = "TRELLIS_JOB"
+PEER_PREFIX = "trellis-peer-"
+
+
 def default_run_dir(store_name: str, model: str) -> Path:
     """``runs/<store>-<model>-<YYYYmmdd-HHMMSS>`` under the working directory."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in store_name) or "graph"

@@ -17,6 +17,7 @@ batches and ends with the same metrics, line for line, as a run that was never i
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import signal
 import statistics
@@ -43,6 +44,8 @@ from trellis.train.early_stopping import EarlyStopping
 from trellis.train.loop import Lane, StopOnSignal, run_epochs
 from trellis.train.rng import get_rng_state, seed_everything, set_rng_state
 from trellis.train.runs import (
+    JOB_ENV,
+    PEER_PREFIX,
     MetricsLog,
     RunPaths,
     default_run_dir,
@@ -225,7 +228,8 @@ class Trainer:
             scratch = tempfile.mkdtemp(prefix="trellis-run-")
             paths = prepare_run_dir(scratch, overwrite=True)
         elif strategy.world.rank != 0:  # a peer of the process that writes the run directory
-            scratch = tempfile.mkdtemp(prefix="trellis-peer-")
+            # named by the launcher's job, which removes what a killed peer leaves (train/launch.py)
+            scratch = tempfile.mkdtemp(prefix=f"{PEER_PREFIX}{os.environ.get(JOB_ENV, 'torchrun')}-")
             paths = prepare_run_dir(scratch, overwrite=True)
         elif paths is None:
             paths = prepare_run_dir(cfg.out or default_run_dir(Path(str(cfg.store)).name, cfg.model),

@@ -59,6 +59,15 @@ def get_num_threads() -> int:
     return int(numba.get_num_threads())
 
 
+def max_threads() -> int:
+    """The most threads numba kernels may use in this process (``NUMBA_NUM_THREADS``; 1 when numba is off)."""
+    if not WITH_NUMBA:
+        return 1
+    import numba
+
+    return int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+
+
 def set_num_threads(n: int) -> None:
     """Set the calling thread's numba thread count (a no-op when numba is off)."""
     if WITH_NUMBA:
@@ -95,8 +104,5 @@ def set_threads(torch_threads: int, numba_threads: int | None = None) -> None:
 
     launch_threads()
     torch.set_num_threads(max(1, int(torch_threads)))
-    if WITH_NUMBA:
-        import numba
-
-        n = torch_threads if numba_threads is None else numba_threads
-        set_num_threads(max(1, min(int(n), int(getattr(numba.config, "NUMBA_NUM_THREADS", n)))))
+    n = torch_threads if numba_threads is None else numba_threads
+    set_num_threads(max(1, min(int(n), max_threads())))

@@ -52,7 +52,7 @@ def open_layout_for(cfg: TrainConfig, store: GraphStore) -> PartitionedGraph:
         TrellisUserError: Missing or damaged, made from another store, not destination-owned, or without features.
     """
     assert cfg.parts_dir is not None
-    layout = open_layout_of(cfg.parts_dir, store, f"trellis partition {cfg.store} --out {cfg.parts_dir} --overwrite")
+    layout = open_layout_of(cfg.parts_dir, store)
     if layout.ownership != "dst":
         raise TrellisUserError(f"--parts-dir {cfg.parts_dir}: a partition buffer needs each node's in-edges in its own "
                                f"part (ownership dst), this layout's is {layout.ownership!r}; partition with "
@@ -171,9 +171,6 @@ class BufferedMini(BatchStrategy):
             raise TrellisUserError(NO_RANKS_CACHE)
         if cfg.samplers > 0:
             raise TrellisUserError(NO_BUFFER_SAMPLERS)
-        if cfg.features != "store":
-            raise TrellisUserError(f"--features {cfg.features} with --parts-dir: the partition buffer trains on the "
-                                   "layout's node features; drop --features or --parts-dir")
         baseline = proc_status().get("RssAnon", 0)
         budget: int | None = None
         if cfg.memory_budget is not None:

@@ -62,7 +62,7 @@ def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) ->
         TrellisUserError: One line naming the flag and the fix.
     """
     assert cfg.parts_dir is not None
-    layout = open_layout_of(cfg.parts_dir, store, f"trellis partition {cfg.store} --parts N --out {cfg.parts_dir}")
+    layout = open_layout_of(cfg.parts_dir, store)
     if world_size is not None and world_size != layout.num_parts:
         raise TrellisUserError(f"--nproc {world_size} does not match the {layout.num_parts} parts of "
                                f"{cfg.parts_dir}: one rank trains one part; pass --nproc {layout.num_parts} or "
