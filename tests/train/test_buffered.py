@@ -211,7 +211,7 @@ def test_kill_9_mid_epoch_and_resume_give_the_uninterrupted_losses(sbm_store, p4
 
 def test_cluster_batches_from_the_buffer(sbm_store, p4, tmp_path):
     """``--strategy cluster --parts-dir``: one batch per buffer state; all parts resident = full-batch training."""
-    kw = dict(model="sage", dropout=0.0, epochs=3, fanouts=None)
+    kw = dict(model="sage", dropout=0.0, epochs=3, fanouts=None, batch_size=None)
     full = trainer.train(_cfg(sbm_store, tmp_path / "full", strategy="full", **kw))
     trainer.train(_cfg(sbm_store, tmp_path / "c4", strategy="cluster", parts_dir=str(p4), **kw))
     np.testing.assert_allclose(_losses(tmp_path / "c4"), _losses(tmp_path / "full"), rtol=1e-5)

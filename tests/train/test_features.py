@@ -82,9 +82,9 @@ def test_featureless_runs_train(store, tmp_path, features):
 
 @pytest.mark.parametrize("strategy", ["mini", "cluster"])
 def test_embedding_through_batch_strategies(store, tmp_path, strategy):
-    extra = {"clusters": 6, "clusters_per_batch": 2, "cluster_method": "hash"} if strategy == "cluster" else {}
-    s = train(cfg(store, tmp_path / "r", features="embedding:16", strategy=strategy, batch_size=64, lr=0.05,
-                  epochs=30, **extra))
+    extra = ({"clusters": 6, "clusters_per_batch": 2, "cluster_method": "hash"} if strategy == "cluster" else
+             {"batch_size": 64})
+    s = train(cfg(store, tmp_path / "r", features="embedding:16", strategy=strategy, lr=0.05, epochs=30, **extra))
     assert s["test_acc_mean"] > 0.5
 
 

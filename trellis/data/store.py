@@ -493,9 +493,10 @@ class GraphStore:
             meta = self.manifest["arrays"][name]
             if meta.get("moved_to"):
                 raise TrellisUserError(f"{self.path}: its {name!r} array was moved to the partitioned layout "
-                                       f"{meta['moved_to']} (`trellis partition --move-features`); train with "
-                                       f"--strategy mini --parts-dir {meta['moved_to']} --nproc 1, which reads it "
-                                       "there, or re-import the store")
+                                       f"{meta['moved_to']} (`trellis partition --move-features`), and this reads "
+                                       f"the store's copy; use what reads the layout (--parts-dir "
+                                       f"{meta['moved_to']}: training, and predicting with a mini- or "
+                                       "cluster-batch run), or re-import the store")
             self._cache[name] = np.load(self.path / meta["file"], mmap_mode="r")
         return self._cache[name]
 

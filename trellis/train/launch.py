@@ -143,8 +143,11 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
     threads = rank_threads(total)
     procs: list[subprocess.Popen[bytes]] = []
     job = f"{os.getpid()}-{port}"
-    base = {**os.environ, JOB_ENV: job, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(total),
-            "LOCAL_WORLD_SIZE": str(total), "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
+    # c10d's own log lines (a peer "failed to pass monitoredBarrier in 300000 ms" a second after it died) would
+    # follow the launcher's one line naming the rank that died; a caller's TORCH_CPP_LOG_LEVEL is kept
+    base = {"TORCH_CPP_LOG_LEVEL": "FATAL", **os.environ, JOB_ENV: job, "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(total), "LOCAL_WORLD_SIZE": str(total),
+            "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
     stopping: list[int] = []
 
     def forward(signum: int, frame: Any) -> None:

@@ -143,11 +143,12 @@ class StopOnSignal:
         err: Where the notice goes.
         enabled: Install the handlers.
         notice: What the notice says will happen.
+        quiet: Print no notice (a peer rank: rank 0 speaks for the job).
     """
 
     def __init__(self, err: IO[str], enabled: bool = True,
-                 notice: str = "writing a checkpoint after this epoch") -> None:
-        self.err, self.enabled, self.notice = err, enabled, notice
+                 notice: str = "writing a checkpoint after this epoch", quiet: bool = False) -> None:
+        self.err, self.enabled, self.notice, self.quiet = err, enabled, notice, quiet
         #: The signal that asked to stop (None: none yet).
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
@@ -171,8 +172,9 @@ class StopOnSignal:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: {self.notice} (press Ctrl-C again to abort without one)",
-              file=self.err)
+        if not self.quiet:
+            print(f"\n{signal.Signals(signum).name}: {self.notice} (press Ctrl-C again to abort without one)",
+                  file=self.err)
 
 
 #: Called after each epoch with a lane and its record (the trainer's callbacks, a progress bar).

@@ -87,6 +87,11 @@ def default_run_dir(store_name: str, model: str) -> Path:
     return path
 
 
+#: What a run directory holds (``spill/``: out-of-core spill files under the run's default spill root).
+_RUN_ENTRIES = frozenset({"config.json", "metrics.jsonl", "summary.json", "checkpoints", "models", "curves.svg",
+                          "spill"})
+
+
 def prepare_run_dir(path: str | os.PathLike[str], *, overwrite: bool = False) -> RunPaths:
     """Create a fresh run directory (and ``checkpoints/``, ``models/``).
 
@@ -97,6 +102,10 @@ def prepare_run_dir(path: str | os.PathLike[str], *, overwrite: bool = False) ->
     if root.exists() and not root.is_dir():
         raise TrellisUserError(f"--out {root}: exists and is not a directory; choose another --out")
     if root.is_dir() and any(root.iterdir()):
+        foreign = sorted(p.name for p in root.iterdir() if p.name not in _RUN_ENTRIES)
+        if foreign and not RunPaths(root).config.is_file():  # --overwrite would write beside the user's files
+            raise TrellisUserError(f"--out {root}: exists and holds files that are not a run's ({foreign[0]}, ...); "
+                                   "choose a new or empty --out")
         if not overwrite:
             raise TrellisUserError(
                 f"--out {root}: run directory already exists; choose another --out, continue it with "

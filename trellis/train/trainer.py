@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,15 +240,20 @@ class Trainer:
             write_json_atomic(paths.config, {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())})
         strategy.world.barrier("after the run directory")
         self.paths = paths
-        if not self.quiet and strategy.banner() and strategy.world.rank == 0:
-            print(strategy.banner(), file=self.err)
+        banner = strategy.banner()
+        if banner and strategy.world.rank == 0:
+            if not self.quiet:
+                print(banner, file=self.err)
+            elif banner.startswith("warning: "):  # a library caller without progress still hears of a risk
+                warnings.warn(banner.removeprefix("warning: "), stacklevel=3)
         log = MetricsLog(paths.metrics, offset=prog.log_offset if scratch is None else None)
         meter = PeakMemory(device=device).start()
         ctx = _RunContext(strategy, task, metric, paths, log, meter, prog, checksum, device)
         t_start = time.perf_counter()
         fresh = ckpt is None and scratch is None
         try:
-            requested, self._signal = self._signal.signum, StopOnSignal(self.err, enabled=self.handle_signals)
+            requested, self._signal = self._signal.signum, StopOnSignal(self.err, enabled=self.handle_signals,
+                                                                  quiet=strategy.world.rank != 0)
             self._signal.signum = requested  # a stop requested before training started still holds
             with self._signal:
                 run_state = ckpt.get("run_state") if ckpt else None

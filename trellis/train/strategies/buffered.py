@@ -192,16 +192,21 @@ class BufferedMini(BatchStrategy):
         self.layout = layout
         self.plan = self._plan(layout, budget, baseline)
         self.skew = label_skew(node_part, splits["train"].cpu().numpy(), np.asarray(store.y), layout.num_parts)
-        if self.plan.capacity < layout.num_parts and self.skew > SKEW_WARNING and not getattr(cfg, "buffer_replay", 0):
-            fix = ("raise --buffer-parts" if self.cluster_mode else
-                   "add --buffer-replay 512 (each step also trains kept batches of the parts not resident), or "
-                   "raise --buffer-parts")
-            print(f"warning: the parts of {cfg.parts_dir} follow the labels (skew {self.skew:.2f}: mean total-"
-                  f"variation distance of a part's training labels from the whole set's). With {self.plan.capacity} of "
-                  f"{layout.num_parts} parts resident, each buffer state trains on few classes, which can cost "
-                  f"much accuracy; {fix} (docs/minibatch.md)", file=sys.stderr)
         self.last_epoch: dict[str, float] = {}
         self.loader = self.make_loader()
+
+    def banner(self) -> str:
+        """A warning when the resident parts follow the labels (training only: prediction reads every part)."""
+        cfg, layout = self.cfg, self.layout
+        if self.plan.capacity >= layout.num_parts or self.skew <= SKEW_WARNING or getattr(cfg, "buffer_replay", 0):
+            return ""
+        fix = ("raise --buffer-parts" if self.cluster_mode else
+               "add --buffer-replay 512 (each step also trains kept batches of the parts not resident), or "
+               "raise --buffer-parts")
+        return (f"warning: the parts of {cfg.parts_dir} follow the labels (skew {self.skew:.2f}: mean total-variation "
+                f"distance of a part's training labels from the whole set's). With {self.plan.capacity} of "
+                f"{layout.num_parts} parts resident, each buffer state trains on few classes, which can cost much "
+                f"accuracy; {fix} (docs/minibatch.md)")
 
     def _plan(self, layout: PartitionedGraph, budget: int | None, baseline: int) -> BufferPlan:
         rows = max(int(p["num_local"]) for p in layout.manifest["parts"])
