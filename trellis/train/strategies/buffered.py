@@ -198,7 +198,7 @@ class BufferedMini(BatchStrategy):
     def banner(self) -> str:
         """A warning when the resident parts follow the labels (training only: prediction reads every part)."""
         cfg, layout = self.cfg, self.layout
-        if self.plan.capacity >= layout.num_parts or self.skew <= SKEW_WARNING or getattr(cfg, "buffer_replay", 0):
+        if self.plan.capacity >= layout.num_parts or self.skew <= SKEW_WARNING or cfg.buffer_replay:
             return ""
         fix = ("raise --buffer-parts" if self.cluster_mode else
                "add --buffer-replay 512 (each step also trains kept batches of the parts not resident), or "
