@@ -53,6 +53,7 @@ def test_blocks_cover_file_exactly(tmp_path):
         ("src dst\n0 1\n", "line 1: 'src' is not an integer .* header"),
         ("0 1\n1\n", "line 2: expected 2 columns"),
         ("0 1\n# c\n3 -4\n", "line 3: negative node id"),
+        ("0 1\n1 99999999999999999999\n", "line 2: '99999999999999999999' does not fit in 64 bits"),
     ],
 )
 def test_errors_name_file_and_line(tmp_path, content, match):

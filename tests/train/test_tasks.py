@@ -247,3 +247,21 @@ def test_bad_task_or_metric_exits_2_writing_nothing(capsys, tmp_path, task_store
     assert rc == 2, err
     assert needle in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".run")]
+
+
+def test_an_undefined_val_auc_selects_by_val_loss(tmp_path):
+    """A binary store whose val split holds one class: val AUC is NaN every epoch; training still selects."""
+    import trellis
+    from trellis.data import from_arrays
+
+    rng = np.random.default_rng(1)
+    n = 300
+    y = rng.integers(0, 2, n)
+    y[100:150] = 1
+    store = from_arrays(rng.integers(0, n, 1500), rng.integers(0, n, 1500), n, out=tmp_path / "s",
+                        x=rng.normal(size=(n, 8)).astype(np.float32), y=y, remove_self_loops=True,
+                        splits={"train": np.arange(100), "val": np.arange(100, 150), "test": np.arange(150, 300)})
+    run = trellis.train(store, epochs=4, patience=2, runs=2)
+    assert run.metric == "auc" and run.summary["undefined_val_metric"] == [0, 1]
+    val_loss = [r["val_loss"] for r in run.history if r["run"] == 0]
+    assert run.summary["best_epoch"][0] == int(np.argmin(val_loss))

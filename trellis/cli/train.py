@@ -123,6 +123,9 @@ def format_summary(s: dict[str, Any]) -> str:
         + (f", CUDA {s['peak_cuda_mb']:.0f} MiB" if "peak_cuda_mb" in s else "") + f" on {s['device']}",
         f"run directory: {s['run_dir']}",
     ]
+    if s.get("undefined_val_metric"):
+        lines.append(f"note: validation {m} is undefined (NaN; e.g. the val split holds one class), so the best epoch "
+                     "was chosen by validation loss; --metric acc or f1 is defined there")
     if s.get("still_improving"):
         runs = s["still_improving"]
         best = [s["best_epoch"][i] + 1 for i in runs]

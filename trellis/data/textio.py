@@ -93,13 +93,12 @@ def _describe_bad_line(path: Path, block: bytes, first_line: int, delimiter: str
                     f"{len(tokens)} in {text!r}; fix the line or comment it out with #")
         for tok in tokens:
             try:
-                if integer:
-                    int(tok)
-                else:
-                    float(tok)
+                value = int(tok) if integer else float(tok)
             except ValueError:
                 return (f"{path}: line {lineno}: {tok!r} is not an {kind} in {text!r} ({what}); "
                         "fix the value, or comment the line out with # if it is a header")
+            if integer and not -2**63 <= value < 2**63:
+                return f"{path}: line {lineno}: {tok!r} does not fit in 64 bits in {text!r} ({what}); fix the value"
     return f"{path}: lines {first_line}+ could not be parsed as {what}; check the delimiter and column count"
 
 

@@ -46,6 +46,8 @@ class EarlyStopping:
         """Record an epoch's evaluation; returns whether it is the new best (its weights are then copied)."""
         sign = 1.0 if self.higher_is_better else -1.0
         value = sign * evaluation[f"val_{self.metric}"]
+        if math.isnan(value):  # undefined (AUC over a val split of one class): the validation loss decides
+            value = -math.inf
         val_loss = evaluation.get("val_loss", math.inf)
         if value > self.best_value or (value == self.best_value and val_loss < self.best_val_loss):
             self.best_epoch, self.best_value, self.best_val_loss = epoch, value, val_loss

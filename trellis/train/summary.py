@@ -9,6 +9,7 @@ back (older files included). Standard deviations are sample standard deviations 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -162,6 +163,8 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def _std(values: Sequence[float]) -> float:
+    if any(math.isnan(v) for v in values):  # an undefined metric (AUC of one class); stdev cannot take NaN
+        return float("nan")
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 

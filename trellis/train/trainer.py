@@ -17,6 +17,7 @@ batches and ends with the same metrics, line for line, as a run that was never i
 from __future__ import annotations
 
 import copy
+import math
 import os
 import shutil
 import signal
@@ -166,7 +167,8 @@ class Trainer:
         if self.cfg.edge_weight and strategy.store.edge_weight is None:
             strategy.close()
             raise TrellisUserError(f"--edge-weight: the store {self.cfg.store} has no edge weights (import them "
-                                   "with the edges, e.g. a third column or edge_weight=)")
+                                   "with the edges: edge_weights.npy beside an edge list, or edge_weight= of "
+                                   "trellis.data.from_arrays)")
         return strategy
 
     # ---- explain --------------------------------------------------------------------------------
@@ -381,7 +383,8 @@ class Trainer:
         cfg, prog, task, strategy = self.cfg, ctx.prog, ctx.task, ctx.strategy
         results = prog.results
         sign = 1.0 if task.higher_is_better.get(ctx.metric, True) else -1.0
-        best_run = max(range(len(results)), key=lambda i: sign * results[i][f"val_{ctx.metric}"])
+        vals = [sign * res[f"val_{ctx.metric}"] for res in results]
+        best_run = max(range(len(results)), key=lambda i: -math.inf if math.isnan(vals[i]) else vals[i])
         times = prog.step_times
         peaks = ctx.peaks()
         store = strategy.store
@@ -395,6 +398,8 @@ class Trainer:
             "torch_version": torch.__version__, "config": cfg.to_dict(),
         }
         # A run whose best epoch is in the last 5% of its epoch budget was still improving when it stopped.
+        # AUC over a val split of one class is undefined (NaN): such runs chose their best epoch by val loss.
+        info["undefined_val_metric"] = [i for i, res in enumerate(results) if math.isnan(res[f"val_{ctx.metric}"])]
         info["still_improving"] = [i for i, res in enumerate(results)
                                    if res["epochs"] >= cfg.epochs and res["best_epoch"] + 1 > 0.95 * cfg.epochs]
         strategy_info = strategy.summary_info()
