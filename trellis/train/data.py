@@ -181,8 +181,10 @@ def load_labels(store: GraphStore, task: str, device: torch.device,
     for s in SPLITS:
         ids = store.split(s)
         if ids is None or ids.size == 0:
-            raise TrellisUserError(f"{where}: the store has no {s} split ({s}_idx.npy); re-import it with "
-                                   "train/val/test node ids (the npz importer makes a random split)")
+            state = "no" if ids is None else "an empty"
+            raise TrellisUserError(f"{where}: the store has {state} {s} split ({s}_idx.npy); re-import it with "
+                                   "train/val/test node ids, or a split with a non-zero fraction each (`trellis "
+                                   "data import ... --split 0.6,0.2,0.2`; npz imports draw a per-class split)")
         split_ids[s] = np.array(ids, dtype=np.int64)  # a copy: torch warns on read-only store maps
     y_np = np.asarray(y)
     if split_seed is not None:
