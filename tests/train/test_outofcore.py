@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.train.helpers import metrics_without_timing, wait_for_epochs
@@ -169,3 +170,19 @@ def test_predict_keeps_the_runs_budget_and_equals_the_in_memory_prediction(store
         a, b = (np.load(tmp_path / f"{name}{suffix}") for name in ("mem", "ooc"))
         assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
     assert not (tmp_path / "ooc" / "spill").exists() and not list(tmp_path.glob("*.tmp.npy"))
+
+
+def test_a_node_listed_twice_in_the_train_split_counts_twice_as_in_memory(tmp_path):
+    import trellis
+    from trellis.data import from_arrays
+
+    rng = np.random.default_rng(0)
+    n = 60
+    store = from_arrays(rng.integers(0, n, 300), rng.integers(0, n, 300), n, out=tmp_path / "s",
+                        x=rng.normal(size=(n, 6)).astype(np.float32), y=rng.integers(0, 3, n),
+                        remove_self_loops=True,
+                        splits={"train": np.array([0, 1, 2, 3, 4, 5, 5, 5, 6, 7]), "val": np.arange(10, 20),
+                                "test": np.arange(20, 30)})
+    mem = trellis.train(store, epochs=5, hidden=8)
+    ooc = trellis.train(store, epochs=5, hidden=8, memory_budget="300M")
+    np.testing.assert_allclose([r["loss"] for r in ooc.history], [r["loss"] for r in mem.history], atol=1e-6)

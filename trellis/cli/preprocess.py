@@ -49,8 +49,9 @@ def register(sub: Any) -> None:
                    help="destination rows per block (default: ~32 MiB of output per block)")
     p.add_argument("--feature-norm", choices=FEATURE_NORMS, default="auto",
                    help="row: divide each feature row by its L1 norm before propagating (GCN's preprocessing); "
-                        "auto: the store's preference (row for Planetoid imports, none otherwise), as "
-                        "`trellis train` does (default: auto)")
+                        "l2: by its L2 norm; auto: chosen from the features as `trellis train` chooses (row for "
+                        "bag-of-words rows, l2 for rows with many active words, none for dense or signed "
+                        "features) (default: auto)")
     p.add_argument("--shuffle-seed", type=int, default=0,
                    help="seed of the one-time shuffle of training rows (default: 0)")
     p.add_argument("--overwrite", action="store_true", help="replace a PP_DIR built from another store/settings")

@@ -210,7 +210,7 @@ def write_store(
 L1_TOO_SMALL = 0.1
 
 
-def feature_norm_of(x: np.ndarray, sample_rows: int = 20_000) -> tuple[str, str]:
+def feature_norm_of(x: np.ndarray, sample_rows: int = 20_000, sample_values: int = 1 << 24) -> tuple[str, str]:
     """``--feature-norm auto``: ``row``, ``l2`` or ``none`` from what the features look like, and why.
 
     * Signed or mostly non-zero features (embeddings, measurements, the generators' Gaussian features) are
@@ -222,21 +222,31 @@ def feature_norm_of(x: np.ndarray, sample_rows: int = 20_000) -> tuple[str, str]
       Computers with the GCN paper's settings, test accuracy 52.1 (row) vs 76.7 ± 3.9 (none, single runs
       from 33.6 in earlier sessions) vs 81.0 ± 0.9 (l2). Such rows are scaled to unit L2 norm instead.
 
-    Only ``sample_rows`` evenly spaced rows are read, so a memory-mapped store is not read whole.
+    Only evenly spaced rows are read, at most ``sample_rows`` of them and ``sample_values`` values, a block of
+    rows at a time: a memory-mapped store is not read whole, and the check holds a few MiB whatever the width
+    (it runs inside ``--memory-budget`` runs; 20,000 rows of Coauthor CS's 6,805 words were 1 GB in float64).
     """
     n = x.shape[0]
-    rows = np.asarray(x[:: max(1, n // sample_rows)], dtype=np.float64)
-    if rows.ndim == 1:
-        rows = rows[:, None]
-    if rows.size == 0:
+    width = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+    if n == 0 or width == 0:
         return "none", "no feature rows"
-    zero = float((rows == 0).mean())
-    if (rows < 0).any() or zero < 0.5:
-        return "none", (f"{'signed' if (rows < 0).any() else 'dense'} features ({100 * (1 - zero):.0f}% non-zero): "
+    step = max(1, n // sample_rows, -(-n * width // sample_values))
+    picked = np.arange(0, n, step)
+    block = max(1, (1 << 20) // width)  # rows per block: about 8 MiB of float64
+    zeros, negative = 0, False
+    l1, l2 = np.empty(len(picked)), np.empty(len(picked))
+    for a in range(0, len(picked), block):
+        rows = np.asarray(x[picked[a:a + block]], dtype=np.float64).reshape(-1, width)
+        zeros += int(np.count_nonzero(rows == 0))
+        negative = negative or bool((rows < 0).any())
+        l1[a:a + block] = rows.sum(axis=1)
+        l2[a:a + block] = np.sqrt((rows * rows).sum(axis=1))
+    zero = zeros / (len(picked) * width)
+    if negative or zero < 0.5:
+        return "none", (f"{'signed' if negative else 'dense'} features ({100 * (1 - zero):.0f}% non-zero): "
                         "left as they are")
-    l1 = rows.sum(axis=1)
     ok = l1 > 0
-    ratio = float(np.median(np.sqrt((rows[ok] ** 2).sum(axis=1)) / l1[ok])) if ok.any() else 1.0
+    ratio = float(np.median(l2[ok] / l1[ok])) if ok.any() else 1.0
     if ratio >= L1_TOO_SMALL:
         return "row", f"non-negative sparse rows (bag-of-words), median L2/L1 {ratio:.3f}: L1 row normalization"
     return "l2", (f"non-negative sparse rows with many active entries (median L2/L1 {ratio:.3f} < {L1_TOO_SMALL}): "

@@ -456,7 +456,8 @@ def build_pp(store: GraphStore, out: str | os.PathLike[str], settings: PPSetting
         hop_files = []
         x = store.x
         if settings.feature_norm in ("row", "l2"):  # a normalized copy of X is hop 0 and the start of propagation
-            x = normalize_rows(x, Scratch(tmp / "scratch").new((store.num_nodes, f)), settings.feature_norm)
+            x = normalize_rows(x, Scratch(tmp / "scratch").new((store.num_nodes, f)), settings.feature_norm,
+                               block_rows=brows)  # blocks of the run's bytes, not 65,536 rows of any width
         try:
             for r, h in iter_hops(store.indptr, store.indices, x, settings.operator, settings.hops,
                                   edge_weight=store.edge_weight, scratch_dir=tmp / "scratch",

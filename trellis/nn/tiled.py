@@ -332,7 +332,7 @@ class TiledGNN:
         n = self.graph.num_nodes
         g_out = self.spill.array(f"g{L}", (n, self.decls[-1].out_dim))
         g_out[:] = 0.0
-        g_out[rows.ids] = grad_rows.index_select(0, rows.dest).numpy()
+        rows.scatter_into(g_out, grad_rows)
         self.io.written += grad_rows.numel() * 4
         for i in reversed(range(L)):
             lp = plan.layers[i]
@@ -420,3 +420,15 @@ class Gather:
     def nbytes(self) -> int:
         """Bytes held (ids and destinations)."""
         return int(self.ids.nbytes + self.dest.numel() * 8)
+
+    def scatter_into(self, out: np.ndarray, rows: Tensor) -> None:
+        """``out[id] += rows[k]`` for each ``k``-th id of the caller's order, into a zeroed ``out``.
+
+        A repeated id's rows add up (a node listed twice in a split counts twice in the loss, as in memory);
+        without repeats this is one assignment.
+        """
+        vals = rows.index_select(0, self.dest).numpy()
+        if self.ids.shape[0] > 1 and bool((self.ids[1:] == self.ids[:-1]).any()):
+            np.add.at(out, self.ids, vals)
+        else:
+            out[self.ids] = vals

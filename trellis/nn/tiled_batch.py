@@ -307,7 +307,7 @@ class BatchedTiledGNN:
         for j, e in enumerate(E):
             g = self.spill.array(f"m{act[j]}.g{L}", (n, e.decls[-1].out_dim))
             g[:] = 0.0
-            g[rows.ids] = grads[j].index_select(0, rows.dest).numpy()
+            rows.scatter_into(g, grads[j])
             self.io.written += grads[j].numel() * 4
             g_out.append(Block.whole(g))
         for i in reversed(range(L)):

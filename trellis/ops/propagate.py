@@ -260,9 +260,12 @@ def scales(op: str, deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 FEATURE_NORMS = ("auto", "none", "row", "l2")
 
 
-def normalize_rows(x: np.ndarray, out: np.ndarray, mode: str = "row", *, block_rows: int = 1 << 16) -> np.ndarray:
-    """``out[i] = x[i] / ||x[i]||`` (L1 for ``row``, L2 for ``l2``) block by block; all-zero rows stay zero."""
-    for a, b in row_ranges(x.shape[0], block_rows):
+def normalize_rows(x: np.ndarray, out: np.ndarray, mode: str = "row", *, block_rows: int | None = None) -> np.ndarray:
+    """``out[i] = x[i] / ||x[i]||`` (L1 for ``row``, L2 for ``l2``) block by block; all-zero rows stay zero.
+
+    ``block_rows`` defaults to about 32 MiB of float32 rows (:func:`default_block_rows`), whatever the width.
+    """
+    for a, b in row_ranges(x.shape[0], block_rows or default_block_rows(int(np.prod(x.shape[1:])))):
         blk = np.asarray(x[a:b], dtype=np.float32)
         if mode == "row":
             norm = np.abs(blk).sum(axis=1, keepdims=True, dtype=np.float64)

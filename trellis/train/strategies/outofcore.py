@@ -244,9 +244,10 @@ class OutOfCoreFull(Strategy):
         self.plan = plan = self._plan(models, dropout=any(float(c.dropout) > 0.0 for c in cfgs))
         if self.budget < plan.min_budget:
             what = "this model" if len(models) == 1 else f"these {len(models)} configurations together"
-            raise TrellisUserError(f"--memory-budget {cfg.memory_budget} is below the smallest budget that trains "
-                                   f"{what} on this graph, {format_size(plan.min_budget)} (the process itself "
-                                   f"takes {format_size(self.baseline)}); raise it to at least "
+            raise TrellisUserError(f"--memory-budget {cfg.memory_budget} ({format_size(self.budget)}) is below the "
+                                   f"smallest budget that trains {what} on this graph, "
+                                   f"{format_size(plan.min_budget)} (the process itself takes "
+                                   f"{format_size(self.baseline)}); raise it to at least "
                                    f"{format_size(plan.min_budget)}")
         self.bounds = self.graph.tile_bounds(plan.row_bytes, plan.edge_bytes, plan.tile_bytes,
                                              max_rows=self.max_tile_rows)

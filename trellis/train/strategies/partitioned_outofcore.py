@@ -171,9 +171,10 @@ class PartitionedOutOfCore(PartitionedFull):
             baseline=self.baseline, resident_vectors=16 * n + halo_buffers + labels + 16 * self.num_local,
             input_spilled=True, dropout=float(cfg.dropout) > 0.0, recompute_dropout=False)
         if self.budget < plan.min_budget:
-            raise TrellisUserError(f"--memory-budget {cfg.memory_budget} per rank is below the smallest budget that "
-                                   f"trains this model on part {part.part}, {format_size(plan.min_budget)} (the "
-                                   f"rank itself takes {format_size(self.baseline)}); raise it to at least "
+            raise TrellisUserError(f"--memory-budget {cfg.memory_budget} ({format_size(self.budget)}) per rank is "
+                                   f"below the smallest budget that trains this model on part {part.part}, "
+                                   f"{format_size(plan.min_budget)} (the rank itself takes "
+                                   f"{format_size(self.baseline)}); raise it to at least "
                                    f"{format_size(plan.min_budget)}")
         check_spill_root(self._spill_root(), plan.spill_bytes, flag="--spill-dir" if cfg.spill_dir else
                          "spill directory")
