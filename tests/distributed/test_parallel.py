@@ -42,8 +42,8 @@ JOBS = {
 
 
 def _cfg(store: Path, model: str, out: Path, **kw: Any) -> TrainConfig:
-    values = {"store": str(store), "model": model, "epochs": EPOCHS, "hidden": 16, "heads": 2, "out": str(out),
-              "progress": False, "checkpoint_every": 0, **kw}
+    values = {"store": str(store), "model": model, "epochs": EPOCHS, "hidden": 16, "out": str(out),
+              "progress": False, "checkpoint_every": 0, **({"heads": 2} if model in ("gat", "gate") else {}), **kw}
     return TrainConfig(**values)
 
 

@@ -193,10 +193,10 @@ def test_run_predict_goes_the_way_trellis_predict_goes(sbm_store, tmp_path, monk
     from trellis.data.generate import generate_sbm
 
     monkeypatch.chdir(tmp_path)
-    run = trellis.train(sbm_store, epochs=2, hidden=8, memory_budget="400M")
+    run = trellis.train(sbm_store, epochs=2, hidden=8, memory_budget="2G")
     assert list(tmp_path.iterdir()) == []  # no runs/<name>/ left by the spill root
     got = run.predict(logits=True)
-    saved = trellis.train(sbm_store, epochs=2, hidden=8, memory_budget="400M", out=tmp_path / "r")
+    saved = trellis.train(sbm_store, epochs=2, hidden=8, memory_budget="2G", out=tmp_path / "r")
     trellis.predict(tmp_path / "r", sbm_store, tmp_path / "p.npy", proba=True)
     assert np.allclose(torch.softmax(got, 1).numpy(), np.load(tmp_path / "p.npy"), atol=1e-6)
     assert torch.equal(saved.predict(logits=True), got)
@@ -266,7 +266,7 @@ def test_python_spellings_and_mistakes_get_the_cli_rules(sbm_store, tmp_path, ca
     board = trellis.sweep(sbm_store, {"lr": "0.01,0.02"}, epochs=1, hidden=8)  # the CLI's string form
     assert sorted(r["lr"] for r in board["rows"]) == [0.01, 0.02]
     capsys.readouterr()
-    run = trellis.train(sbm_store, epochs=1, hidden=8, memory_budget="400M")  # prints no banner
+    run = trellis.train(sbm_store, epochs=1, hidden=8, memory_budget="2G")  # prints no banner
     assert capsys.readouterr() == ("", "") and run.summary["run_dir"] is None
 
 
