@@ -325,8 +325,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 _BUILTIN = frozenset(MODELS)
 #: The options every built-in builder is handed (``trellis train`` flags, not ``--model-args``).
-_FLAGS = ("hidden", "layers", "heads", "dropout", "edge_dim", "norm", "residual", "jk", "mlp_hidden", "edge_weight",
-          "pre_norm")
+MODEL_FLAGS = ("hidden", "layers", "heads", "dropout", "edge_dim", "norm", "residual", "jk", "mlp_hidden",
+               "edge_weight", "pre_norm")
 
 
 def refuse_unknown_options(name: str, builder: Callable[..., Any], options: dict[str, Any],
@@ -395,6 +395,6 @@ def build_model(name: str, in_dim: int, out_dim: int, *, hidden: int = 64, layer
     if layers < 1:
         raise ValueError("a model needs at least one layer")
     if name in _BUILTIN:
-        refuse_unknown_options(name, MODELS[name], extra, common=_FLAGS)
+        refuse_unknown_options(name, MODELS[name], extra, common=MODEL_FLAGS)
     return MODELS[name](in_dim, out_dim, hidden=hidden, layers=layers, heads=heads, dropout=dropout,
                         edge_dim=edge_dim, **extra)

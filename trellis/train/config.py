@@ -30,7 +30,7 @@ from typing import Any
 from trellis.errors import TrellisUserError
 from trellis.nn import MODELS
 from trellis.nn.init import INITS
-from trellis.nn.models import JKS, NORMS
+from trellis.nn.models import JKS, MODEL_FLAGS, NORMS
 from trellis.train.features import parse_features
 from trellis.train.optim import OPTIMIZERS
 from trellis.train.options import (
@@ -254,8 +254,7 @@ class TrainConfig:
             raise TrellisUserError(f"--pre-norm builds gcn, sage and gin blocks (got --model {self.model})")
         if self.pre_norm and self.jk != "none":
             raise TrellisUserError("--pre-norm blocks end in their own output layer; drop --jk")
-        flags = [k for k in ("hidden", "layers", "heads", "dropout", "norm", "residual", "jk", "mlp_hidden",
-                             "edge_weight", "pre_norm") if k in self.model_args]
+        flags = [k for k in MODEL_FLAGS if k != "edge_dim" and k in self.model_args]  # edge_dim: from the store
         if flags:
             raise TrellisUserError(f"--model-args {flags[0]}: it is a flag of its own; pass "
                                    f"--{flags[0].replace('_', '-')} (a Python caller: {flags[0]}=...) instead")
