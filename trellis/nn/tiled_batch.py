@@ -55,6 +55,18 @@ class Block:
         return self.c1 - self.c0
 
 
+def _block(b: Block | None) -> Block:
+    """A configuration's input block of a layer; None where evaluation fused it into the previous pass."""
+    assert b is not None, "a fused layer's input rows are never written, so never read"
+    return b
+
+
+def _source_block(arr: np.ndarray | None, cols: tuple[int, int]) -> Block:
+    """Columns ``cols`` of a layer's wide aggregation source (which exists where a configuration has columns)."""
+    assert arr is not None
+    return Block(arr, *cols)
+
+
 class _TileWrites:
     """Blocks computed for one tile's rows, written per array: one contiguous write when they cover its columns.
 
@@ -213,7 +225,7 @@ class BatchedTiledGNN:
         # Layer 0's inputs: the features, read once per tile for every configuration. A configuration that
         # transforms its dropped-out features first recomputes them per tile from its counter-based mask (nothing
         # spilled); one that aggregates them first needs them whole, in its source block.
-        inputs: list[list[Block]] = [[Block.whole(self.x)] for _ in E]
+        inputs: list[list[Block | None]] = [[Block.whole(self.x)] for _ in E]  # None: never read (fused)
         self._masks0 = {j: (ps[j], seeds[j][0]) for j, p in enumerate(ps) if p > 0.0 and not af[0][j]}
         self._xtile = self._dropped = None
         blocks0 = [j for j in range(len(E)) if af[0][j] and not cached[j]]
@@ -229,22 +241,24 @@ class BatchedTiledGNN:
                     tj = t.clone()
                     if ps[j] > 0.0:
                         hash_dropout.apply_(tj, ps[j], seed=E[j]._seed_at(seeds[j][0], r0, tj))
-                    writes.add(inputs[j][0], tj)
+                    writes.add(_block(inputs[j][0]), tj)
                 writes.flush(r0, r1)
                 del t  # a tile's tensors go before the next tile's are made (the plan holds one tile)
         outs = [torch.empty((len(rows), e.decls[-1].out_dim)) for e in E]
         self._saved = (act, af, cached, srcs, cols, inputs, seeds, ps)
+        fused: set[int] = set()  # configurations whose layer-i transformed rows the previous pass wrote
         with torch.no_grad():
             for i in range(L):
                 last = i == L - 1
                 src = srcs[i]
-                tf = [j for j in range(len(E)) if not af[i][j]]
+                tf = [j for j in range(len(E)) if not af[i][j] and j not in fused]
                 if tf:  # transformed rows of every transform-first configuration, before any tile aggregates
                     assert src is not None
                     writes = _TileWrites(self)
                     for r0, r1 in E[0]._pass([]):
                         for j in tf:
-                            z = F.linear(self._input(j, i, inputs[j][i], r0, r1), E[j].convs[i].transform_weight())
+                            z = F.linear(self._input(j, i, _block(inputs[j][i]), r0, r1),
+                                         E[j].convs[i].transform_weight())
                             writes.add(Block(src, *cols[i][j]), z)
                         writes.flush(r0, r1)
                 a = self.spill.array(f"a{i}", src.shape) if src is not None else None
@@ -253,7 +267,13 @@ class BatchedTiledGNN:
                 if shared:  # computed once, reused every epoch (as a solo run's cached first aggregation)
                     fresh0 = not self.spill.has("a0c")
                     a0c = self.spill.array("a0c", (n, self.x.shape[1]))
-                nxt = {j: input_block(i + 1, j) for j in range(len(E))} if not last else {}
+                # Evaluating, a next layer that transforms first and never reads its input rows gets its transformed
+                # rows from this pass (as a solo run's): the layer's output is neither written nor read back.
+                fused = set() if (training or last) else \
+                    {j for j in range(len(E)) if not af[i + 1][j] and not E[j]._reads(i + 1, False)[0]}
+                w_next = {j: E[j].convs[i + 1].transform_weight() for j in fused}
+                nxt = {j: _source_block(srcs[i + 1], cols[i + 1][j]) if j in fused else input_block(i + 1, j)
+                       for j in range(len(E))} if not last else {}
                 writes = _TileWrites(self)
                 for r0, r1 in E[0]._pass([a, self.x] if a is not None else [self.x]):
                     a_t = None
@@ -275,11 +295,13 @@ class BatchedTiledGNN:
                             assert a_t is not None
                             a_j = a_t[:, cols[i][j][0]:cols[i][j][1]]
                         uses_h, uses_z = e._reads(i, af[i][j])
-                        h_t = self._input(j, i, inputs[j][i], r0, r1) if uses_h else None
+                        h_t = self._input(j, i, _block(inputs[j][i]), r0, r1) if uses_h else None
                         z_t = self._read(Block(src, *cols[i][j]), r0, r1) if (uses_z and src is not None) else None
                         y = e._dense(i, a_j, h_t, z_t, aggregate_first=af[i][j], p=ps[j], seed=seeds[j][i + 1],
                                      r0=r0)
-                        if not last:
+                        if j in fused:
+                            writes.add(nxt[j], F.linear(y, w_next[j]))
+                        elif not last:
                             writes.add(nxt[j], y)
                         else:
                             lo, hi = np.searchsorted(rows.ids, [r0, r1])
@@ -290,7 +312,7 @@ class BatchedTiledGNN:
                     writes.flush(r0, r1)
                     del a_t, c_t
                 for j in nxt:
-                    inputs[j].append(nxt[j])
+                    inputs[j].append(None if j in fused else nxt[j])
         return outs
 
     # ---- backward -------------------------------------------------------------------------------------
@@ -301,6 +323,7 @@ class BatchedTiledGNN:
         """
         act, af, cached, srcs, cols, inputs, seeds, ps = self._saved
         assert act == self.active, "backward after a forward of other configurations"
+        ins = [[_block(b) for b in bs] for bs in inputs]  # a training forward fuses nothing
         E = [self.engines[k] for k in act]
         L, n = self.depth, self.graph.num_nodes
         g_out: list[Block] = []
@@ -320,7 +343,7 @@ class BatchedTiledGNN:
             roots: dict[int, tuple[Block | None, Block | None]] = {}
             for j, e in enumerate(E):
                 uses_h, uses_z = e._reads(i, af[i][j])
-                gh_root = Block.whole(self.spill.array(f"m{act[j]}.gh_root{i}", (n, inputs[j][i].width))) \
+                gh_root = Block.whole(self.spill.array(f"m{act[j]}.gh_root{i}", (n, ins[j][i].width))) \
                     if (uses_h and need_in) else None
                 gz_root = Block.whole(self.spill.array(f"m{act[j]}.gz_root{i}", (n, e.decls[i].out_dim))) \
                     if uses_z else None
@@ -338,7 +361,7 @@ class BatchedTiledGNN:
                     else:
                         assert a_t is not None
                         a_j = a_t[:, cols[i][j][0]:cols[i][j][1]].detach().requires_grad_(need_a)
-                    h_t = self._input(j, i, inputs[j][i], r0, r1).detach().requires_grad_(need_in) if uses_h else None
+                    h_t = self._input(j, i, ins[j][i], r0, r1).detach().requires_grad_(need_in) if uses_h else None
                     z_t = self._read(Block(src, *cols[i][j]), r0, r1).detach().requires_grad_(True) \
                         if (uses_z and src is not None) else None
                     with torch.enable_grad():
@@ -357,7 +380,7 @@ class BatchedTiledGNN:
                 del a_t, c_t
             if ga is None:
                 continue
-            g_in = {j: Block.whole(self.spill.array(f"m{act[j]}.g{i}", (n, inputs[j][i].width)))
+            g_in = {j: Block.whole(self.spill.array(f"m{act[j]}.g{i}", (n, ins[j][i].width)))
                     for j in ga_js} if need_in else {}
             for r0, r1 in E[0]._pass([ga]):
                 gs_wide = self._aggregate(i, r0, r1, ga, reverse=True)
@@ -367,7 +390,7 @@ class BatchedTiledGNN:
                     gh: Tensor | None = gs
                     if not af[i][j]:
                         gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)
-                        h_t = self._input(j, i, inputs[j][i], r0, r1).detach().requires_grad_(need_in)
+                        h_t = self._input(j, i, ins[j][i], r0, r1).detach().requires_grad_(need_in)
                         with torch.enable_grad():
                             F.linear(h_t, E[j].convs[i].transform_weight()).backward(gz)
                         gh = h_t.grad
