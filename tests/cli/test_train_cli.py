@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -192,3 +195,16 @@ def test_a_starved_trainer_is_told_about_samplers(capsys, tmp_path, store):
                 {**starved, "threads": 2},  # no cores to spare for sampler processes
                 {**starved, "config": {**s["config"], "samplers": 2}}):  # already there
         assert "--samplers" not in format_summary(fed)
+
+
+def test_omp_num_threads_holds_for_the_whole_run(sbm_store, tmp_path):
+    """OMP_NUM_THREADS=1: torch and the numba kernels train on one thread (numba's OpenMP start, at the first
+    dropout kernel, reset torch's shared count to every core, and the summary recorded it)."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    env.pop("NUMBA_NUM_THREADS", None)
+    proc = subprocess.run([sys.executable, "-m", "trellis.cli", "train", str(sbm_store), "--epochs", "1", "--hidden",
+                           "8", "--dropout", "0.5", "--out", str(tmp_path / "run"), "--json"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["threads"] == 1

@@ -28,8 +28,8 @@ def graph(tmp_path_factory):
 @pytest.mark.parametrize("model", ["gcn", "sage", "gin"])
 def test_evaluation_equals_each_configuration_alone_and_skips_fusable_hidden_outputs(graph, tmp_path, model):
     """Evaluating, each configuration's logits equal its solo engine's bit for bit. A configuration whose next layer
-    transforms first and never reads its input rows (GCN and GIN 16 -> 3 here) takes that layer's transformed rows from the
-    previous pass, as its solo run does: its 300 x 16 hidden output is neither written nor read back."""
+    transforms first and never reads its input rows (GCN and GIN 16 -> 3 here) takes that layer's transformed rows
+    from the previous pass, as its solo run does: its 300 x 16 hidden output is neither written nor read back."""
     mg, x = graph
     bounds = mg.tile_bounds(1.0, 1.0, 1e12, max_rows=41)
     every = Gather.of(np.arange(300))

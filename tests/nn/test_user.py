@@ -236,3 +236,38 @@ def test_the_probe_does_not_call_a_clipping_or_dropout_message_a_copy():
     opaque = _Opaque(3)
     assert opaque.declare().message == "custom" and not opaque.pushdown
     torch.testing.assert_close(opaque(g, x), adj @ x)
+
+
+class _BufferScaled(MessagePassing):
+    """A message scaled by a buffer that is 1 at first use (a schedule, a running statistic): not a copy."""
+
+    aggregate = "sum"
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.in_dim = self.out_dim = d
+        self.register_buffer("scale", torch.ones(()))
+        self.frozen = nn.Parameter(torch.ones(d), requires_grad=False)
+
+    def message(self, x_j):
+        return x_j * self.scale
+
+
+class _BufferBeside(_BufferScaled):
+    """A buffer the message does not read: still a copy, pushed down."""
+
+    def message(self, x_j):
+        return x_j
+
+
+def test_a_message_reading_a_buffer_is_not_called_a_copy_and_follows_its_later_values():
+    g, adj = random_graph(n=30, p=0.2)
+    x = torch.randn(30, 3)
+    layer = _BufferScaled(3)
+    torch.testing.assert_close(layer(g, x), adj @ x)
+    assert layer.declare().message == "custom" and not layer.pushdown
+    assert torch.equal(layer.scale, torch.ones(())) and torch.equal(layer.frozen, torch.ones(3))  # restored
+    layer.scale.fill_(3.0)
+    torch.testing.assert_close(layer(g, x), adj @ (3.0 * x))
+    beside = _BufferBeside(3)
+    assert beside.declare().message == "copy" and beside.pushdown

@@ -278,3 +278,166 @@ def test_a_user_model_run_read_back_without_its_builder_says_what_to_register(sb
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True, env=env,
                          timeout=300)
     assert "register_model('linearprobe', builder)" in out.stdout, out.stderr
+
+
+# ---- the caller's process: what a call leaves of it, and what of it changes a call --------------------------------
+def test_a_call_leaves_the_caller_s_generators_threads_and_flags_as_they_were(sbm_store):
+    """A loop that draws its own random split before every trellis.train gets a fresh one each time; the torch
+    generator, the deterministic flag (deterministic=True is the run's) and the default dtype come back too."""
+    import random
+
+    np.random.seed(123)
+    random.seed(7)
+    torch.manual_seed(11)
+    expect_np, expect_py, expect_torch = np.random.rand(), random.random(), torch.rand(1)
+    np.random.seed(123)
+    random.seed(7)
+    torch.manual_seed(11)
+    before = torch.get_num_threads()
+    trellis.train(sbm_store, model="gcn", epochs=1, hidden=8, deterministic=True)
+    assert (np.random.rand(), random.random()) == (expect_np, expect_py)
+    assert torch.equal(torch.rand(1), expect_torch)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.get_num_threads() == before and torch.get_default_dtype() == torch.float32
+    draws = []
+    for _ in range(2):  # the helper's notebook loop: each repetition a new permutation
+        draws.append(np.random.permutation(50)[:5].tolist())
+        trellis.sweep(sbm_store, {"lr": [0.01, 0.02]}, epochs=1, hidden=8)
+    assert draws[0] != draws[1]
+
+
+def test_the_caller_s_grad_mode_and_default_dtype_change_nothing(sbm_store):
+    """Training inside torch.no_grad() or inference_mode(), or with float64 as the default dtype, trains the float32
+    model the CLI trains (it failed with a raw torch error, or trained in float64)."""
+    ref = trellis.train(sbm_store, model="sage", strategy="mini", fanouts="5,5", epochs=2, hidden=8)
+    with torch.no_grad():
+        a = trellis.train(sbm_store, model="sage", strategy="mini", fanouts="5,5", epochs=2, hidden=8)
+    with torch.inference_mode():
+        b = trellis.train(sbm_store, model="sage", strategy="mini", fanouts="5,5", epochs=2, hidden=8)
+    torch.set_default_dtype(torch.float64)
+    try:
+        c = trellis.train(sbm_store, model="sage", strategy="mini", fanouts="5,5", epochs=2, hidden=8)
+        pred = c.predict()
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+    losses = [[r["loss"] for r in run.history] for run in (ref, a, b, c)]
+    assert losses[1:] == [losses[0]] * 3
+    assert next(c.model.parameters()).dtype == torch.float32
+    assert torch.equal(pred, ref.predict())
+
+
+def test_the_caller_s_thread_count_holds_for_the_run(sbm_store, tmp_path):
+    """torch.set_num_threads(1) before trellis.train: the run trains on one thread and the process keeps one (numba's
+    first parallel kernel reset torch's shared OpenMP count to every core). A fresh interpreter: numba not started."""
+    code = ("import torch, trellis\n"
+            "torch.set_num_threads(1)\n"
+            f"run = trellis.train({str(sbm_store)!r}, model='gcn', epochs=1, hidden=8, dropout=0.5)\n"
+            "print(run.summary['threads'], torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1"]
+
+
+def test_run_predict_uses_the_run_s_own_module_not_a_builder_redefined_later(sbm_store):
+    """A notebook cell redefining a builder under the same name must not change an earlier Run's predictions."""
+    from trellis.nn import GNN, SAGEConv
+
+    def mine(in_dim, out_dim, hidden=8):
+        return GNN([SAGEConv(in_dim, hidden), SAGEConv(hidden, out_dim)], 0.0)
+
+    first = trellis.train(sbm_store, model=mine, epochs=3)
+    before = first.predict(logits=True)
+
+    def mine(in_dim, out_dim, hidden=8):  # noqa: F811 - the redefinition under test
+        return GNN([SAGEConv(in_dim, hidden), SAGEConv(hidden, hidden), SAGEConv(hidden, out_dim)], 0.0)
+
+    trellis.train(sbm_store, model=mine, epochs=1)
+    assert torch.equal(first.predict(logits=True), before)
+
+
+def test_load_run_model_is_in_evaluation_mode(sbm_store, tmp_path):
+    trellis.train(sbm_store, model="gcn", epochs=1, hidden=8, out=tmp_path / "run")
+    assert not trellis.load_run(tmp_path / "run").model.training
+
+
+def test_a_first_epoch_torch_error_leaves_no_run_directory(sbm_store, tmp_path):
+    """A user's model that fails with a torch error in the first epoch: the error propagates, and no directory is
+    left that a re-run would be told to --resume."""
+
+    class Broken(torch.nn.Module):
+        def __init__(self, in_dim, out_dim):
+            super().__init__()
+            self.lin = torch.nn.Linear(in_dim + 1, out_dim)
+
+        def forward(self, graph, x):
+            return self.lin(x)
+
+    def broken(in_dim, out_dim):
+        return Broken(in_dim, out_dim)
+
+    with pytest.raises(RuntimeError):
+        trellis.train(sbm_store, model=broken, epochs=1, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_copied_run_predicts_given_the_graph_and_says_so_without_it(tmp_path):
+    """A Run trained on an in-memory graph: its copy does not own the temporary store, predicts when given the graph
+    (as train takes it) and names the fix when not. Relative store paths survive a chdir."""
+    import copy
+    import gc
+
+    rng = np.random.default_rng(0)
+    src, dst = rng.integers(0, 60, 300), rng.integers(0, 60, 300)
+    graph = {"src": src, "dst": dst, "x": rng.standard_normal((60, 4)).astype(np.float32),
+             "y": rng.integers(0, 3, 60), "splits": {"train": np.arange(30), "val": np.arange(30, 45),
+                                                     "test": np.arange(45, 60)}}
+    run = trellis.train(graph, model="gcn", epochs=2, hidden=8)
+    ref = run.predict()
+    twin = copy.deepcopy(run)
+    del run
+    gc.collect()
+    assert torch.equal(twin.predict(graph), ref)
+    with pytest.raises(TrellisUserError, match=r"run\.predict\(graph\)"):
+        twin.predict()
+
+
+def test_a_store_given_relative_still_predicts_after_chdir(sbm_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(sbm_store.parent)
+    run = trellis.train(sbm_store.name, model="gcn", epochs=1, hidden=8)
+    monkeypatch.chdir(tmp_path)
+    assert run.predict().shape == (500,)
+
+
+def test_sweep_without_out_returns_no_removed_directory(sbm_store):
+    board = trellis.sweep(sbm_store, {"lr": [0.01, 0.02]}, epochs=1, hidden=8)
+    assert board["out"] is None
+
+
+def test_ranks_launched_from_a_worker_thread_leak_no_descriptor(sbm_store, tmp_path):
+    """A notebook's worker thread may train over ranks (signals reach only the main thread, so it forwards none),
+    and the launcher's config file leaves no open descriptor behind."""
+    import threading
+
+    from trellis.data.store import GraphStore
+    from trellis.partition.base import partition_graph
+    from trellis.partition.layout import write_layout
+
+    gs = GraphStore(sbm_store)
+    layout = write_layout(gs, partition_graph(gs, "random", 2, measure=False), tmp_path / "p2")
+    fds = len(os.listdir("/proc/self/fd"))
+    got: list[object] = []
+
+    def work() -> None:
+        try:
+            got.append(trellis.train(sbm_store, model="gcn", epochs=1, hidden=8, parts_dir=str(layout), nproc=2,
+                                     out=tmp_path / "run"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            got.append(exc)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(timeout=300)
+    assert len(got) == 1 and isinstance(got[0], trellis.Run), got
+    assert len(os.listdir("/proc/self/fd")) == fds

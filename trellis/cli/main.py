@@ -96,6 +96,10 @@ def attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list
     return out
 
 
+#: Commands that run torch and numba kernels (the rest, ``data`` and ``compare``, start without them).
+COMPUTING = frozenset({"train", "predict", "sweep", "tune", "preprocess", "partition", "bench", "demo"})
+
+
 def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any] | None = None) -> int:
     """Entry point; returns the exit code (also used by tests).
 
@@ -112,6 +116,10 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
         if extra:
             raise _unrecognized(args, extra)
         args.model_factory = model_factory
+        if args.command in COMPUTING:
+            from trellis.utils.numba import launch_threads
+
+            launch_threads()  # before numba's first kernel could undo OMP_NUM_THREADS (or torch's default)
         rc = args.func(args)
         return int(rc or 0)
     except TrellisUserError as exc:

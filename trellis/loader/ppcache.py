@@ -54,6 +54,7 @@ from trellis.ops.propagate import (
     normalize_rows,
 )
 from trellis.utils.atomic import MANIFEST, clean_stale_temps, replace_dir, temp_sibling
+from trellis.utils.caller import keeps_caller_state
 from trellis.utils.manifest import ManifestField, ManifestFormat
 from trellis.utils.sizes import format_size
 
@@ -595,6 +596,7 @@ def mismatch(cache: PPCache, store: GraphStore, settings: PPSettings) -> str | N
     return None
 
 
+@keeps_caller_state
 def preprocess(store: GraphStore | str | os.PathLike[str], out: str | os.PathLike[str], *, operator: str = "sym",
                hops: int = 3, alpha: float = 0.1, t: float = 3.0, iters: int | None = None,
                split_rows_only: bool | None = None, block_rows: int | None = None, feature_norm: str = "auto",

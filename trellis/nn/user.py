@@ -8,13 +8,18 @@ A user subclasses :class:`trellis.nn.MessagePassing` and writes
 * ``update(self, aggr, [x]) -> [n, out]`` (ψ, per destination, given its own input row ``x``; default: ``aggr``),
 * optionally ``transform = "lin"``: the name of a bias-free :class:`torch.nn.Linear` applied to every source row
   before the message, and ``edge_weights(self, graph)``: fixed (unparameterized) per-edge weights, or
-  ``(edge weights, self-loop weights)`` — :func:`trellis.ops.gcn_norm` returns exactly that pair.
+  ``(edge weights, self-loop weights)`` — :func:`trellis.ops.gcn_norm` returns exactly that pair. The self
+  loop joins **after** the reduction, as GCN's normalized self term does: ``aggr_i = Γ_j(message) + s_i · x_i``.
+  With ``sum`` that is a self loop as an edge; with ``mean`` and ``max`` it is not one of the reduced edges
+  (``mean_j(x_j) + x_i``, ``max_j(x_j) + x_i``): store the loops as edges instead when they must be reduced.
 
 Why read the code instead of asking for a declaration: the planner can move only what it understands, and a
 user should not have to know the planner. :func:`declare` probes ``message`` numerically: a message that reads
 only ``x_j`` (and ``edge_weight``), touches no parameter, and returns ``x_j`` (or ``edge_weight * x_j``) on
-random probes of several scales, in training and in evaluation mode, is a copy (weighted) message (a layer
-sets ``general_plan = True`` to opt out); with a linear aggregate (sum, mean) the layer is then pushed down
+random probes of several scales, in training and in evaluation mode, and whose output does not move with the
+layer's buffers or frozen parameters (they may change later, and a pushed-down message is never called again), is
+a copy (weighted) message (a layer sets ``general_plan = True`` to opt out, for example when its message reads a
+plain Python attribute that will change); with a linear aggregate (sum, mean) the layer is then pushed down
 into one SpMM, and the transform may run before or after it (Lotan §4.2), exactly like the built-in GCN — so it
 is also model-batchable. Anything else gets the general plan (:func:`run_general`): gather the rows per edge,
 apply the message, segment-reduce to the destinations, one layer's edges at a time; autograd supplies the
@@ -113,6 +118,8 @@ def _probe(layer: MessagePassing, names: list[str]) -> str:
                         grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
                         if any(g is not None for g in grads):
                             return "custom"
+                    if _reads_state(layer, args, out):
+                        return "custom"
                 tol = 1e-6 * scale
                 if torch.allclose(out, x_j, rtol=0, atol=tol):
                     now = "copy"
@@ -127,6 +134,32 @@ def _probe(layer: MessagePassing, names: list[str]) -> str:
         for m, training in modes.items():
             m.training = training
     return kind or "custom"
+
+
+def _reads_state(layer: MessagePassing, args: dict[str, Tensor], out: Tensor) -> bool:
+    """Whether ``message`` reads a buffer or a frozen parameter: its output moves when they do.
+
+    Why: such state can change after the probe (a running statistic, a temperature schedule, a frozen scale that
+    is 1 today), and a message pushed down into an SpMM is never called again, so the probe's verdict would hold
+    for values it never saw. Every floating tensor of that kind is shifted for one more call and restored.
+    """
+    state = [t for t in layer.buffers() if t.is_floating_point()]
+    state += [p for p in layer.parameters() if not p.requires_grad and p.is_floating_point()]
+    if not state:
+        return False
+    kept = [t.detach().clone() for t in state]
+    try:
+        with torch.no_grad():
+            for t in state:
+                t.mul_(1.75).add_(0.25)
+            moved = layer.message(**args)
+        return not (isinstance(moved, Tensor) and moved.shape == out.shape and torch.equal(moved, out.detach()))
+    except Exception:  # noqa: BLE001 - a message that fails on other values of its state: the general plan
+        return True
+    finally:
+        with torch.no_grad():
+            for t, k in zip(state, kept):
+                t.copy_(k)
 
 
 def declare(layer: MessagePassing) -> LayerDecl:

@@ -19,8 +19,10 @@ from trellis.partition.balance import parse_balance
 from trellis.partition.base import check_out_dir, create_partitioner, partition_graph
 from trellis.partition.layout import write_layout
 from trellis.partition.quality import PartitionQuality, evaluate
+from trellis.utils.caller import keeps_caller_state
 
 
+@keeps_caller_state
 def partition(store: str | os.PathLike[str] | GraphStore, parts: int, *, method: str = "grem",
               out: str | os.PathLike[str] | None = None, width: int = 256, overwrite: bool = False,
               move_features: bool = False, progress: bool = False, seed: int = 0, imbalance: float = 0.05,

@@ -10,6 +10,7 @@ models in memory. ``trellis train`` and ``trellis.train(..., out=DIR)`` write th
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from trellis.train.config import TrainConfig
 from trellis.train.features import NodeEmbedding
 from trellis.train.runs import iter_jsonl, open_run_dir, read_json
 from trellis.train.tasks import TASKS, Task
+from trellis.utils.caller import keeps_caller_state
 
 #: What :func:`train` accepts as the graph.
 GraphLike = str | os.PathLike[str] | GraphStore | Any
@@ -54,6 +56,11 @@ class Run:
     run_dir: Path | None = None
     headers: list[dict[str, Any]] = field(default_factory=list)
     _keep: Any = field(default=None, repr=False)  # a temporary store the run trained on, kept alive with it
+    _store: str | None = field(default=None, repr=False)  # the store's absolute path (the caller may chdir)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickle, deepcopy) does not own the temporary store an in-memory graph was written to."""
+        return {**self.__dict__, "_keep": None}
 
     @property
     def model(self) -> nn.Module:
@@ -69,8 +76,9 @@ class Run:
         """Mean test value of :attr:`metric` over the runs."""
         return float(self.summary[f"test_{self.metric}_mean"])
 
+    @keeps_caller_state
     @torch.no_grad()
-    def predict(self, store: str | os.PathLike[str] | GraphStore | None = None, *, run: int | None = None,
+    def predict(self, store: GraphLike | None = None, *, run: int | None = None,
                 proba: bool = False, logits: bool = False, device: str | None = None) -> Tensor:
         """Predictions for every node of ``store`` (default: the store the run trained on).
 
@@ -79,7 +87,7 @@ class Run:
         binary and multilabel as ``trellis predict`` writes them; ``logits`` returns the raw outputs.
 
         Args:
-            store: A graph store with the training features' width (default: the run's own).
+            store: A graph with the training features' width, as :func:`train` takes it (default: the run's own).
             run: Which run's model (default: the best-validation one).
             proba: Probabilities instead of predictions.
             logits: The model's raw outputs.
@@ -90,16 +98,38 @@ class Run:
         r = int(self.summary["best_run"]) if run is None else run
         if not 0 <= r < len(self.models):
             raise TrellisUserError(f"run={r}: this Run has runs 0..{len(self.models) - 1}")
-        saved = {**self.headers[r], "state_dict": self.models[r].state_dict()}
+        own = self.models[r]
+        inner = own.model if isinstance(own, NodeEmbedding) else own
+
+        def this_module(*_args: Any, **_kwargs: Any) -> nn.Module:
+            """The run's own module (a copy): not what a name in the registry builds now."""
+            return copy.deepcopy(inner)
+
+        saved = {**self.headers[r], "state_dict": own.state_dict()}
+        path, keep = as_store(store) if store is not None else (self._default_store(), None)
         with tempfile.TemporaryDirectory(prefix="trellis-predict-") as scratch:  # an out-of-core run's spill
-            out = predict_saved(saved, self.run_dir or Path(scratch), self.config.to_dict(),
-                                _store_path(store) if store else str(self.config.store),
-                                device=device or self.config.device).logits
+            out = predict_saved(saved, self.run_dir or Path(scratch), self.config.to_dict(), path,
+                                device=device or self.config.device, model_factory=this_module).logits
+        del keep
         if logits:
             return out
         task: Task = TASKS[self.summary["task"]](int(self.summary["num_classes"]))
         pred, prob = task.predict(out)
         return prob if proba else pred
+
+
+    def _default_store(self) -> str:
+        """The store the run trained on; a clear error where it was a temporary one that is gone."""
+        path = self._store or str(self.config.store)
+        if self._keep is None and Path(path).name == "store" and Path(path).parent.name.startswith(TEMP_STORE) \
+                and not Path(path).is_dir():
+            raise TrellisUserError("this Run trained on an in-memory graph, whose temporary store went with the Run "
+                                   "it was copied from; pass the graph again: run.predict(graph)")
+        return path
+
+
+#: Prefix of the temporary directory an in-memory graph is written to.
+TEMP_STORE = "trellis-store-"
 
 
 def _store_path(data: str | os.PathLike[str] | GraphStore) -> str:
@@ -115,7 +145,7 @@ def as_store(data: GraphLike, tmp: str | None = None) -> tuple[str, Any]:
     """
     if isinstance(data, (str, os.PathLike, GraphStore)):
         return _store_path(data), None
-    keep = tempfile.TemporaryDirectory(prefix="trellis-store-", dir=tmp)
+    keep = tempfile.TemporaryDirectory(prefix=TEMP_STORE, dir=tmp)
     out = Path(keep.name) / "store"
     if hasattr(data, "edge_index"):
         return str(from_pyg(data, out)), keep
@@ -154,6 +184,7 @@ def model_option(model: str | Callable[..., nn.Module] | None) -> str | None:
     return name
 
 
+@keeps_caller_state
 def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, progress: bool = False,
           model: str | Callable[..., nn.Module] | None = None, **options: Any) -> Run:
     """Train a GNN and return the :class:`Run` (``trellis train`` as a function).
@@ -197,9 +228,11 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
     trainer = Trainer(cfg, handle_signals=False, run_dir=out is not None, keep_models=True, quiet=not progress)
     summary = trainer.fit()
     return Run(summary, trainer.history, trainer.models, trainer.cfg,
-               Path(summary["run_dir"]) if summary.get("run_dir") else None, trainer.headers, _keep=keep)
+               Path(summary["run_dir"]).resolve() if summary.get("run_dir") else None, trainer.headers, _keep=keep,
+               _store=str(Path(path).resolve()))
 
 
+@keeps_caller_state
 def load_run(run_dir: str | os.PathLike[str]) -> Run:
     """A finished run directory as a :class:`Run` (models rebuilt from ``models/run-*.pt``)."""
     paths = open_run_dir(run_dir)
@@ -223,7 +256,7 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
         if features.startswith("embedding:"):
             m = NodeEmbedding(m, saved["num_nodes"], int(features.split(":", 1)[1]))
         m.load_state_dict(saved["state_dict"])
-        models.append(m)
+        models.append(m.eval())  # as trellis.train's: ready to evaluate
     return Run(summary, list(iter_jsonl(paths.metrics)), models, cfg, paths.root, headers)
 
 
@@ -235,6 +268,7 @@ def _duration(budget: str | float | None) -> float | None:
     return parse_duration(str(budget))
 
 
+@keeps_caller_state
 def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn", out: str | os.PathLike[str] | None
           = None, epochs: int | None = None, patience: int | None = None, seed: int = 0, device: str = "auto",
           batch_models: int | None = None, progress: bool = False, **base: Any) -> dict[str, Any]:
@@ -265,9 +299,10 @@ def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn"
                          progress=progress)
         board = run_sweep(sc)
     del keep
-    return board
+    return _written(board, out)
 
 
+@keeps_caller_state
 def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str | None = None,
          budget: str | float | None = None, out: str | os.PathLike[str] | None = None, candidates: int = 27,
          seeds: int = 3, epochs: int | None = None, seed: int = 0, playoff: int = 15, playoff_seeds: int = 3,
@@ -311,9 +346,15 @@ def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str
                         out=os.fspath(out) if out is not None else os.path.join(scratch, "tune"))
         board = run_tune(tc)
     del keep
-    return board
+    return _written(board, out)
 
 
+def _written(board: dict[str, Any], out: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The board, its ``out`` None where nothing was kept (as a Run's ``run_dir``), not a removed scratch path."""
+    return board if out is not None else {**board, "out": None}
+
+
+@keeps_caller_state
 def explain(data: GraphLike, /, *, model: str | Callable[..., nn.Module] | None = None, **options: Any) -> str:
     """The operator plan ``trellis train --explain`` prints for these options; trains nothing."""
     from trellis.train.trainer import Trainer
@@ -328,6 +369,7 @@ def explain(data: GraphLike, /, *, model: str | Callable[..., nn.Module] | None 
     return text
 
 
+@keeps_caller_state
 def resume(run_dir: str | os.PathLike[str]) -> Run:
     """Continue an interrupted run directory (``trellis train --resume``) and return the finished :class:`Run`.
 

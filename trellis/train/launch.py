@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -135,10 +136,8 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
     port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else free_port()
     _check_port(port)
     warm_kernels()
-    cfg_file = Path(tempfile.mkstemp(prefix="trellis-ranks-", suffix=".json")[1])
     values = cfg.to_dict(session=True)
     values["nproc"] = nproc
-    cfg_file.write_text(json.dumps(values))
     total = nproc + int(getattr(cfg, "sampler_ranks", 0) or 0)  # trainers first, then the sampler ranks
     threads = rank_threads(total)
     procs: list[subprocess.Popen[bytes]] = []
@@ -156,8 +155,15 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Signals reach only a process's main thread: a library caller's worker thread forwards none (the ranks still
+    # die with this process, and a stop of the whole process reaches them through _die_with_parent).
+    forwarding = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if forwarding else {}
+    fd, name = tempfile.mkstemp(prefix="trellis-ranks-", suffix=".json")
+    cfg_file = Path(name)
     try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(values))
         for r in range(total):
             env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), **({QUIET_ENV: "1"} if quiet else {})}
             # Own session: a terminal's Ctrl-C reaches only the launcher, which passes it on once (two

@@ -27,6 +27,7 @@ from trellis.train.strategy import Prediction, PredictRequest
 from trellis.train.tasks import TASKS
 from trellis.train.trainer import MODEL_FORMAT
 from trellis.utils.atomic import file_mode
+from trellis.utils.caller import keeps_caller_state
 
 
 def embedding_path(out: Path) -> Path:
@@ -63,6 +64,7 @@ def choose_run(run_dir: Path, run: int | None) -> int:
 
 
 @torch.no_grad()
+@keeps_caller_state
 def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out: str | os.PathLike[str], *,
             run: int | None = None, proba: bool = False, device: str = "auto",
             model_factory: ModelFactory | None = None, memory_budget: str | None = None,

@@ -263,8 +263,11 @@ class Trainer:
                 for r in range(prog.run, cfg.runs):
                     try:
                         self._run(ctx, r, run_state if r == prog.run else None, rng)
-                    except TrellisUserError:
-                        # refused in the first epoch (a user layer's wrong shape): leave nothing half-written
+                    except TrainingInterrupted:
+                        raise  # its checkpoint continues the run
+                    except Exception:
+                        # failed in the first epoch (a user layer's wrong shape, a torch error in the user's code):
+                        # leave nothing half-written, and no directory that `--resume` would be suggested for
                         if fresh and r == 0 and not prog.results and not log.offset:
                             log.close()
                             shutil.rmtree(paths.root, ignore_errors=True)

@@ -83,7 +83,9 @@ def launch_threads() -> None:
     the calling thread's OpenMP thread count, which torch shares (the same ``libgomp``), to
     ``NUMBA_NUM_THREADS`` (every core). A ``torch.set_num_threads`` made before that start was silently
     undone: sampler processes set to one thread ran torch on all 16 cores of a 16-core machine (5.6 cores busy
-    per process, 115 ms of CPU per batch against 13.5 ms on one thread).
+    per process, 115 ms of CPU per batch against 13.5 ms on one thread). The calling thread's numba kernels then
+    use as many threads as torch (within numba's pool): a caller's ``torch.set_num_threads(1)`` or
+    ``OMP_NUM_THREADS=1`` holds for both.
     """
     if not WITH_NUMBA:
         return
@@ -93,6 +95,7 @@ def launch_threads() -> None:
     keep = torch.get_num_threads()
     numba.get_num_threads()  # starts the layer (a no-op once started)
     torch.set_num_threads(keep)
+    numba.set_num_threads(max(1, min(keep, max_threads())))
 
 
 def set_threads(torch_threads: int, numba_threads: int | None = None) -> None:
