@@ -121,3 +121,26 @@ def test_bad_memory_budget_is_a_user_error(store, tmp_path, capsys, flag, needle
     rc, _, err = run(capsys, "sweep", store, "--grid", "lr=0.1", "--memory-budget", flag, "--out", tmp_path / "o")
     assert rc == 2 and needle in err and "--memory-budget" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_help_lists_every_sweepable_and_tunable_key():
+    """The epilogs are text (the CLI modules do not import torch for a help screen): they must name GRID_KEYS."""
+    from trellis.cli import sweep as sweep_cli
+    from trellis.cli import tune as tune_cli
+    from trellis.train.sweep import GRID_KEYS
+
+    listed = set()
+    for text in (sweep_cli._EPILOG, tune_cli._EPILOG):
+        lines = text.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith(("sweepable hyperparameters:", "tunable:")))
+        listed.add(lines[at + 1].replace(" ", ""))
+    assert listed == {",".join(GRID_KEYS)}
+
+
+def test_help_descriptions_carry_no_markup():
+    from trellis.cli.main import build_parser
+
+    for name in ("sweep", "tune", "preprocess", "bench", "compare"):
+        parser = build_parser([name])
+        sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices[name]
+        assert "``" not in sub.description and ":mod:" not in sub.description and ":data:" not in sub.description

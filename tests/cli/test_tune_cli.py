@@ -40,6 +40,7 @@ def test_bad_space_files_exit_2_naming_the_key(store, tmp_path, capsys, space, m
     (["--grid", "lr=0.1", "--set", "lr=0.2"], "--set lr: it is also in the search space"),
     (["--model", "mlp"], "no default search space"),
     (["--search", "grid"], "--search grid: .* is a range"),
+    (["--space", "space.json", "--grid", "lr=0.1,0.2"], "--space space.json and --grid are two ways to give the space"),
 ])
 def test_bad_flags_exit_2_with_nothing_written(store, tmp_path, capsys, argv, match):
     out = tmp_path / "t"

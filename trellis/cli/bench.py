@@ -19,6 +19,10 @@ from trellis.cli.args import seed_int
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
+DESCRIPTION = """\
+Micro-benchmarks of Trellis's own components on a store. Each prints a report, or one JSON object with --json.
+Comparisons against other systems are in the repository's benchmarks/ (make bench), not here."""
+
 
 @dataclass(frozen=True)
 class Bench:
@@ -95,7 +99,7 @@ BENCHES: dict[str, Bench] = {
 
 def register(sub: Any) -> None:
     """Add ``bench`` with one sub-subcommand per :data:`BENCHES` entry."""
-    p = sub.add_parser("bench", help=help_of("bench"), description=__doc__,
+    p = sub.add_parser("bench", help=help_of("bench"), description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     benches = p.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(p))
     benches.required = True

@@ -7,6 +7,7 @@ screen or for ``trellis data info``.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 
@@ -43,3 +44,9 @@ def help_of(name: str) -> str:
 
 
 __all__ = ["COMMANDS", "Command", "help_of"]
+
+
+def help_text(doc: str | None) -> str:
+    """A module docstring as a ``--help`` description: reST roles and double backquotes read as plain text."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc or "")
+    return text.replace("``", "")

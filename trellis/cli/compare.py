@@ -14,6 +14,10 @@ from typing import Any
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
+DESCRIPTION = """\
+One table of finished runs and their validation curves against wall time. A path that is not a finished run
+directory is one line naming it and exit code 2, with no PNG written."""
+
 _EPILOG = """\
 examples:
   trellis compare runs/cora-gcn runs/cora-sage-mini --target 0.78     who reaches val acc 0.78 first
@@ -57,7 +61,7 @@ def run_compare(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     """Add ``trellis compare`` to the CLI."""
     p = sub.add_parser("compare", help=help_of("compare"),
-                       description=__doc__, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of `trellis train` (any strategy)")
     p.add_argument("--target", type=_float, default=None, metavar="X",
                    help="validation target of the selection metric, in (0, 1] (default: each run's --target-acc)")

@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from trellis.cli.commands import help_of
+from trellis.cli.commands import help_of, help_text
 from trellis.loader.ppcache import preprocess
 from trellis.ops.propagate import FEATURE_NORMS, OPERATORS
 from trellis.utils.sizes import format_size
@@ -28,7 +28,7 @@ PP_MODEL_NAMES = ("sgc", "sign", "hoga")
 def register(sub: Any) -> None:
     """Add ``preprocess`` to the ``trellis`` subcommands."""
     p = sub.add_parser("preprocess", help=help_of("preprocess"),
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", metavar="STORE", help="graph store directory")
     p.add_argument("--operator", choices=OPERATORS, default="sym",
                    help="sym: D^-1/2 (A+I) D^-1/2; rw: D^-1 (A+I); ppr: personalized PageRank; heat: heat kernel "

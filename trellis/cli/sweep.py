@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from trellis.cli.commands import help_of
+from trellis.cli.commands import help_of, help_text
 from trellis.errors import TrellisUserError
 
 _EPILOG = """\
@@ -27,7 +27,8 @@ examples:
   trellis sweep STORE --model sign --grid lr=0.003,0.001 --set strategy=pp pp_dir=PP_DIR --out SWEEP_DIR
                                                           pre-propagation: each batch's rows read once
 
-sweepable hyperparameters: lr, weight_decay, dropout, hidden, layers, optimizer, init
+sweepable hyperparameters:
+  lr, weight_decay, dropout, hidden, layers, optimizer, init, momentum, residual, pre_norm, norm, jk
 """
 
 
@@ -43,7 +44,8 @@ def _int(name: str) -> Any:
 def register(sub: Any) -> None:
     """Add ``trellis sweep`` to the CLI."""
     p = sub.add_parser("sweep", help=help_of("sweep"),
-                       description=__doc__, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=help_text(__doc__), epilog=_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", metavar="STORE", help="graph store directory")
     p.add_argument("--model", default="gcn", metavar="NAME",
                    help="model family: gcn, sage, gin batch; others train one configuration at a time "

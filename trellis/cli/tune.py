@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from trellis.cli.commands import help_of
+from trellis.cli.commands import help_of, help_text
 from trellis.cli.sweep import BUDGET_HELP, _base, _int, with_budget
 from trellis.errors import TrellisUserError
 
@@ -26,13 +26,14 @@ examples:
   trellis train STORE --config TUNE_DIR/best/config.json      replay the chosen configuration
 
 a space file is JSON: {"lr": {"log_uniform": [0.001, 0.05]}, "hidden": [64, 128], "dropout": {"uniform": [0.2, 0.8]}}
-tunable: lr, weight_decay, dropout, hidden, layers, optimizer, init, momentum
+tunable:
+  lr, weight_decay, dropout, hidden, layers, optimizer, init, momentum, residual, pre_norm, norm, jk
 """
 
 
 def register(sub: Any) -> None:
     """Add ``trellis tune`` to the CLI."""
-    p = sub.add_parser("tune", help=help_of("tune"), description=__doc__, epilog=_EPILOG,
+    p = sub.add_parser("tune", help=help_of("tune"), description=help_text(__doc__), epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("store", metavar="STORE", nargs="?", default=None, help="graph store directory")
     p.add_argument("--model", default="gcn", metavar="NAME", help="model family (default: gcn)")

@@ -268,9 +268,7 @@ def format_table(result: dict[str, Any]) -> str:
         by = {r["name"]: r for r in rows}
         w = by[first]
         others = [r for r in rows if r["name"] != first]
-        vs = "; ".join(f"{r['name']} " + (f"{r['time_to_target_s_mean']:.2f} s" if r.get("time_to_target_s_mean")
-                                           is not None else f"not in every run ({r['runs_reaching_target']}/"
-                                           f"{r['runs']} reached it)") for r in others)
+        vs = "; ".join(f"{r['name']} {_time_to_target(r)}" for r in others)
         lines.append(f"first to val {w['metric']} {result['target']:g}: {first} in {w['time_to_target_s_mean']:.2f} s "
                      f"({w['epochs_to_target_mean']:.1f} epochs)" + (f" vs {vs}" if vs else ""))
         fewest = result["fewest_epochs_to_target"]
@@ -359,3 +357,12 @@ def plot_compare(result: dict[str, Any], rds: list[RunDir], out: str | Path) -> 
     fig.savefig(out, format="png", dpi=100)
     plt.close(fig)
     return out
+
+
+def _time_to_target(row: dict[str, Any]) -> str:
+    """A run set's mean time to the target; ``never``, or how many of its runs reached it."""
+    if row.get("time_to_target_s_mean") is not None:
+        return f"{row['time_to_target_s_mean']:.2f} s"
+    if not row["runs_reaching_target"]:
+        return "never"
+    return f"not in every run ({row['runs_reaching_target']}/{row['runs']} reached it)"

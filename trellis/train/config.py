@@ -73,6 +73,17 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "hoga": {"hidden": 256, "heads": 4, "weight_decay": 0.0, "patience": 50},
 }
 
+def defaults_text(key: str) -> str:
+    """``(default: 16; gat/gate 8; sage/gin/mlp 64; ...)``: a help's defaults, read from the tables above."""
+    base = BASE_DEFAULTS[key]
+    by_value: dict[Any, list[str]] = {}
+    for model, over in MODEL_DEFAULTS.items():
+        if over.get(key, base) != base:
+            by_value.setdefault(over[key], []).append(model)
+    rest = "".join(f"; {'/'.join(models)} {value:g}" for value, models in by_value.items())
+    return f"(default: {base:g}{rest})"
+
+
 #: Per-strategy defaults of fields that depend on the strategy (``None`` until resolved).
 STRATEGY_DEFAULTS: dict[str, dict[str, Any]] = {"pp": {"batch_size": 8192}}
 
@@ -112,10 +123,9 @@ class TrainConfig:
     store: str | None = _f(None, "graph store directory (from `trellis data import|generate`)", metavar="STORE")
     model: str = _f(None, "model: gcn, sage, gin, gat, gate (GAT with edge features) or mlp; sgc, sign or hoga "
                                  "with --strategy pp (default: gcn; pp sign)", metavar="NAME", resolved=True)
-    hidden: int = _f(None, "hidden width, per attention head for gat/gate (default: 16; gat 8; "
-                                  "sage/gin/mlp 64)", resolved=True)
+    hidden: int = _f(None, "hidden width, per attention head for gat/gate " + defaults_text("hidden"), resolved=True)
     layers: int = _f(2, "number of layers (default: 2)")
-    heads: int = _f(None, "attention heads of hidden layers (default: 8 for gat/gate, else 1)", resolved=True)
+    heads: int = _f(None, "attention heads of hidden layers (gat, gate, hoga) " + defaults_text("heads"), resolved=True)
     norm: str = _f("none", "normalization of each hidden layer's output before the activation: none, layer or "
                            "batch (default: none)", choices=NORMS)
     residual: bool = _f(False, "hidden layers add their input (projected where widths differ) (default: off)")
@@ -128,12 +138,12 @@ class TrainConfig:
     mlp_hidden: int = _f(0, "gin: hidden width of each layer's MLP (default: 0 = the layer's width)")
     edge_weight: bool = _f(False, "gcn/sage: use the store's edge weights (PyG's edge_weight: weighted GCN "
                                   "normalization, weighted mean) (default: off)")
-    dropout: float = _f(None, "dropout before every layer (default: 0.5; gat 0.6)", resolved=True)
-    lr: float = _f(None, "learning rate (default: 0.01; gat 0.005)", resolved=True)
-    weight_decay: float = _f(None, "L2 penalty (default: 5e-4)", resolved=True)
-    epochs: int = _f(None, "maximum epochs per run (default: 200; gat 1000)", resolved=True)
+    dropout: float = _f(None, "dropout before every layer " + defaults_text("dropout"), resolved=True)
+    lr: float = _f(None, "learning rate " + defaults_text("lr"), resolved=True)
+    weight_decay: float = _f(None, "L2 penalty " + defaults_text("weight_decay"), resolved=True)
+    epochs: int = _f(None, "maximum epochs per run " + defaults_text("epochs"), resolved=True)
     patience: int = _f(None, "stop a run after this many epochs without a better validation metric "
-                                    "(default: 100)", resolved=True)
+                                    + defaults_text("patience"), resolved=True)
     eval_every: int = _f(1, "evaluate every N epochs (and after the last one); patience still counts epochs. "
                             "Exact evaluation of a large graph can cost as much as an epoch (default: 1)")
     runs: int = _f(1, "repeat with seeds seed..seed+runs-1 and report mean and std (default: 1)")
@@ -153,7 +163,8 @@ class TrainConfig:
                                 "(default: store)", metavar="{store,none,degree,embedding:D}")
     optimizer_args: dict[str, Any] = _f(help="extra optimizer options as JSON, e.g. '{\"momentum\": 0.8}' "
                                              "(default: {})", factory=dict, metavar="JSON")
-    model_args: dict[str, Any] = _f(help="extra model options as JSON, e.g. '{\"out_heads\": 8}' (default: {})",
+    model_args: dict[str, Any] = _f(help="extra model options as JSON, beyond the flags, e.g. '{\"out_heads\": 8}' for "
+                                         "gat/gate (default: {})",
                                     factory=dict, metavar="JSON")
     task: str = _f("auto", "prediction task; auto = the store's (default: auto)", choices=("auto", *TASKS))
     metric: str | None = _f(None, "metric for early stopping and the summary: acc, f1_macro (multiclass); auc, "

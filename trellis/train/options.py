@@ -185,11 +185,12 @@ class _Ranks(StrategyOptions):
 
     nproc: int | None = opt(None, "ranks to start on this machine (127.0.0.1, gloo; nccl with --device cuda). "
                                   "With --parts-dir: full must equal the layout's parts (default: the number "
-                                  "of parts); mini: 1 (a partition buffer, the default) up to the parts; "
-                                  "cluster: 1. pp: data-parallel over the training rows (default: 1). Under "
+                                  "of parts); mini and cluster: 1 (a partition buffer, the default) up to "
+                                  "the parts. pp: data-parallel over the training rows (default: 1). Under "
                                   "torchrun the launcher's ranks are used instead")
-    timeout: float = opt(DEFAULT_TIMEOUT_S, "ranks (--parts-dir, full or mini with --nproc P > 1; pp with --nproc "
-                                            "P > 1): seconds a rank waits for its peers (rendezvous, exchanges, "
+    timeout: float = opt(DEFAULT_TIMEOUT_S, "ranks (--parts-dir: full, or mini and cluster with --nproc P > 1; pp "
+                                            "with --nproc P > 1): seconds a rank waits for its peers (rendezvous, "
+                                            "exchanges, "
                                             "barriers) before it fails (default: 300)")
 
     def validate(self, cfg: TrainConfig) -> None:
@@ -207,7 +208,8 @@ class _Parts(_Ranks):
                                       "the result is the single process's. mini/cluster (with --nproc 1): train "
                                       "from the layout through a partition buffer, K parts resident at a time. "
                                       "mini with --nproc P > 1: data-parallel ranks, each training the targets "
-                                      "of its parts (default: none)", metavar="PART_DIR")
+                                      "of its parts; cluster with --nproc P > 1: each batch's subgraph computed "
+                                      "by the ranks that own its nodes (default: none)", metavar="PART_DIR")
     def validate(self, cfg: TrainConfig) -> None:
         _Ranks.validate(self, cfg)
         if self.nproc is not None and self.parts_dir is None:

@@ -90,7 +90,7 @@ class TuneConfig:
     Attributes:
         store: Graph store directory.
         model: Model family (every candidate's).
-        space: ``default`` or a JSON space file (ignored when ``grid`` is given).
+        space: ``default`` or a JSON space file (not with ``grid``).
         grid: ``--grid KEY=V1,V2`` items: a finite space given on the command line.
         search: ``auto`` (grid when the space has at most ``candidates`` points, else random), ``grid``, ``random``.
         candidates: Number of random candidates (the first rung's size).
@@ -147,6 +147,9 @@ class TuneConfig:
             raise TrellisUserError(f"--search {self.search}: choose auto, grid or random")
         if self.budget_s is not None and not self.budget_s > 0:
             raise TrellisUserError(f"--budget must be a positive duration, e.g. 20m (got {self.budget_s} s)")
+        if self.grid and self.space not in (None, "default"):
+            raise TrellisUserError(f"--space {self.space} and --grid are two ways to give the space; give one (put "
+                                   "the grid's keys into the space file, or drop --space)")
 
     def search_space(self) -> Space:
         """The space to draw from: ``--grid`` items, a space file, or the model's default."""
