@@ -138,6 +138,10 @@ def test_validation_errors_write_nothing(tmp_path):
         (dict(y=g["y"][:4]), "labels have 4 rows"),
         (dict(splits={"train": np.array([9])}), "train split row 0 has node id 9 outside"),
         (dict(edge_weight=np.full(10, np.nan, dtype=np.float32)), "edge weights row 0 contains NaN"),
+        (dict(splits={"train": np.array([0, 0, 1])}), "train split lists node 0 more than once"),
+        (dict(splits={"train": np.array([0, 1]), "test": np.array([1, 3])}),
+         "node 1 is in both the train and the test"),
+        (dict(splits={"train": np.array([0, 4])}), r"train node 4 has no label \(-1\)"),
     ):
         with pytest.raises(TrellisUserError, match=match):
             write_store(out, **{**g, **bad})
@@ -163,3 +167,35 @@ def test_feature_norm_auto_reads_the_features_not_the_importer(tmp_path, data_di
     assert feature_norm_of(bow)[0] == "row"
     long_rows = (rng.random((100, 1000)) < 0.3).astype(np.float32)  # ~300 words per row
     assert feature_norm_of(long_rows)[0] == "l2"
+
+
+def _rewrite(path, name, arr):
+    """Replace array ``name`` of the store at ``path`` and re-hash the manifest (a damage the hash cannot see)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    np.save(path / f"{name}.npy", arr)
+    meta = manifest["arrays"][name]
+    meta["shape"], meta["dtype"] = list(arr.shape), str(arr.dtype)
+    meta["sha256"] = store_mod.sha256_file(path / f"{name}.npy")
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("damage", "match"), [
+    (lambda g: ("x", g["x"][:4]), "array 'x' has 4 rows but the graph has 5 nodes"),
+    (lambda g: ("indptr", np.concatenate([g["indptr"][:2], g["indptr"][1:]])), "array 'indptr' has 7 rows"),
+    (lambda g: ("indptr", np.array([0, 5, 2, 6, 8, 10])), "not monotone"),
+    (lambda g: ("indices", np.where(np.arange(10) == 3, 99, g["indices"])), "edge 3 has node id 99 outside"),
+    (lambda g: ("rev_indices", np.roll(np.asarray(g["rev_indices"]), 1)), "reverse CSR does not hold the same edges"),
+    (lambda g: ("x", np.where(np.arange(15).reshape(5, 3) == 4, np.nan, g["x"]).astype(np.float32)), "NaN"),
+], ids=["x-rows", "indptr-rows", "indptr-order", "index-range", "reverse", "nan"])
+def test_a_store_whose_arrays_disagree_is_refused_at_open(tmp_path, damage, match):
+    """Each array matching its own manifest entry is not enough: arrays that disagree with each other or hold
+    impossible values (re-hashed, so only the cross-checks can see it) are one error naming the store."""
+    g = small_graph()
+    path = write_store(tmp_path / "s", **g)
+    st = open_store(path)
+    g["rev_indices"] = np.asarray(st.reverse_csr()[1])
+    name, arr = damage(g)
+    _rewrite(path, name, np.asarray(arr))
+    with pytest.raises(TrellisUserError, match=match) as err:
+        open_store(path)
+    assert "the store is damaged, re-import it" in str(err.value)

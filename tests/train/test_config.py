@@ -127,3 +127,12 @@ def test_unknown_strategy_is_refused_by_the_registry(tmp_path):
     with pytest.raises(TrellisUserError, match=r"unknown --strategy 'minibatch'; choose one of full, mini"):
         Trainer(cfg).fit()
     assert not (tmp_path / "run").exists()
+
+
+def test_seeds_beyond_64_bits_are_refused_by_name():
+    """torch's generators unpack a signed 64-bit seed: 2**64 was a raw OverflowError from the first run's seeding."""
+    with pytest.raises(TrellisUserError, match="--seed must be at most 9223372036854775807 with --runs 1"):
+        TrainConfig(store="s", seed=2**64)
+    with pytest.raises(TrellisUserError, match="--seed must be at most 9223372036854775806 with --runs 2"):
+        TrainConfig(store="s", seed=2**63 - 1, runs=2)
+    TrainConfig(store="s", seed=2**63 - 1)

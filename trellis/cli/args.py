@@ -31,5 +31,13 @@ def int_at_least(minimum: int, not_int: str, too_small: str) -> Callable[[str], 
     return parse
 
 
-#: ``--seed`` / ``--split-seed``: numpy's generators take no negative seed.
-seed_int = int_at_least(0, "{text!r} is not an integer", "{value} must be >= 0 (a seed is a non-negative integer)")
+#: ``--seed`` / ``--split-seed``: numpy's generators take no negative seed, torch's none beyond 64 bits (signed).
+_seed = int_at_least(0, "{text!r} is not an integer", "{value} must be >= 0 (a seed is a non-negative integer)")
+
+
+def seed_int(text: str) -> int:
+    """A seed: an integer in ``[0, 2**63 - 1]``."""
+    value = _seed(text)
+    if value > 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at most 2**63 - 1 = {2**63 - 1}")
+    return value

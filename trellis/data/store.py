@@ -329,6 +329,21 @@ def validate_arrays(
                 f"{where}: {split} split row {int(bad[0])} has node id {int(ids[bad[0]])} outside [0, {n}); "
                 "split files must hold node ids of this graph"
             )
+        uniq, counts = np.unique(ids, return_counts=True)
+        if uniq.size < ids.size:
+            raise TrellisUserError(f"{where}: {split} split lists node {int(uniq[np.argmax(counts > 1)])} more than "
+                                   "once; list each node once")
+        if y is not None and y.ndim == 1 and ids.size and (np.asarray(y)[ids] < 0).any():
+            node = int(ids[np.argmax(np.asarray(y)[ids] < 0)])
+            raise TrellisUserError(f"{where}: {split} node {node} has no label (-1); every split node needs a "
+                                   "class id: label it or leave it out of the split")
+    named = [(k, np.asarray(v)) for k, v in (splits or {}).items()]
+    for i, (a, ia) in enumerate(named):
+        for b, ib in named[i + 1:]:
+            both = np.intersect1d(ia, ib)
+            if both.size:
+                raise TrellisUserError(f"{where}: node {int(both[0])} is in both the {a} and the {b} split "
+                                       f"({both.size} nodes are); splits must not overlap")
     if split_sets is not None:
         sets = np.asarray(split_sets)
         if sets.ndim != 2 or sets.shape[1] != n:
@@ -390,10 +405,69 @@ class GraphStore:
                     f"({meta['dtype']}{meta['shape']}); the store is damaged, re-import"
                 )
             total += fpath.stat().st_size
+        self._check_shapes()
         if verify == "auto":
             verify = total <= AUTO_VERIFY_BYTES
         if verify:
             self.verify()
+            self._check_contents()
+
+    def _damaged(self, what: str) -> TrellisUserError:
+        return TrellisUserError(f"{self.path}: {what}; the store is damaged, re-import it")
+
+    def _check_shapes(self) -> None:
+        """The arrays agree with each other and the node and edge counts (manifest shapes and two reads).
+
+        Why: each array is checked against its own manifest entry only, so a store whose arrays disagree (a hand
+        edit, a partial copy, bit rot in a store too large to hash at open) reached the kernels: tracebacks,
+        and METIS aborted the process on a non-monotone CSR.
+        """
+        m = self.manifest
+        for key in ("num_nodes", "num_edges"):
+            if not isinstance(m.get(key), int) or m[key] < 0:
+                raise self._damaged(f"manifest.json has no valid {key!r}")
+        n, e = int(m["num_nodes"]), int(m["num_edges"])
+        rows = {"indptr": n + 1, "rev_indptr": n + 1, "indices": e, "rev_indices": e, "rev_perm": e, "x": n,
+                "y": n, "edge_weight": e, "edge_feat": e}
+        arrays = m["arrays"]
+        for name in ("indptr", "indices"):
+            if name not in arrays:
+                raise self._damaged(f"manifest.json lists no {name!r} array")
+        for name, want in rows.items():
+            meta = arrays.get(name)
+            if meta is not None and (not meta["shape"] or meta["shape"][0] != want):
+                raise self._damaged(f"array {name!r} has {meta['shape'][0] if meta['shape'] else 0} rows but the "
+                                    f"graph has {n} nodes and {e} edges")
+        for name in ("indptr", "rev_indptr"):
+            if name in arrays:
+                ptr = self.array(name)
+                if int(ptr[0]) != 0 or int(ptr[-1]) != e:
+                    raise self._damaged(f"{name} runs from {int(ptr[0])} to {int(ptr[-1])}, not from 0 to the "
+                                        f"{e} edges")
+
+    def _check_contents(self) -> None:
+        """Every array's values, where the store is read whole anyway (hashed at open).
+
+        The CSR and its reverse (monotone, ids in range, the reverse the same edges), features finite, splits valid.
+        """
+        n = self.num_nodes
+        indptr, indices = self.array("indptr"), self.array("indices")
+        x = self.array("x") if self.has("x") and not self.moved_to("x") else None
+        y = self.get("y")
+        try:
+            validate_arrays(n, indptr, indices, x=x, y=y, where="its arrays",
+                            splits={k: self.array(f"{k}_idx") for k in SPLITS if self.has(f"{k}_idx")})
+            if self.has("rev_indptr"):
+                rp, ri, perm = self.reverse_csr()
+                validate_arrays(n, rp, ri, where="its reverse CSR")
+                dst = np.repeat(np.arange(n, dtype=np.int64), np.diff(np.asarray(indptr)))
+                src = np.repeat(np.arange(n, dtype=np.int64), np.diff(np.asarray(rp)))
+                if perm.shape[0] and (perm.min() < 0 or perm.max() >= perm.shape[0]
+                                      or not np.array_equal(np.asarray(indices)[perm], src)
+                                      or not np.array_equal(dst[perm], np.asarray(ri))):
+                    raise TrellisUserError("its reverse CSR does not hold the same edges as its CSR")
+        except TrellisUserError as exc:
+            raise self._damaged(str(exc)) from None
 
     def verify(self) -> None:
         """Hash every array and compare with the manifest (raises on the first mismatch)."""

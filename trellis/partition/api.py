@@ -7,8 +7,10 @@ layout is built under a temporary name and renamed into place only when complete
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,9 +18,10 @@ import numpy as np
 from trellis.data.store import GraphStore, open_store
 from trellis.errors import TrellisUserError
 from trellis.partition.balance import parse_balance
-from trellis.partition.base import check_out_dir, create_partitioner, partition_graph
+from trellis.partition.base import FEATURES_OF, check_out_dir, create_partitioner, partition_graph
 from trellis.partition.layout import write_layout
 from trellis.partition.quality import PartitionQuality, evaluate
+from trellis.utils.atomic import MANIFEST, write_json_atomic
 from trellis.utils.caller import keeps_caller_state
 
 
@@ -63,6 +66,8 @@ def partition(store: str | os.PathLike[str] | GraphStore, parts: int, *, method:
     if out is not None:
         check_out_dir(out, overwrite=overwrite)
     graph = store if isinstance(store, GraphStore) else open_store(store)
+    if out is not None and Path(out).resolve() == Path(graph.path).resolve():
+        raise TrellisUserError(f"--out {out} is the store being partitioned; choose another directory for the layout")
     if parts > graph.num_nodes:
         raise TrellisUserError(f"--parts {parts} exceeds the graph's {graph.num_nodes} nodes; every part needs a node")
     book = partition_graph(graph, method, parts, progress=progress, **opts)
@@ -74,6 +79,15 @@ def partition(store: str | os.PathLike[str] | GraphStore, parts: int, *, method:
         report["layout_time_s"] = time.perf_counter() - t0
         report["out"] = str(out)
         if move_features:
+            mark_features_of(out, graph.path)  # first: an interruption leaves the layout marked, the store whole
             report["moved_feature_bytes"] = graph.move_features(out)
     report["params"] = book.params
     return report, quality
+
+
+def mark_features_of(layout: str | os.PathLike[str], store: str | os.PathLike[str]) -> None:
+    """Record in ``layout``'s manifest that it is to hold ``store``'s only copy of the features."""
+    path = Path(layout) / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest[FEATURES_OF] = str(Path(store).resolve())
+    write_json_atomic(path, manifest)

@@ -31,6 +31,7 @@ from trellis.partition.balance import parse_balance, rebalance
 from trellis.partition.hashing import grid_edge_parts
 from trellis.partition.memory import PeakMemory
 from trellis.utils.atomic import MANIFEST, atomic_dir, check_output
+from trellis.utils.manifest import format_of
 
 #: Where edges live. ``dst``: with their destination's part (a part holds its nodes' in-edges; METIS,
 #: GREM, LDG/Fennel, random, hash by destination). ``src``: with their source's part (hash by source,
@@ -139,12 +140,23 @@ class PartitionBook:
                    dict(meta.get("params", {})), dict(meta.get("stats", {})))
 
 
-_WHAT = "Trellis store or partition directory"
+_WHAT = "partitioned layout or partition directory"
+
+#: The largest partitioning seed: METIS's seed is a C int (every method takes the same range).
+MAX_PARTITION_SEED = 2**31 - 1
+
+#: The key of a layout's manifest naming the store whose features ``--move-features`` moved into it.
+FEATURES_OF = "features_moved_from"
 
 
 def is_partition_output(path: Path) -> bool:
-    """Whether ``path`` is a directory ``trellis partition`` may replace: a layout (or store) or a saved book."""
-    return (path / MANIFEST).is_file() or (path / BOOK_FILE).is_file()
+    """Whether ``path`` is a directory ``trellis partition`` may replace: a layout or a saved book.
+
+    A store is not (its manifest's format says so): ``--out STORE --overwrite`` deleted the store, the one being
+    partitioned included.
+    """
+    return format_of(path / MANIFEST) == "trellis-partition" or (
+        (path / BOOK_FILE).is_file() and not (path / MANIFEST).exists())
 
 
 def check_out_dir(out: str | os.PathLike[str], *, overwrite: bool = False) -> None:
@@ -152,9 +164,25 @@ def check_out_dir(out: str | os.PathLike[str], *, overwrite: bool = False) -> No
 
     :func:`trellis.utils.atomic.check_output` with a directory saved by :meth:`PartitionBook.save`
     (``book.json``, no manifest) counted as replaceable too: a mistyped ``--out ~/data --overwrite`` must
-    still not delete the user's files.
+    still not delete the user's files. Nor is a layout replaced that holds the only copy of a store's features
+    (``--move-features``).
     """
     check_output(out, overwrite=overwrite, owned=is_partition_output, what=_WHAT)
+    holder = features_held_by(Path(out))
+    if holder is not None:
+        raise TrellisUserError(f"{out}: holds the only copy of {holder}'s features (moved there by "
+                               "`trellis partition --move-features`); replacing it would lose them. Choose another "
+                               "--out, or re-import the store first")
+
+
+def features_held_by(layout: Path) -> str | None:
+    """The store whose features live only in ``layout`` (its manifest still says they were moved there), or None."""
+    try:
+        store = json.loads((layout / MANIFEST).read_text()).get(FEATURES_OF)
+        moved = json.loads((Path(store) / MANIFEST).read_text())["arrays"]["x"].get("moved_to")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return str(store) if moved is not None and Path(moved).resolve() == layout.resolve() else None
 
 
 def partition_dir(out: str | os.PathLike[str], *, overwrite: bool = False) -> AbstractContextManager[Path]:
@@ -192,6 +220,8 @@ class Partitioner(ABC):
             raise TrellisUserError(f"--parts must be at least 1 (got {num_parts})")
         if not (0.0 <= float(imbalance) < 10.0):
             raise TrellisUserError(f"--imbalance must be in [0, 10) (got {imbalance})")
+        if not 0 <= int(seed) <= MAX_PARTITION_SEED:  # METIS takes a C int: larger seeds were cut or crashed it
+            raise TrellisUserError(f"--seed must be in [0, {MAX_PARTITION_SEED}] for partitioning (got {seed})")
         self.num_parts = int(num_parts)
         self.seed = int(seed)
         self.imbalance = float(imbalance)

@@ -51,6 +51,9 @@ DEFAULT_FANOUTS = (15, 10, 5)
 
 FEATURE_NORMS = ("auto", "none", "row", "l2")
 
+#: The largest seed a run takes (a signed 64-bit integer: what torch's generators unpack).
+MAX_SEED = 2**63 - 1
+
 #: Hyperparameters every model starts from (the GCN paper's), overridden per model below.
 BASE_DEFAULTS: dict[str, Any] = {
     "hidden": 16, "heads": 1, "dropout": 0.5, "lr": 0.01, "weight_decay": 5e-4, "epochs": 200, "patience": 100,
@@ -291,6 +294,9 @@ class TrainConfig:
         _check_range("eval_every", self.eval_every, 1)
         _check_range("runs", self.runs, 1)
         _check_range("seed", self.seed, 0)
+        if self.seed + self.runs - 1 > MAX_SEED:  # torch's generators take 64-bit seeds; each run seeds seed + r
+            raise TrellisUserError(f"--seed must be at most {MAX_SEED - self.runs + 1} with --runs {self.runs} "
+                                   f"(got {self.seed})")
         _check_range("checkpoint_every", self.checkpoint_every, 0)
         if not 0.0 <= self.dropout < 1.0:
             raise TrellisUserError(f"--dropout must be in [0, 1) (got {self.dropout})")
