@@ -138,7 +138,6 @@ def test_validation_errors_write_nothing(tmp_path):
         (dict(y=g["y"][:4]), "labels have 4 rows"),
         (dict(splits={"train": np.array([9])}), "train split row 0 has node id 9 outside"),
         (dict(edge_weight=np.full(10, np.nan, dtype=np.float32)), "edge weights row 0 contains NaN"),
-        (dict(splits={"train": np.array([0, 0, 1])}), "train split lists node 0 more than once"),
         (dict(splits={"train": np.array([0, 1]), "test": np.array([1, 3])}),
          "node 1 is in both the train and the test"),
         (dict(splits={"train": np.array([0, 4])}), r"train node 4 has no label \(-1\)"),

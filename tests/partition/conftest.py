@@ -66,7 +66,7 @@ def planted_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[GraphStore,
     e = indices.shape[0]
     path = tmp_path_factory.mktemp("planted") / "store"
     write_store(path, indptr=indptr, indices=indices, x=rng.random((n, 6)), y=truth,
-                splits={"train": np.arange(0, n, 5), "val": np.arange(1, n, 7), "test": np.arange(2, n, 3)},
+                splits={"train": np.arange(0, n, 5), "val": np.arange(1, n, 5), "test": np.arange(2, n, 5)},
                 edge_weight=rng.random(e), edge_feat=rng.random((e, 3)))
     return open_store(path), truth
 

@@ -329,10 +329,6 @@ def validate_arrays(
                 f"{where}: {split} split row {int(bad[0])} has node id {int(ids[bad[0]])} outside [0, {n}); "
                 "split files must hold node ids of this graph"
             )
-        uniq, counts = np.unique(ids, return_counts=True)
-        if uniq.size < ids.size:
-            raise TrellisUserError(f"{where}: {split} split lists node {int(uniq[np.argmax(counts > 1)])} more than "
-                                   "once; list each node once")
         if y is not None and y.ndim == 1 and ids.size and (np.asarray(y)[ids] < 0).any():
             node = int(ids[np.argmax(np.asarray(y)[ids] < 0)])
             raise TrellisUserError(f"{where}: {split} node {node} has no label (-1); every split node needs a "
