@@ -208,3 +208,12 @@ def test_omp_num_threads_holds_for_the_whole_run(sbm_store, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["threads"] == 1
+
+
+def test_an_out_the_file_system_refuses_is_one_line(tmp_path, capsys):
+    """--out under a regular file (or an unwritable or full file system): one line naming the path, exit 2."""
+    store = make_sbm_store(tmp_path / "s", n=60)
+    (tmp_path / "afile").write_text("x")
+    rc = main(["train", str(store), "--epochs", "1", "--out", str(tmp_path / "afile" / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "afile" in err and len(err.strip().splitlines()) == 1

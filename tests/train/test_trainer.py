@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import statistics
@@ -276,3 +277,32 @@ def test_cuda_requested_without_gpu(small_store, tmp_path):
         pytest.skip("a GPU is present")
     with pytest.raises(TrellisUserError, match="no CUDA device"):
         train(TrainConfig(store=str(small_store), out=str(tmp_path / "r"), device="cuda", progress=False))
+
+
+def _interrupted(small_store, out):
+    def stop(trainer, rec):
+        if rec["epoch"] == 3:
+            trainer.request_stop(signal.SIGTERM)
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(cfg_for(small_store, out, epochs=10, checkpoint_every=2), callbacks=[stop]).fit()
+    return out
+
+
+@pytest.mark.parametrize(("damage", "match"), [
+    (lambda d: (d / "checkpoints" / "last.pt").write_bytes(b"garbage"), r"last\.pt: unreadable"),
+    (lambda d: (d / "checkpoints" / "last.pt").write_bytes(b""), r"last\.pt: unreadable"),
+    (lambda d: (d / "metrics.jsonl").write_text("{}\n"), r"metrics\.jsonl is shorter \(3 bytes\)"),
+    (lambda d: (d / "metrics.jsonl").unlink(), r"metrics\.jsonl is missing"),
+    (lambda d: (d / "config.json").write_text(
+        json.dumps({**json.loads((d / "config.json").read_text()), "lr": 0.5})),
+     r"its checkpoint was written with lr = 0\.01 but config\.json says 0\.5"),
+], ids=["garbage-checkpoint", "empty-checkpoint", "short-log", "missing-log", "edited-config"])
+def test_a_damaged_run_directory_is_refused_on_resume_by_name(small_store, tmp_path, damage, match):
+    """Tracebacks before; a short log was padded with NUL bytes and every later resume failed, a missing one gave a
+    silently partial history, an edited config mixed two configurations in one run."""
+    out = _interrupted(small_store, tmp_path / "cut")
+    damage(out)
+    with pytest.raises(TrellisUserError, match=match):
+        Trainer(TrainConfig.from_dict({**json.loads((out / "config.json").read_text()), "resume": str(out),
+                                       "progress": False})).fit()

@@ -133,6 +133,15 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        # The file system refused a path or ran out of space (an unwritable --out, a missing parent, a full disk):
+        # one line naming the path, as for any bad input; TRELLIS_TRACEBACK=1 shows where.
+        if os.environ.get("TRELLIS_TRACEBACK") or exc.errno is None:
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc} (check the path, its permissions and the free space)",
+              file=sys.stderr)
+        return 2
 
 
 def entry() -> None:

@@ -97,7 +97,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise TrellisUserError(
                 f"{flag(changed[0])} cannot change when resuming: --resume continues the run with the config "
                 f"saved in {resume}/config.json (start a new run with --config {resume}/config.json instead)")
-        saved = read_json(open_run_dir(resume).config)
+        paths = open_run_dir(resume)
+        saved = read_json(paths.config)
+        if not isinstance(saved, dict) or not saved.get("store"):
+            raise TrellisUserError(f"{paths.config}: not a run's config (a JSON object naming its store); the run "
+                                   "directory is damaged: start a new run")
         return TrainConfig.from_dict({**saved, **given}, source=f"{resume}/config.json")
     values: dict[str, Any] = {}
     if args._config_file:

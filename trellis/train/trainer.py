@@ -69,6 +69,35 @@ MODEL_FORMAT = "trellis-model"
 FORMAT_VERSION = 1
 
 
+def _load_checkpoint(paths: RunPaths) -> dict[str, Any]:
+    """The run's checkpoint; a damaged one is one line that names it and the way out."""
+    try:
+        ckpt = torch.load(paths.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises pickle, OS and EOF errors for a damaged file
+        raise TrellisUserError(f"{paths.checkpoint}: unreadable ({type(exc).__name__}); restore it, or remove it to "
+                               "restart the run from its first epoch with --resume") from None
+    if not isinstance(ckpt, dict):
+        raise TrellisUserError(f"{paths.checkpoint}: not a checkpoint of this trellis version")
+    return ckpt
+
+
+def _check_checkpoint_config(paths: RunPaths, saved: Any, cfg: TrainConfig) -> None:
+    """A checkpoint continues the configuration that wrote it: an edited config.json or a foreign one is named.
+
+    The store's path, the run directory and the device may differ (a resume may name them anew), and ``epochs``:
+    a bound, not part of any epoch's computation (a longer run continues the same trajectory).
+    """
+    if not isinstance(saved, dict):
+        return
+    now = cfg.to_dict()
+    diff = sorted(k for k in set(saved) | set(now)
+                  if k not in ("store", "out", "device", "epochs") and saved.get(k) != now.get(k))
+    if diff:
+        k = diff[0]
+        raise TrellisUserError(f"--resume {paths.root}: its checkpoint was written with {k} = {saved.get(k)!r} but "
+                               f"config.json says {now.get(k)!r}; restore config.json, or start a new run")
+
+
 class TrainingInterrupted(Exception):  # noqa: N818 - an outcome, not an error
     """A run stopped on SIGINT/SIGTERM after writing a checkpoint; ``--resume`` continues it."""
 
@@ -197,7 +226,7 @@ class Trainer:
                 print(f"{paths.root}: run already complete; summary unchanged", file=self.err)
                 return dict(read_json(paths.summary))
             if paths.checkpoint.is_file():
-                ckpt = torch.load(paths.checkpoint, map_location="cpu", weights_only=True)
+                ckpt = _load_checkpoint(paths)
         # Everything that can refuse the input runs before a new run directory is created, so a bad
         # store or option leaves nothing behind.
         device = resolve_device(cfg.device)
@@ -223,7 +252,14 @@ class Trainer:
             if ckpt["store_checksum"] != checksum:
                 raise TrellisUserError(f"--resume {paths.root}: the store {cfg.store} differs from the one the run "
                                        "started on; pass the original STORE")
+            _check_checkpoint_config(paths, ckpt.get("config"), cfg)
             prog = _Progress(**ckpt["progress"])
+            logged = paths.metrics.stat().st_size if paths.metrics.is_file() else -1
+            if logged < prog.log_offset:
+                raise TrellisUserError(f"--resume {paths.root}: {paths.metrics.name} is "
+                                       + ("missing" if logged < 0 else f"shorter ({logged} bytes) than the "
+                                          f"checkpoint's record of it ({prog.log_offset})")
+                                       + "; the epochs it held cannot be recovered: start a new run")
         else:
             prog = _Progress()
         scratch = None
