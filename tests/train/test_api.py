@@ -441,3 +441,26 @@ def test_ranks_launched_from_a_worker_thread_leak_no_descriptor(sbm_store, tmp_p
     t.join(timeout=300)
     assert len(got) == 1 and isinstance(got[0], trellis.Run), got
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_budgeted_run_without_out_writes_nothing_where_it_runs(sbm_store, tmp_path, monkeypatch):
+    """Its spills went under ./runs/STORE-MODEL/spill of the caller's working directory (a read-only one refused
+    the run, naming a path the caller never chose)."""
+    from trellis.train.strategies.outofcore import OutOfCoreFull
+    from trellis.utils import spill as spill_mod
+
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 50)  # tiles, so spills, whatever the budget
+    roots = []
+    real = spill_mod.SpillDir.__init__
+
+    def seen(self, root, *args, **kwargs):
+        roots.append(Path(root).resolve())
+        real(self, root, *args, **kwargs)
+
+    monkeypatch.setattr(spill_mod.SpillDir, "__init__", seen)
+    monkeypatch.chdir(tmp_path)
+    run = trellis.train(sbm_store, model="gcn", epochs=1, hidden=8, memory_budget="2G")
+    assert roots and not any(tmp_path.resolve() in r.parents for r in roots)  # a read-only cwd would have failed
+    assert list(tmp_path.iterdir()) == [] and run.config.spill_dir is None
+    assert run.predict().shape == (500,)
+    assert list(tmp_path.iterdir()) == []

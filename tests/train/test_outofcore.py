@@ -83,6 +83,29 @@ def test_interrupt_removes_the_spills_and_resume_is_exact(store, tmp_path):
     assert metrics_without_timing(tmp_path / "cut") == metrics_without_timing(tmp_path / "whole")
 
 
+def test_resume_keeps_the_interrupted_run_s_tiles(store, tmp_path, monkeypatch):
+    """A resumed process that would plan other tiles (it measures its own memory) trains on the checkpoint's: the
+    per-tile sums, so the losses, stay those of the uninterrupted run."""
+    from trellis.train.strategies.outofcore import OutOfCoreFull
+
+    kw = {"model": "gcn", "memory_budget": "2G", "checkpoint_every": 2, "dropout": 0.0, "epochs": 6}
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 7)
+    train(_cfg(store, tmp_path / "whole", **kw))
+
+    def stop(t, rec):
+        if rec["epoch"] == 2:
+            t.request_stop(signal.SIGTERM)
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(_cfg(store, tmp_path / "cut", **kw), callbacks=[stop]).fit()
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 10**6)  # this process alone would plan other tiles
+    resumed = TrainConfig.from_dict({**read_json(tmp_path / "cut" / "config.json"), "resume": str(tmp_path / "cut")})
+    Trainer(resumed).fit()
+    assert metrics_without_timing(tmp_path / "cut") == metrics_without_timing(tmp_path / "whole")
+    tiles = [read_json(tmp_path / d / "summary.json")["tiles"] for d in ("whole", "cut")]
+    assert tiles[0] == tiles[1] > 1
+
+
 def _spawn(store: Path, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(store), "--memory-budget", "2G",

@@ -245,7 +245,8 @@ def register(subparsers: Any) -> None:
     q.add_argument("store", metavar="STORE", help="graph store to predict on (same feature width)")
     q.add_argument("--out", required=True, metavar="FILE.npy", help="predictions file; must end in .npy")
     q.add_argument("--run", type=_nonneg_int, default=None, metavar="R",
-                   help="use run R's weights (default: the best validation run)")
+                   help="use run R's weights (default: the best validation run; of a run directory whose "
+                        "runs have not all finished, the last finished run, as the JSON's run field says)")
     q.add_argument("--proba", action="store_true",
                    help="write probabilities instead: [N, C] softmax (multiclass), [N] of the positive class "
                         "(binary), [N, C] per label (multilabel)")

@@ -11,6 +11,7 @@ models in memory. ``trellis train`` and ``trellis.train(..., out=DIR)`` write th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable
@@ -217,6 +218,15 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
     if out is not None:
         values["out"] = os.fspath(out)
     cfg = TrainConfig.from_dict(values, source="trellis.train")
+    spills = None
+    if out is None and cfg.memory_budget is not None and not cfg.spill_dir:
+        # nothing is written unless asked: the spills go to a temporary directory, not ./runs/STORE-MODEL/spill
+        spills = tempfile.TemporaryDirectory(prefix="trellis-spill-")
+        try:
+            cfg = TrainConfig.from_dict({**values, "spill_dir": spills.name}, source="trellis.train")
+        except TrellisUserError:  # a strategy that spills nothing under this budget (pp): it takes no --spill-dir
+            spills.cleanup()
+            spills = None
     from trellis.train.launch import needs_launch, train_ranks
 
     if needs_launch(cfg):
@@ -226,8 +236,13 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
         train_ranks(cfg, quiet=not progress)
         return load_run(cfg.out or "")
     trainer = Trainer(cfg, handle_signals=False, run_dir=out is not None, keep_models=True, quiet=not progress)
-    summary = trainer.fit()
-    return Run(summary, trainer.history, trainer.models, trainer.cfg,
+    try:
+        summary = trainer.fit()
+    finally:
+        if spills is not None:
+            spills.cleanup()
+    config = dataclasses.replace(trainer.cfg, spill_dir=None) if spills is not None else trainer.cfg
+    return Run(summary, trainer.history, trainer.models, config,
                Path(summary["run_dir"]).resolve() if summary.get("run_dir") else None, trainer.headers, _keep=keep,
                _store=str(Path(path).resolve()))
 

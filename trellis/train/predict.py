@@ -48,7 +48,10 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
 
 
 def choose_run(run_dir: Path, run: int | None) -> int:
-    """The run whose weights predict uses: ``run`` if given, else the summary's best-validation run."""
+    """The run whose weights predict uses: ``run`` if given, else the summary's best-validation run.
+
+    A directory whose runs have not all finished (interrupted, resumable) has no summary yet: its last finished run.
+    """
     paths = open_run_dir(run_dir)
     if run is None:
         if paths.summary.is_file():

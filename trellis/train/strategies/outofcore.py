@@ -355,6 +355,27 @@ class OutOfCoreFull(Strategy):
                          "baseline_rss_anon_bytes": self.baseline})
         return info
 
+    def state_dict(self) -> dict[str, Any]:
+        """The tiles, which a resumed process keeps (exact resume).
+
+        A process plans its tiles from the memory it measures at start; a resumed one measured a little more or less,
+        which moved the tile boundaries and with them the last bits of every per-tile sum.
+        """
+        bounds = getattr(self, "bounds", None)
+        return {} if bounds is None else {"bounds": torch.from_numpy(np.asarray(bounds, dtype=np.int64))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Train on the checkpoint's tiles (planned under the same budget, for the same graph)."""
+        saved = state.get("bounds")
+        if saved is None or getattr(self, "bounds", None) is None:
+            return
+        bounds = saved.numpy().astype(self.bounds.dtype)
+        if bounds[0] != 0 or bounds[-1] != self.graph.num_nodes:
+            raise TrellisUserError("--resume: the checkpoint's tiles do not cover this graph; start a new run")
+        if not np.array_equal(bounds, self.bounds):
+            self.bounds = bounds
+            self._engine = None  # rebuilt on the checkpoint's tiles
+
     def close(self) -> None:
         """Remove the spill files."""
         self._engine = None
