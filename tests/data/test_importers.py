@@ -542,3 +542,24 @@ def test_edgelist_short_labels_are_named_as_the_cause(tmp_path):
                                                r"name more .*give labels.npy one row per node, or pass --num-nodes"):
         import_graph(src, tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
+
+
+def test_edge_list_errors_name_the_file_at_fault(tmp_path):
+    """A split file's bad id was blamed on labels.npy ('give labels.npy one row per node'); a uint64 id beyond 2**63
+    was reported as a negative id."""
+    from trellis.data.importers.edgelist import import_edgelist
+
+    edges = np.array([[0, 1], [1, 2], [2, 3], [3, 0]])
+    d = tmp_path / "oob"
+    d.mkdir()
+    np.save(d / "edges.npy", edges)
+    np.save(d / "labels.npy", np.array([0, 1, 0, 1]))
+    np.save(d / "train.npy", np.array([0, 9]))
+    with pytest.raises(TrellisUserError, match=r"train\.npy: row 1 has node id 9") as err:
+        import_edgelist(d, tmp_path / "s1", progress=False)
+    assert "labels.npy" not in str(err.value)
+    u = tmp_path / "u64"
+    u.mkdir()
+    np.save(u / "edges.npy", np.array([[0, 1], [2**63 + 5, 1]], dtype=np.uint64))
+    with pytest.raises(TrellisUserError, match="node id 9223372036854775813, beyond 64-bit signed ids"):
+        import_edgelist(u, tmp_path / "s2", progress=False)

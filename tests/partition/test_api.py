@@ -40,3 +40,13 @@ def test_seeds_beyond_a_c_int_are_refused(sbm_store, method):
     for seed in (2**31, 2**64):
         with pytest.raises(TrellisUserError, match=r"--seed must be in \[0, 2147483647\]"):
             trellis.partition(sbm_store, 2, method=method, seed=seed)
+
+
+@pytest.mark.parametrize(("option", "match"), [
+    ({"refine": "no"}, "must be a bool"), ({"passes": 1.5}, "--passes must be an int"),
+    ({"chunk_edges": 2.5}, "--chunk-edges must be an int"), ({"imbalance": "0.1"}, "--imbalance must be a float"),
+])
+def test_method_options_of_the_wrong_type_are_refused_as_the_cli_refuses_them(sbm_store, option, match):
+    """They were coerced: refine="no" turned refinement on, passes=1.5 ran one pass."""
+    with pytest.raises(TrellisUserError, match=match):
+        trellis.partition(sbm_store, 2, **option)

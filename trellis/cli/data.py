@@ -101,7 +101,8 @@ edgelist: a folder with only the edges required
   train.npy / val.npy / test.npy  node ids or boolean masks of length N (or --split 0.5,0.25,0.25)
   edge_weights.npy              float [E], row i = edge row i
   edge_features.npy             float [E, D], row i = edge row i
-The graph is symmetrized and self loops dropped by default (--no-symmetrize keeps the edges as given).
+The graph is symmetrized by default (--no-symmetrize keeps the edges' directions); self loops and duplicate
+edges are always dropped (a duplicate's first row is kept).
 
 example:
   trellis data import my_graph/ --out stores/my_graph --split 0.6,0.2,0.2 --split-seed 0
@@ -136,7 +137,8 @@ def register(subparsers: Any) -> None:
                    help="keep only the largest connected component (default: on for Shchur et al.'s npz files, off "
                         "otherwise)")
     p.add_argument("--symmetrize", action=argparse.BooleanOptionalAction, default=None,
-                   help="make the graph undirected (default: on)")
+                   help="make the graph undirected (default: on); self loops and duplicate edges are dropped "
+                        "either way")
     p.add_argument("--num-nodes", type=_positive_int, default=None, help="edgelist: node count")
     p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
                    help="ogb/edgelist: bounded-memory chunked import (default: for edge files over 512 MiB)")

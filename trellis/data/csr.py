@@ -125,6 +125,10 @@ def as_node_ids(ids: np.ndarray, where: str, num_nodes: int | None = None, *, ro
             i = int(bad[0])
             raise TrellisUserError(f"{where}: row {row_offset + i} has non-integer node id {arr.flat[i].item()!r}; "
                                    "node ids must be integers 0..N-1")
+    if np.issubdtype(arr.dtype, np.unsignedinteger) and arr.size and arr.max() > np.iinfo(np.int64).max:
+        i = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise TrellisUserError(f"{where}: row {row_offset + i} has node id {int(arr.flat[i])}, beyond 64-bit signed "
+                               "ids; node ids must be 0..N-1 (renumber them)")
     arr = arr.astype(np.int64, copy=False)
     if arr.size:
         bad = np.flatnonzero(arr < 0)

@@ -339,7 +339,8 @@ def validate_arrays(
             both = np.intersect1d(ia, ib)
             if both.size:
                 raise TrellisUserError(f"{where}: node {int(both[0])} is in both the {a} and the {b} split "
-                                       f"({both.size} nodes are); splits must not overlap")
+                                       f"({both.size} shared node{'s' if both.size > 1 else ''}); splits must not "
+                                       "overlap")
     if split_sets is not None:
         sets = np.asarray(split_sets)
         if sets.ndim != 2 or sets.shape[1] != n:

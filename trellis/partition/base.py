@@ -301,7 +301,26 @@ def create_partitioner(method: str, num_parts: int, **options: Any) -> Partition
     if unknown:
         flags = ", ".join(_FLAGS.get(k, "--" + k.replace("_", "-")) for k in unknown)
         raise TrellisUserError(f"{flags} does not apply to --method {cls.name}")
+    params = inspect.signature(cls.__init__).parameters
+    for name, value in options.items():
+        _check_option_type(_FLAGS.get(name, "--" + name.replace("_", "-")), value, str(params[name].annotation))
     return cls(num_parts, **options)
+
+
+def _check_option_type(flag: str, value: Any, annotation: str) -> None:
+    """Refuse a library caller's option that is not of the annotated type (the CLI's parsers guarantee it).
+
+    Coerced, ``refine="no"`` turned refinement on and ``passes=1.5`` ran one pass.
+    """
+    if value is None and "None" in annotation:
+        return
+    kind = annotation.split("|")[0].strip()
+    ok = {"bool": lambda v: isinstance(v, bool),
+          "int": lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool),
+          "str": lambda v: isinstance(v, str)}.get(kind)
+    if ok is not None and not ok(value):
+        raise TrellisUserError(f"{flag} must be {'an' if kind == 'int' else 'a'} {kind} (got {value!r})")
 
 
 def partition_graph(store: GraphStore, method: str, num_parts: int, *, measure: bool = True,

@@ -190,7 +190,8 @@ def import_edgelist(
                            lcc=lcc, overwrite=overwrite, streaming=streaming, chunk_edges=chunk_edges,
                            progress=progress)
     except TrellisUserError as exc:
-        if counted_by is None or f"but the graph has {n} nodes" not in str(exc):
+        if counted_by is None or f"but the graph has {n} nodes" not in str(exc) \
+                or edge_path.name not in str(exc).split(":", 1)[0]:  # a split or data file's own error: as it is
             raise
         # the edges are fine if the node count is wrong: name the file the count came from
         raise TrellisUserError(f"{counted_by} has {n} rows, so the graph has {n} nodes, but the edges name more "

@@ -56,7 +56,9 @@ def _csr(z: Any, prefix: str, path: Path) -> Any:
 
     try:
         shape = tuple(int(v) for v in z[f"{prefix}_shape"])
-        return sp.csr_matrix((z[f"{prefix}_data"], z[f"{prefix}_indices"], z[f"{prefix}_indptr"]), shape=shape)
+        m = sp.csr_matrix((z[f"{prefix}_data"], z[f"{prefix}_indices"], z[f"{prefix}_indptr"]), shape=shape)
+        m.check_format(full_check=True)  # scipy checks index ranges only later (a traceback in tocoo)
+        return m
     except (KeyError, ValueError, TypeError) as exc:
         raise TrellisUserError(f"{path}: cannot build the {prefix} matrix from {prefix}_data/indices/indptr/shape "
                                f"({exc}); is this a Shchur et al. npz file?") from exc

@@ -82,6 +82,8 @@ def import_ogb(
             raise TrellisUserError(f"{nn_path}: holds {counts.shape[0]} graphs; only single-graph (node-property) "
                                    "datasets can be imported")
         n = int(counts[0, 0])
+        if n < 1:
+            raise TrellisUserError(f"{nn_path}: the node count must be at least 1 (got {n})")
     x = None
     feat_path = _find(raw, "node-feat")
     if feat_path is not None:
