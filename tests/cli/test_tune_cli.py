@@ -62,3 +62,11 @@ def test_out_must_not_be_someone_elses_directory(store, tmp_path, capsys):
     (out / "notes.txt").write_text("keep")
     assert main(["tune", store, "--grid", "lr=0.1", "--epochs", "2", "--out", str(out), "--overwrite"]) == 2
     assert (out / "notes.txt").read_text() == "keep"
+
+
+def test_resume_refuses_other_settings(store, tmp_path, capsys):
+    """A resumed tune continues with its saved settings: a STORE or a flag given beside --resume was ignored."""
+    for argv, name in ((["--resume", str(tmp_path), store], "STORE"),
+                       (["--resume", str(tmp_path), "--candidates", "3"], "--candidates")):
+        assert main(["tune", *argv]) == 2
+        assert f"{name} cannot be given with --resume" in capsys.readouterr().err

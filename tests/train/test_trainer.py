@@ -306,3 +306,12 @@ def test_a_damaged_run_directory_is_refused_on_resume_by_name(small_store, tmp_p
     with pytest.raises(TrellisUserError, match=match):
         Trainer(TrainConfig.from_dict({**json.loads((out / "config.json").read_text()), "resume": str(out),
                                        "progress": False})).fit()
+
+
+def test_resume_removes_the_temporary_file_a_kill_left_mid_checkpoint(small_store, tmp_path):
+    """kill -9 while a checkpoint was being written left .last.pt.XXXX.tmp (63 MB in one report) for good."""
+    out = _interrupted(small_store, tmp_path / "cut")
+    stale = out / "checkpoints" / ".last.pt.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    _resume(out)
+    assert not stale.exists() and (out / "summary.json").is_file()

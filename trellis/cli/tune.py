@@ -82,7 +82,11 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="progress bars on a terminal (default: on)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, _defaults={a.dest: a.default for a in p._actions if a.dest != "help"})
+
+
+#: What ``--resume`` may be given with: the rest is the tune's saved settings.
+RESUME_ALLOWED = frozenset({"resume", "json", "progress", "func", "model_factory"})
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -111,6 +115,12 @@ def run(args: argparse.Namespace) -> int:
     from trellis.train.tune import format_tune, load_resume, run_tune
 
     if args.resume is not None:
+        given = sorted(d for d, default in args._defaults.items()
+                       if d not in RESUME_ALLOWED and getattr(args, d) != default)
+        if given:
+            name = "STORE" if given[0] == "store" else "--" + given[0].replace("_", "-")
+            raise TrellisUserError(f"{name} cannot be given with --resume: a resumed tune continues with the settings "
+                                   f"saved in {args.resume}/tune.json (start a new tune with --out to change them)")
         tc = load_resume(args.resume)
         tc.out = args.resume
         board = run_tune(tc, model_factory=getattr(args, "model_factory", None), resume=True)

@@ -62,6 +62,7 @@ from trellis.train.runs import (
 from trellis.train.strategies import Strategy, strategy_class
 from trellis.train.summary import RunSummary, split_metrics_of
 from trellis.train.tasks import Task
+from trellis.utils.atomic import remove_stale_temps
 from trellis.utils.memory import PeakMemory
 
 CHECKPOINT_FORMAT = "trellis-checkpoint"
@@ -225,6 +226,8 @@ class Trainer:
             if paths.summary.is_file():
                 print(f"{paths.root}: run already complete; summary unchanged", file=self.err)
                 return dict(read_json(paths.summary))
+            for d in (paths.root, paths.checkpoint.parent, paths.models):  # a kill -9 mid-write left these
+                remove_stale_temps(d)
             if paths.checkpoint.is_file():
                 ckpt = _load_checkpoint(paths)
         # Everything that can refuse the input runs before a new run directory is created, so a bad

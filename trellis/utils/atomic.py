@@ -67,6 +67,17 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], obje
         raise
 
 
+def remove_stale_temps(directory: str | os.PathLike[str]) -> int:
+    """Remove the temporary siblings :func:`atomic_write` left in ``directory`` when its process was killed.
+
+    Only for a directory no other process is writing to (a run directory being resumed). Returns how many.
+    """
+    stale = list(Path(directory).glob(".*.tmp")) if Path(directory).is_dir() else []
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)
+    return len(stale)
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` atomically."""
     atomic_write(path, lambda f: f.write(data))
