@@ -10,6 +10,7 @@ import torch
 from tests.train.helpers import metrics_without_timing, summary_without_timing
 from tests.train.stubmodel import make_sbm_store
 from trellis.cli.main import main
+from trellis.errors import TrellisUserError
 from trellis.train.compare import compare_runs, load_run_dir
 from trellis.train.config import TrainConfig
 from trellis.train.rng import seed_everything
@@ -160,3 +161,22 @@ def test_an_option_the_strategy_would_ignore_is_refused(store, tmp_path, capsys,
     assert main(["train", str(store), *args, "--out", str(tmp_path / "run")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_refuses_a_rebuilt_pp_cache(store, tmp_path):
+    """A PP_DIR rebuilt with another operator (same hops and width) resumed silently on other features."""
+    cache = tmp_path / "pp"
+    assert main(["preprocess", str(store), "--hops", "2", "--out", str(cache), "--no-progress"]) == 0
+
+    def stop(t, rec):
+        if rec["epoch"] == 2:
+            t.request_stop(signal.SIGINT)
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(pp_cfg(store, cache, tmp_path / "cut", checkpoint_every=1, epochs=8), callbacks=[stop]).fit()
+    assert main(["preprocess", str(store), "--hops", "2", "--operator", "rw", "--out", str(cache), "--overwrite",
+                 "--no-progress"]) == 0
+    resumed = TrainConfig.from_dict({**read_json(tmp_path / "cut" / "config.json"), "resume": str(tmp_path / "cut"),
+                                     "progress": False})
+    with pytest.raises(TrellisUserError, match="changed since it started .*a rebuilt --pp-dir"):
+        Trainer(resumed).fit()

@@ -141,6 +141,13 @@ class Strategy(ABC):
         """Content checksum of what the run trains on (a resumed run must find the same)."""
         return str(self.store.checksum)
 
+    def derived_inputs(self) -> dict[str, Any]:
+        """What the run trains on besides the store, built from it (a pre-propagation cache's settings).
+
+        A resumed run must find the same; the checkpoint records it.
+        """
+        return {}
+
     @property
     def num_edges(self) -> int:
         """Edges of the graph (for the summary)."""

@@ -256,6 +256,11 @@ class Trainer:
                 raise TrellisUserError(f"--resume {paths.root}: the store {cfg.store} differs from the one the run "
                                        "started on; pass the original STORE")
             _check_checkpoint_config(paths, ckpt.get("config"), cfg)
+            derived = strategy.derived_inputs()
+            if ckpt.get("derived_inputs", derived) != derived:
+                raise TrellisUserError(f"--resume {paths.root}: what the run trains on besides the store changed since "
+                                       f"it started ({ckpt['derived_inputs']} then, {derived} now; a rebuilt "
+                                       "--pp-dir?); restore it, or start a new run")
             prog = _Progress(**ckpt["progress"])
             logged = paths.metrics.stat().st_size if paths.metrics.is_file() else -1
             if logged < prog.log_offset:
@@ -342,6 +347,7 @@ class Trainer:
         ctx.prog.memory = ctx.peaks()
         torch_save_atomic({
             "format": CHECKPOINT_FORMAT, "version": FORMAT_VERSION, "store_checksum": ctx.checksum,
+            "derived_inputs": ctx.strategy.derived_inputs(),
             "config": self.cfg.to_dict(), "progress": vars(ctx.prog), "run_state": run_state,
             "rng": get_rng_state(),
         }, ctx.paths.checkpoint)

@@ -256,6 +256,10 @@ class PrePropagation(Strategy):
                 f"(preprocessing took {cache.manifest.get('build', {}).get('seconds', float('nan')):.2f} s)\n"
                 + self.placement.describe())
 
+    def derived_inputs(self) -> dict[str, Any]:
+        """The cache's settings: a PP_DIR rebuilt with another operator or hop count is not the run's input."""
+        return {"pp_settings": dict(self.cache.manifest["settings"])}
+
     def summary_info(self) -> dict[str, Any]:
         """The cache, the placement and loader, load time and bytes read from storage."""
         io1 = proc_io()
