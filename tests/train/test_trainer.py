@@ -315,3 +315,22 @@ def test_resume_removes_the_temporary_file_a_kill_left_mid_checkpoint(small_stor
     stale.write_bytes(b"half a checkpoint")
     _resume(out)
     assert not stale.exists() and (out / "summary.json").is_file()
+
+
+def test_a_run_directory_being_written_is_refused_to_a_second_writer(small_store, tmp_path):
+    """Two writers mixed two runs: a second --resume logged epochs twice, --overwrite of a running run left one run's
+    summary beside the other's config. The lock goes with its holder (a killed run leaves none)."""
+    from trellis.train.runs import RunLock
+
+    out = _interrupted(small_store, tmp_path / "cut")
+    held = RunLock(out).acquire()  # another process writing it
+    try:
+        with pytest.raises(TrellisUserError, match="another trellis process is writing this run directory"):
+            _resume(out)
+        with pytest.raises(TrellisUserError, match="another trellis process is writing this run directory"):
+            Trainer(cfg_for(small_store, out, epochs=2, overwrite=True)).fit()
+        assert (out / "checkpoints" / "last.pt").is_file()  # nothing cleared
+    finally:
+        held.release()
+    _resume(out)
+    assert (out / "summary.json").is_file()

@@ -88,8 +88,45 @@ def default_run_dir(store_name: str, model: str) -> Path:
 
 
 #: What a run directory holds (``spill/``: out-of-core spill files under the run's default spill root).
+#: The lock file of a run directory being written (:class:`RunLock`).
+LOCK_FILE = ".lock"
+
 _RUN_ENTRIES = frozenset({"config.json", "metrics.jsonl", "summary.json", "checkpoints", "models", "curves.svg",
-                          "spill"})
+                          "spill", LOCK_FILE})
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``RUN_DIR/.lock`` while a process writes the run directory.
+
+    Why: two writers of one directory mixed two runs (a second ``--resume`` logged every epoch twice; ``--overwrite``
+    of a running run left one run's summary beside the other's config). The kernel drops the lock when its process
+    dies, so a killed run never leaves the directory locked.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        """Take the lock (creating the directory); refuse with a user error when another process holds it."""
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise TrellisUserError(f"{self.root}: another trellis process is writing this run directory; wait for it "
+                                   "to finish, or choose another --out") from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: removing it could race a process that just opened it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def prepare_run_dir(path: str | os.PathLike[str], *, overwrite: bool = False) -> RunPaths:
@@ -101,7 +138,7 @@ def prepare_run_dir(path: str | os.PathLike[str], *, overwrite: bool = False) ->
     root = Path(path)
     if root.exists() and not root.is_dir():
         raise TrellisUserError(f"--out {root}: exists and is not a directory; choose another --out")
-    if root.is_dir() and any(root.iterdir()):
+    if root.is_dir() and any(p.name != LOCK_FILE for p in root.iterdir()):
         foreign = sorted(p.name for p in root.iterdir() if p.name not in _RUN_ENTRIES)
         if foreign and not RunPaths(root).config.is_file():  # --overwrite would write beside the user's files
             raise TrellisUserError(f"--out {root}: exists and holds files that are not a run's ({foreign[0]}, ...); "

@@ -49,6 +49,7 @@ from trellis.train.runs import (
     JOB_ENV,
     PEER_PREFIX,
     MetricsLog,
+    RunLock,
     RunPaths,
     default_run_dir,
     iter_jsonl,
@@ -184,6 +185,7 @@ class Trainer:
         self.headers: list[dict[str, Any]] = []
         #: The metrics records of every epoch (with ``keep_models``), as ``metrics.jsonl`` holds them.
         self.history: list[dict[str, Any]] = []
+        self._lock: RunLock | None = None  # held on the run directory while this process writes it
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """Checkpoint at the end of the current epoch and stop (what SIGINT/SIGTERM do)."""
@@ -226,6 +228,8 @@ class Trainer:
             if paths.summary.is_file():
                 print(f"{paths.root}: run already complete; summary unchanged", file=self.err)
                 return dict(read_json(paths.summary))
+            if os.environ.get("RANK", "0") == "0":  # rank 0 writes the run directory (its peers, scratch ones)
+                self._lock = RunLock(paths.root).acquire()
             for d in (paths.root, paths.checkpoint.parent, paths.models):  # a kill -9 mid-write left these
                 remove_stale_temps(d)
             if paths.checkpoint.is_file():
@@ -235,11 +239,16 @@ class Trainer:
         device = resolve_device(cfg.device)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
-        strategy = self._strategy(device)
         try:
-            return self._fit(strategy, device, ckpt, paths if cfg.resume else None)
+            strategy = self._strategy(device)
+            try:
+                return self._fit(strategy, device, ckpt, paths if cfg.resume else None)
+            finally:
+                strategy.close()
         finally:
-            strategy.close()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def _fit(self, strategy: Strategy, device: torch.device, ckpt: dict[str, Any] | None,
              paths: RunPaths | None) -> dict[str, Any]:
@@ -279,8 +288,10 @@ class Trainer:
             scratch = tempfile.mkdtemp(prefix=f"{PEER_PREFIX}{os.environ.get(JOB_ENV, 'torchrun')}-")
             paths = prepare_run_dir(scratch, overwrite=True)
         elif paths is None:
-            paths = prepare_run_dir(cfg.out or default_run_dir(Path(str(cfg.store)).name, cfg.model),
-                                    overwrite=cfg.overwrite)
+            root = Path(cfg.out or default_run_dir(Path(str(cfg.store)).name, cfg.model))
+            if self._lock is None:
+                self._lock = RunLock(root).acquire()  # before --overwrite could clear a running run's files
+            paths = prepare_run_dir(root, overwrite=cfg.overwrite)
             cfg.out = str(paths.root)
             # the store recorded absolute: `--resume RUN_DIR` from another directory finds it
             write_json_atomic(paths.config, {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())})
