@@ -50,3 +50,10 @@ def test_method_options_of_the_wrong_type_are_refused_as_the_cli_refuses_them(sb
     """They were coerced: refine="no" turned refinement on, passes=1.5 ran one pass."""
     with pytest.raises(TrellisUserError, match=match):
         trellis.partition(sbm_store, 2, **option)
+
+
+def test_parts_dir_given_a_store_names_the_flag_and_the_fix(sbm_store):
+    from trellis.partition.layout import open_layout_of
+
+    with pytest.raises(TrellisUserError, match=r"--parts-dir .*: .* is a store: partition it with `trellis partition"):
+        open_layout_of(sbm_store, open_store(sbm_store))

@@ -58,8 +58,9 @@ from trellis.errors import TrellisUserError
 from trellis.partition.base import BOOK_FILE, NODE_PARTS_FILE, PartitionBook, methods_of_ownership, partition_dir
 from trellis.partition.edges import edge_ranges, row_edges
 from trellis.partition.quality import PartitionQuality, mark_parts, new_mask
+from trellis.utils.atomic import MANIFEST
 from trellis.utils.csr import build_reverse_csr
-from trellis.utils.manifest import ManifestField, ManifestFormat
+from trellis.utils.manifest import ManifestField, ManifestFormat, format_of
 from trellis.utils.numba import njit
 
 #: The layout's manifest: format ``trellis-partition`` v1.
@@ -666,7 +667,12 @@ def open_layout_of(path: str | os.PathLike[str], store: GraphStore) -> Partition
         TrellisUserError: The layout is missing or damaged, or its recorded store checksum differs (the message
             names the store it was made from, and the command that partitions this one into a new directory).
     """
-    layout = PartitionedGraph(path)
+    try:
+        layout = PartitionedGraph(path)
+    except TrellisUserError as exc:
+        hint = (f"; {path} is a store: partition it with `trellis partition {path} --out PART_DIR` and pass PART_DIR"
+                if format_of(Path(path) / MANIFEST) == "trellis-store" else "")
+        raise TrellisUserError(f"--parts-dir {path}: {exc}{hint}") from None
     made = layout.manifest.get("store", {})
     if made.get("checksum") != store.checksum:
         raise TrellisUserError(f"--parts-dir {path}: the layout was made from another store ({made.get('path', '?')}, "
