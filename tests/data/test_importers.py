@@ -563,3 +563,14 @@ def test_edge_list_errors_name_the_file_at_fault(tmp_path):
     np.save(u / "edges.npy", np.array([[0, 1], [2**63 + 5, 1]], dtype=np.uint64))
     with pytest.raises(TrellisUserError, match="node id 9223372036854775813, beyond 64-bit signed ids"):
         import_edgelist(u, tmp_path / "s2", progress=False)
+
+
+def test_planetoid_test_index_beyond_the_graph_is_refused(dataset, tmp_path):
+    """One damaged test.index line (999999) wrote a 1,000,000-node, 5.4 GB store padded with empty rows."""
+    src = tmp_path / "cora"
+    shutil.copytree(dataset("cora"), src)
+    ids = (src / "ind.cora.test.index").read_text().split()
+    ids[0] = "999999"
+    (src / "ind.cora.test.index").write_text("\n".join(ids) + "\n")
+    with pytest.raises(TrellisUserError, match=r"ind\.cora\.test\.index: test id 999999 but the graph has 2708 nodes"):
+        load_planetoid(src)

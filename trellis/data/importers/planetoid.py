@@ -133,6 +133,11 @@ def load_planetoid(folder: str | os.PathLike[str], name: str | None = None) -> d
     if lo != allx.shape[0]:
         raise TrellisUserError(f"{paths['test.index']}: test ids start at {lo} but allx has {allx.shape[0]} rows "
                                "(test ids must follow them); the files belong to different datasets")
+    graph_keys = items["graph"].keys() if isinstance(items["graph"], dict) else ()
+    graph_n = max((int(k) for k in graph_keys), default=-1) + 1
+    if graph_n and hi >= graph_n:  # before sizing the padded rows by it (one bad id made a 5.4 GB store)
+        raise TrellisUserError(f"{paths['test.index']}: test id {hi} but the graph has {graph_n} nodes; the file is "
+                               "damaged or belongs to another dataset")
     # PyG extends tx/ty to the full test id range for CiteSeer (isolated test nodes absent from test.index);
     # doing it always is a no-op for datasets whose test ids are contiguous (Cora, PubMed).
     span = hi - lo + 1
