@@ -250,3 +250,22 @@ def test_label_skew_measures_parts_that_follow_the_labels():
 def test_a_skewed_layout_is_warned_about(sbm_store, p4, tmp_path, capsys):
     summary = trainer.train(_cfg(sbm_store, tmp_path / "w", parts_dir=str(p4), buffer_parts=1, epochs=1))
     assert summary["label_skew"] > 0.25 and "follow the labels" in capsys.readouterr().err
+
+
+def test_budget_evaluation_spills_in_the_run_directory_not_tmpdir(sbm_store, p4, tmp_path, monkeypatch):
+    """Evaluation over the buffer spilled into $TMPDIR (a small one: ENOSPC), beside no free-space check; it uses
+    --spill-dir or RUN_DIR/spill, as a budgeted full-batch run does, and leaves nothing there."""
+    from trellis.train.strategies import buffered
+
+    dirs = []
+    real = buffered.tempfile.TemporaryDirectory
+
+    def seen(*args, **kwargs):
+        dirs.append(kwargs.get("dir"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(buffered.tempfile, "TemporaryDirectory", seen)
+    out = tmp_path / "run"
+    trainer.train(_cfg(sbm_store, out, parts_dir=str(p4), memory_budget="8G", buffer_parts=2, epochs=1))
+    assert dirs and all(Path(d) == out / "spill" for d in dirs)
+    assert not (out / "spill").exists()

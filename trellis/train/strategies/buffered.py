@@ -15,6 +15,7 @@ within the budget, with the buffer's neighbourhoods (exact when every part is re
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -254,8 +255,19 @@ class BufferedMini(BatchStrategy):
         """Exact layer-wise inference without a budget; under one, layer-wise over the buffer (within it)."""
         if self.plan.budget is None:
             return super()._infer(model, rows)
-        with tempfile.TemporaryDirectory(prefix="trellis-eval-", dir=self.cfg.spill_dir) as tmp:
-            return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device)
+        # --spill-dir, else the run directory's spill/ (as a budgeted full-batch run's): not $TMPDIR, which may be a
+        # small file system the budget's spills were never meant for
+        cfg = self.cfg
+        root = Path(cfg.spill_dir) if cfg.spill_dir else (Path(cfg.out) / "spill" if cfg.out else None)
+        made = root is not None and not root.exists()
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+        try:
+            with tempfile.TemporaryDirectory(prefix="trellis-eval-", dir=root) as tmp:
+                return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device)
+        finally:
+            if made and root is not None:
+                shutil.rmtree(root, ignore_errors=True)
 
     def begin_run(self, seed: int) -> None:
         """A run plans its first epoch afresh (as a resumed run at that point would)."""
