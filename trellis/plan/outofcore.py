@@ -213,9 +213,13 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
         if not last:
             placements.append(Placement(f"h{i + 1}", (n, layer.w_out), "spilled", "layer output after ReLU/dropout"))
         placements.append(Placement(f"epilogue{i}", (n, layer.w_out), "recomputed", "per tile in backward"))
+    if dropout and layers[0].aggregate_first:  # evaluation aggregates the undropped features once, kept after
+        placements.append(Placement("a0c", (n, layers[0].w_agg), "spilled",
+                                    "first aggregation of the undropped input, for evaluation (written once)"))
     fwd = [p for p in placements if p.where == "spilled"]
-    per_epoch = sum(p.nbytes for p in fwd if p.name != "x")  # the normalized features are written once
-    grads = []
+    # the normalized features and the cached first aggregation are written once
+    per_epoch = sum(p.nbytes for p in fwd if p.name not in ("x", "a0c"))
+    grads = [Placement("grad out", (n, layers[-1].w_out), "spilled", "the logits' loss gradient")]
     for i, layer in reversed(list(enumerate(layers))):
         if i > 0 or not layer.aggregate_first:  # the features need no gradient: a first aggregation neither
             grads.append(Placement(f"grad a{i}", (n, layer.w_agg), "spilled", "aggregation gradient"))
