@@ -67,8 +67,8 @@ def test_spill_dir_flag_and_explain(store, tmp_path, capsys):
     assert "out-of-core plan: budget" in out and "row tiles" in out and "spilled" in out and "recomputed" in out
 
 
-def test_interrupt_removes_the_spills_and_resume_is_exact(store, tmp_path):
-    kw = {"model": "gcn", "memory_budget": "2G", "checkpoint_every": 2}
+def _whole_and_cut(store, tmp_path, **kw) -> None:
+    """Train ``whole`` uninterrupted, and ``cut`` stopped by SIGTERM after its epoch 2 (a checkpoint written)."""
     train(_cfg(store, tmp_path / "whole", **kw))
 
     def stop(t, rec):
@@ -77,10 +77,18 @@ def test_interrupt_removes_the_spills_and_resume_is_exact(store, tmp_path):
 
     with pytest.raises(TrainingInterrupted):
         Trainer(_cfg(store, tmp_path / "cut", **kw), callbacks=[stop]).fit()
-    assert not (tmp_path / "cut" / "spill").exists()
+
+
+def _resume_cut(tmp_path) -> None:
     resumed = TrainConfig.from_dict({**read_json(tmp_path / "cut" / "config.json"), "resume": str(tmp_path / "cut")})
     Trainer(resumed).fit()
     assert metrics_without_timing(tmp_path / "cut") == metrics_without_timing(tmp_path / "whole")
+
+
+def test_interrupt_removes_the_spills_and_resume_is_exact(store, tmp_path):
+    _whole_and_cut(store, tmp_path, model="gcn", memory_budget="2G", checkpoint_every=2)
+    assert not (tmp_path / "cut" / "spill").exists()
+    _resume_cut(tmp_path)
 
 
 def test_resume_keeps_the_interrupted_run_s_tiles(store, tmp_path, monkeypatch):
@@ -88,20 +96,10 @@ def test_resume_keeps_the_interrupted_run_s_tiles(store, tmp_path, monkeypatch):
     per-tile sums, so the losses, stay those of the uninterrupted run."""
     from trellis.train.strategies.outofcore import OutOfCoreFull
 
-    kw = {"model": "gcn", "memory_budget": "2G", "checkpoint_every": 2, "dropout": 0.0, "epochs": 6}
     monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 7)
-    train(_cfg(store, tmp_path / "whole", **kw))
-
-    def stop(t, rec):
-        if rec["epoch"] == 2:
-            t.request_stop(signal.SIGTERM)
-
-    with pytest.raises(TrainingInterrupted):
-        Trainer(_cfg(store, tmp_path / "cut", **kw), callbacks=[stop]).fit()
+    _whole_and_cut(store, tmp_path, model="gcn", memory_budget="2G", checkpoint_every=2, dropout=0.0, epochs=6)
     monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 10**6)  # this process alone would plan other tiles
-    resumed = TrainConfig.from_dict({**read_json(tmp_path / "cut" / "config.json"), "resume": str(tmp_path / "cut")})
-    Trainer(resumed).fit()
-    assert metrics_without_timing(tmp_path / "cut") == metrics_without_timing(tmp_path / "whole")
+    _resume_cut(tmp_path)
     tiles = [read_json(tmp_path / d / "summary.json")["tiles"] for d in ("whole", "cut")]
     assert tiles[0] == tiles[1] > 1
 
