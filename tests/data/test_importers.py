@@ -574,3 +574,31 @@ def test_planetoid_test_index_beyond_the_graph_is_refused(dataset, tmp_path):
     (src / "ind.cora.test.index").write_text("\n".join(ids) + "\n")
     with pytest.raises(TrellisUserError, match=r"ind\.cora\.test\.index: test id 999999 but the graph has 2708 nodes"):
         load_planetoid(src)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("fmt", ["txt", "npy"])
+def test_a_stray_huge_id_is_refused_before_its_node_arrays_are_made(tmp_path, streaming, fmt):
+    """One id of 5e9 in an edge list (no node count given) asked for 37 GiB: a MemoryError traceback."""
+    from trellis.data.importers.edgelist import import_edgelist
+
+    d = tmp_path / "el"
+    d.mkdir()
+    if fmt == "txt":
+        (d / "edges.txt").write_text("# ids\n0 1\n1 2\n2 5000000000\n")
+        where = r"edges\.txt: line 4"
+    else:
+        np.save(d / "edges.npy", np.array([[0, 1], [1, 2], [2, 5_000_000_000]]))
+        where = r"edges\.npy \(column 1\): row 2"
+    with pytest.raises(TrellisUserError, match=where + r" has node id 5,000,000,000, so the graph would have "
+                                                     r"5,000,000,001 nodes.*renumber them"):
+        import_edgelist(d, tmp_path / "s", streaming=streaming, progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+def test_from_arrays_refuses_a_huge_id_too(tmp_path):
+    from trellis.data import from_arrays
+
+    with pytest.raises(TrellisUserError, match=r"dst: row 1 has node id 99,999,999,999"):
+        from_arrays(src=np.array([0, 1]), dst=np.array([1, 99_999_999_999]), out=tmp_path / "s")
+    assert not (tmp_path / "s").exists()

@@ -31,3 +31,16 @@ def test_hash_ownership_by_source_and_by_destination(planted_store):
     assert by_src.ownership == "src" and by_dst.ownership == "dst"
     assert np.array_equal(by_src.node_parts, by_dst.node_parts)  # same placement, different edge owner
     assert cut_frac(store, by_src.node_parts) > 0.6  # structure-blind: ~ (P-1)/P of edges cut
+
+
+def test_hash_on_a_small_graph_leaves_no_part_empty(make_store):
+    n = 40
+    src = np.arange(n)
+    store = make_store(n, src, (src + 1) % n)
+    assert (np.bincount(hash_parts(n, 32, 0), minlength=32) == 0).any()  # the hash alone leaves parts empty
+    book = partition_graph(store, "hash", 32, measure=False)
+    sizes = np.bincount(book.node_parts, minlength=32)
+    assert sizes.min() >= 1 and sizes.sum() == n
+    assert book.params["filled_empty_parts"] == int((np.bincount(hash_parts(n, 32, 0), minlength=32) == 0).sum())
+    again = partition_graph(store, "hash", 32, measure=False)
+    assert np.array_equal(book.node_parts, again.node_parts)

@@ -258,13 +258,13 @@ def test_budget_evaluation_spills_in_the_run_directory_not_tmpdir(sbm_store, p4,
     from trellis.train.strategies import buffered
 
     dirs = []
-    real = buffered.tempfile.TemporaryDirectory
+    real = buffered.OwnedTempDir
 
     def seen(*args, **kwargs):
         dirs.append(kwargs.get("dir"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(buffered.tempfile, "TemporaryDirectory", seen)
+    monkeypatch.setattr(buffered, "OwnedTempDir", seen)
     out = tmp_path / "run"
     trainer.train(_cfg(sbm_store, out, parts_dir=str(p4), memory_budget="8G", buffer_parts=2, epochs=1))
     assert dirs and all(Path(d) == out / "spill" for d in dirs)

@@ -97,3 +97,14 @@ def test_atomic_files_get_the_mode_open_gives(tmp_path):
     mode = stat.S_IMODE(os.stat(tmp_path / "a.json").st_mode)
     assert mode == stat.S_IMODE(os.stat(tmp_path / "b.json").st_mode)
     assert mode & 0o044  # readable by others under the usual umask, not mkstemp's 0600
+
+
+def test_a_killed_writers_sibling_goes_when_the_output_is_written_again(tmp_path):
+    """A sweep stopped by SIGTERM left ``.out.tmp-<pid>-<hex>`` beside its output for good."""
+    out = tmp_path / "sweep"
+    dead = tmp_path / ".sweep.tmp-999999999-abcd"
+    dead.mkdir()
+    (dead / "spill").mkdir()
+    with atomic_dir(out, what="sweep directory") as tmp:
+        (tmp / "sweep.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]

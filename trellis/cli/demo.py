@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from trellis.cli.args import int_at_least, seed_int
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
+from trellis.utils.tempdirs import OwnedTempDir
 
 _positive_int = int_at_least(1, "expected an integer, got {text!r}", "expected an integer >= 1, got {value}")
 
@@ -31,7 +31,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     log = sys.stderr if args.json else sys.stdout
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="trellis-demo-") as tmp:
+    with OwnedTempDir("trellis-demo-") as tmp:
         root = Path(args.keep) if args.keep else Path(tmp)
         if args.keep and root.exists() and any(root.iterdir()):
             raise TrellisUserError(f"--keep {root}: directory exists and is not empty; choose a new one")

@@ -33,7 +33,9 @@ from tqdm import tqdm
 from trellis.data.store import StoreWriter
 from trellis.errors import TrellisUserError
 from trellis.utils.csr import add_counts, group_ranks, reverse_csr_into, row_segments, stable_argsort
+from trellis.utils.diskmap import new_map
 from trellis.utils.numba import WITH_NUMBA
+from trellis.utils.sizes import format_size, machine_memory
 
 #: Edges per chunk of the chunked builder (about 16 MiB of int64 pairs per array).
 DEFAULT_CHUNK_EDGES = 2_000_000
@@ -136,6 +138,9 @@ def as_node_ids(ids: np.ndarray, where: str, num_nodes: int | None = None, *, ro
             i = int(bad[0])
             raise TrellisUserError(f"{where}: row {row_offset + i} has negative node id {int(arr[i])}; "
                                    "node ids must be 0..N-1")
+        if num_nodes is None:
+            top = int(arr.max())
+            check_inferred_count(top, f"{where}: row {row_offset + int(np.argmax(arr == top))}")
         if num_nodes is not None:
             bad = np.flatnonzero(arr >= num_nodes)
             if bad.size:
@@ -144,6 +149,27 @@ def as_node_ids(ids: np.ndarray, where: str, num_nodes: int | None = None, *, ro
                     f"{where}: row {row_offset + i} has node id {int(arr[i])} but the graph has {num_nodes} "
                     f"nodes (ids 0..{num_nodes - 1}); renumber the nodes or give the right node count")
     return arr
+
+
+#: Bytes per node of an import's own per-node arrays (in-degree counts and ``indptr``, int64 each).
+_NODE_BYTES = 16
+
+
+def check_inferred_count(top: int, at: str) -> None:
+    """Refuse a largest id ``top`` whose inferred node count (``top + 1``) cannot fit this machine's memory.
+
+    Why: a graph's node count is its largest id + 1 when no count is given, so one stray id (a hash, a
+    timestamp) asked for tens of GiB and ended in a MemoryError traceback, or the OOM killer.
+
+    Args:
+        top: The largest node id.
+        at: Where it is (``"FILE: line 3"``).
+    """
+    need = (top + 1) * _NODE_BYTES
+    if need > machine_memory():
+        raise TrellisUserError(f"{at} has node id {top:,}, so the graph would have {top + 1:,} nodes, and their "
+                               f"arrays alone ({format_size(need)}) exceed this machine's "
+                               f"{format_size(machine_memory())} of memory; node ids must be 0..N-1: renumber them")
 
 
 def _check_edge_data(data: np.ndarray | None, rows: int, label: str, *, ndim: int,
@@ -335,7 +361,7 @@ class ChunkedCSRInfo:
 
 def _scratch(writer: StoreWriter, name: str, shape: tuple[int, ...], dtype: type) -> tuple[np.memmap, Path]:
     path = writer.tmp / f"_scratch_{name}.npy"
-    return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape), path
+    return new_map(path, shape, dtype, "free space or write the store elsewhere"), path
 
 
 def _bar(total: int, desc: str, progress: bool) -> tqdm:

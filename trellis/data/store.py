@@ -39,6 +39,7 @@ from trellis.errors import TrellisUserError
 from trellis.utils.atomic import check_output as check_output  # re-exported: importers guard --out with it
 from trellis.utils.atomic import replace_dir, temp_sibling
 from trellis.utils.csr import build_reverse_csr
+from trellis.utils.diskmap import new_map
 from trellis.utils.manifest import ManifestField, ManifestFormat
 
 FORMAT = "trellis-store"
@@ -104,7 +105,7 @@ class StoreWriter:
     def create(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.memmap:
         """Create ``name.npy`` and return it as a writable memory map to be filled in chunks."""
         self._arrays.append(name)
-        return np.lib.format.open_memmap(self.tmp / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
+        return new_map(self.tmp / f"{name}.npy", shape, dtype, "free space or write the store elsewhere")
 
     def abort(self) -> None:
         """Remove everything written so far."""

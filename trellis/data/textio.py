@@ -18,7 +18,7 @@ from typing import IO
 
 import numpy as np
 
-from trellis.data.csr import DEFAULT_CHUNK_EDGES, EdgeChunk, as_node_ids
+from trellis.data.csr import DEFAULT_CHUNK_EDGES, EdgeChunk, as_node_ids, check_inferred_count
 from trellis.errors import TrellisUserError
 
 #: Bytes per block when reading text: about 2-4 M edge lines.
@@ -192,7 +192,11 @@ class TextEdgeSource:
             line = line_of_row(block, first, int(bad[0]))
             raise TrellisUserError(f"{self.path}: line {line}: negative node id in {arr[bad[0]].tolist()}; "
                                    "node ids must be 0..N-1")
-        if num_nodes is not None:
+        if num_nodes is None:
+            top = int(arr.max())
+            row = int(np.argmax(arr.max(axis=1) == top))
+            check_inferred_count(top, f"{self.path}: line {line_of_row(block, first, row)}")
+        else:
             bad = np.flatnonzero((arr >= num_nodes).any(axis=1))
             if bad.size:
                 line = line_of_row(block, first, int(bad[0]))

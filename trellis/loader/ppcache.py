@@ -53,7 +53,7 @@ from trellis.ops.propagate import (
     iter_hops,
     normalize_rows,
 )
-from trellis.utils.atomic import MANIFEST, clean_stale_temps, replace_dir, temp_sibling
+from trellis.utils.atomic import MANIFEST, replace_dir, temp_sibling
 from trellis.utils.caller import keeps_caller_state
 from trellis.utils.manifest import ManifestField, ManifestFormat
 from trellis.utils.sizes import format_size
@@ -440,8 +440,7 @@ def build_pp(store: GraphStore, out: str | os.PathLike[str], settings: PPSetting
     rows, ranges = split_major_rows(store, settings.shuffle_seed, split_rows_only=bool(split_only))
     m = int(rows.shape[0])
     f = store.num_features
-    clean_stale_temps(out, tag="pp-tmp")
-    tmp = temp_sibling(out, tag="pp-tmp")
+    tmp = temp_sibling(out, tag="pp-tmp")  # removes a killed writer's first
     try:
         np.save(tmp / "rows.npy", rows)
         y = store.y

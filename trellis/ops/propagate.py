@@ -34,6 +34,7 @@ import numpy as np
 
 from trellis.errors import TrellisUserError
 from trellis.utils.csr import row_ranges
+from trellis.utils.diskmap import SPILL_FIX, new_map
 from trellis.utils.numba import WITH_NUMBA, njit, prange
 
 #: Operator names accepted by :class:`OperatorSpec` (and ``trellis preprocess --operator``).
@@ -299,7 +300,7 @@ class Scratch:
             return np.empty(shape, dtype=np.float32)
         fd, path = tempfile.mkstemp(prefix="scratch-", suffix=".f32", dir=self.root)  # unique per call
         os.close(fd)
-        return np.memmap(path, dtype=np.float32, mode="w+", shape=shape)
+        return new_map(path, shape, np.float32, SPILL_FIX, npy=False)
 
     def free(self, arr: np.ndarray | None) -> None:
         """Drop ``arr`` and delete its file (a no-op for RAM arrays)."""

@@ -60,6 +60,7 @@ from trellis.partition.edges import edge_ranges, row_edges
 from trellis.partition.quality import PartitionQuality, mark_parts, new_mask
 from trellis.utils.atomic import MANIFEST
 from trellis.utils.csr import build_reverse_csr
+from trellis.utils.diskmap import new_map
 from trellis.utils.manifest import ManifestField, ManifestFormat, format_of
 from trellis.utils.numba import njit
 
@@ -144,7 +145,7 @@ class _ArrayWriter:
         if int(np.prod(shape)) == 0:
             np.save(path, np.empty(shape, dtype=dtype))
             return np.empty(shape, dtype=dtype)
-        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        return new_map(path, shape, dtype, "free space or write the layout elsewhere (--out)")
 
     def manifest_arrays(self) -> dict[str, dict[str, Any]]:
         out = {}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from trellis.train.features import NodeEmbedding
 from trellis.train.runs import iter_jsonl, open_run_dir, read_json
 from trellis.train.tasks import TASKS, Task
 from trellis.utils.caller import keeps_caller_state
+from trellis.utils.tempdirs import OwnedTempDir
 
 #: What :func:`train` accepts as the graph.
 GraphLike = str | os.PathLike[str] | GraphStore | Any
@@ -108,7 +108,7 @@ class Run:
 
         saved = {**self.headers[r], "state_dict": own.state_dict()}
         path, keep = as_store(store) if store is not None else (self._default_store(), None)
-        with tempfile.TemporaryDirectory(prefix="trellis-predict-") as scratch:  # an out-of-core run's spill
+        with OwnedTempDir("trellis-predict-") as scratch:  # an out-of-core run's spill
             out = predict_saved(saved, self.run_dir or Path(scratch), self.config.to_dict(), path,
                                 device=device or self.config.device, model_factory=this_module).logits
         del keep
@@ -146,7 +146,7 @@ def as_store(data: GraphLike, tmp: str | None = None) -> tuple[str, Any]:
     """
     if isinstance(data, (str, os.PathLike, GraphStore)):
         return _store_path(data), None
-    keep = tempfile.TemporaryDirectory(prefix=TEMP_STORE, dir=tmp)
+    keep = OwnedTempDir(TEMP_STORE, dir=tmp)
     out = Path(keep.name) / "store"
     if hasattr(data, "edge_index"):
         return str(from_pyg(data, out)), keep
@@ -221,7 +221,7 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
     spills = None
     if out is None and cfg.memory_budget is not None and not cfg.spill_dir:
         # nothing is written unless asked: the spills go to a temporary directory, not ./runs/STORE-MODEL/spill
-        spills = tempfile.TemporaryDirectory(prefix="trellis-spill-")
+        spills = OwnedTempDir("trellis-spill-")
         try:
             cfg = TrainConfig.from_dict({**values, "spill_dir": spills.name}, source="trellis.train")
         except TrellisUserError:  # a strategy that spills nothing under this budget (pp): it takes no --spill-dir
@@ -307,7 +307,7 @@ def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn"
     path, keep = as_store(store)
     items = [f"{k}={values if isinstance(values, str) else ','.join(str(v) for v in values)}"  # "0.01,0.02" too
              for k, values in grid.items()]
-    with tempfile.TemporaryDirectory(prefix="trellis-sweep-") as scratch:
+    with OwnedTempDir("trellis-sweep-") as scratch:
         sc = SweepConfig(store=path, model=model, grid=parse_grid(items), base=base, epochs=epochs, patience=patience,
                          seed=seed, device=device, batch_models=batch_models,
                          out=os.fspath(out) if out is not None else os.path.join(scratch, "sweep"),
@@ -346,7 +346,7 @@ def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str
     from trellis.train.tune import TuneConfig, run_tune
 
     path, keep = as_store(store)
-    with tempfile.TemporaryDirectory(prefix="trellis-tune-") as scratch:
+    with OwnedTempDir("trellis-tune-") as scratch:
         if isinstance(space, dict):  # the tune records its space file: write the dict as one
             from trellis.train.space import parse_space
 

@@ -65,6 +65,7 @@ from trellis.train.summary import RunSummary, split_metrics_of
 from trellis.train.tasks import Task
 from trellis.utils.atomic import remove_stale_temps
 from trellis.utils.memory import PeakMemory
+from trellis.utils.tempdirs import OwnedTempDir
 
 CHECKPOINT_FORMAT = "trellis-checkpoint"
 MODEL_FORMAT = "trellis-model"
@@ -280,9 +281,11 @@ class Trainer:
         else:
             prog = _Progress()
         scratch = None
+        owned = None
         if paths is None and not self.write_run_dir:
-            scratch = tempfile.mkdtemp(prefix="trellis-run-")
-            paths = prepare_run_dir(scratch, overwrite=True)
+            owned = OwnedTempDir("trellis-run-")
+            scratch = owned.name
+            paths = prepare_run_dir(Path(scratch) / "run")
         elif strategy.world.rank != 0:  # a peer of the process that writes the run directory
             # named by the launcher's job, which removes what a killed peer leaves (train/launch.py)
             scratch = tempfile.mkdtemp(prefix=f"{PEER_PREFIX}{os.environ.get(JOB_ENV, 'torchrun')}-")
@@ -334,7 +337,9 @@ class Trainer:
         finally:
             log.close()
             meter.stop()
-            if scratch is not None:
+            if owned is not None:
+                owned.cleanup()
+            elif scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
         if scratch is None:
             plot_curves(paths.metrics, paths.curves, metric)

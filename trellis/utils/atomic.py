@@ -152,10 +152,12 @@ def temp_sibling(out: str | os.PathLike[str], tag: str = "tmp") -> Path:
 
     A plain ``mkdir`` with a unique name rather than ``mkdtemp``: the renamed result keeps the umask's
     mode like any other output directory, not 0700. The name, ``.<out>.<tag>-<pid>-<random>``, holds the
-    pid for :func:`clean_stale_temps`.
+    pid for :func:`clean_stale_temps`, which runs first: a killed writer's sibling (a sweep stopped by SIGTERM, an
+    import killed with ``kill -9``) goes when the same output is written again.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(out, tag)
     tmp = out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     return tmp

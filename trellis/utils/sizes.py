@@ -7,11 +7,12 @@ read a float of MiB, and four formatters printed sizes with different units and 
 
 from __future__ import annotations
 
+import os
 import re
 
 from trellis.errors import TrellisUserError
 
-__all__ = ["UNITS", "format_size", "parse_size"]
+__all__ = ["UNITS", "format_size", "machine_memory", "parse_size"]
 
 #: Multiplier of every accepted unit (lower-case; matching is case-insensitive).
 UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -64,3 +65,16 @@ def format_size(n: float, *, digits: int = 2, unit: str | None = None) -> str:
             return f"{value:.0f} {name}" if name == "B" else f"{value:.{digits}f} {name}"
         value /= 1024
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process can have at most: the machine's RAM, or its cgroup's limit when lower."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(limit).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return int(total)

@@ -25,6 +25,7 @@ import numpy as np
 
 from trellis.errors import TrellisUserError
 from trellis.utils.atomic import pid_alive
+from trellis.utils.diskmap import SPILL_FIX, new_map
 
 PREFIX = "trellis-spill-"
 _counter = itertools.count()
@@ -94,14 +95,14 @@ class SpillDir:
         self._arrays: dict[str, np.memmap] = {}
 
     def array(self, name: str, shape: tuple[int, int]) -> np.memmap:
-        """The float32 spill ``name`` of ``shape`` (created zero-filled and sparse, or the existing one)."""
+        """The float32 spill ``name`` of ``shape`` (made zero-filled, its blocks reserved, or the existing one)."""
         arr = self._arrays.get(name)
         if arr is not None and arr.shape == tuple(shape):
             return arr
         if arr is not None:
             self.delete(name)
         path = self.path / f"{name}.f32"
-        arr = np.memmap(path, dtype=np.float32, mode="w+", shape=tuple(shape))
+        arr = new_map(path, tuple(shape), np.float32, SPILL_FIX, npy=False)
         self._arrays[name] = arr
         return arr
 
@@ -123,7 +124,7 @@ class SpillDir:
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes the spill files occupy on disk now (sparse files count only written blocks)."""
+        """Bytes the spill files occupy on disk now (their blocks are reserved when they are made)."""
         total = 0
         for name in self._arrays:
             try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from trellis.train.strategies.outofcore import budget_and_baseline
 from trellis.train.strategy import Prediction, PredictRequest, saved_model
 from trellis.utils.memory import proc_status
 from trellis.utils.sizes import parse_size
+from trellis.utils.tempdirs import OwnedTempDir
 
 
 def open_layout_for(cfg: TrainConfig, store: GraphStore) -> PartitionedGraph:
@@ -263,7 +263,7 @@ class BufferedMini(BatchStrategy):
         if root is not None:
             root.mkdir(parents=True, exist_ok=True)
         try:
-            with tempfile.TemporaryDirectory(prefix="trellis-eval-", dir=root) as tmp:
+            with OwnedTempDir("trellis-eval-", dir=root) as tmp:
                 return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device)
         finally:
             if made and root is not None:

@@ -40,6 +40,7 @@ from trellis.train.loop import Lane, ModelBatch
 from trellis.train.runs import default_run_dir
 from trellis.train.strategy import Prediction, PredictRequest, Strategy, saved_model
 from trellis.train.tasks import TASKS, Task, split_metrics
+from trellis.utils.diskmap import new_map
 from trellis.utils.memory import proc_io, proc_status, return_freed_memory
 from trellis.utils.sizes import format_size, parse_size
 from trellis.utils.spill import SpillDir, check_spill_root
@@ -495,7 +496,7 @@ def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task,
         layers = len(cast(GNN, model).convs)
         src = strategy.spill.get(f"h{layers - 1}") if layers > 1 else strategy._input()
         tmp = emb_path.with_name(emb_path.name + ".tmp.npy")
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=src.shape)
+        out = new_map(tmp, src.shape, np.float32, "free space or write the embeddings elsewhere")
         try:
             for r0, r1 in iter_tiles(strategy.bounds):
                 out[r0:r1] = src[r0:r1]

@@ -44,6 +44,7 @@ from trellis.train.strategies.partitioned import PartitionedFull
 from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task
 from trellis.utils.csr import build_reverse_csr
+from trellis.utils.diskmap import SPILL_FIX, new_map
 from trellis.utils.memory import trim_heap
 from trellis.utils.sizes import format_size
 from trellis.utils.spill import SpillDir, check_spill_root
@@ -141,7 +142,7 @@ class PartitionedOutOfCore(PartitionedFull):
         del indptr, indices
         maps = []
         for name, a in zip(("rev_indptr", "rev_indices"), rev):
-            m = np.lib.format.open_memmap(self.spill.path / f"{name}.npy", mode="w+", dtype=np.int64, shape=a.shape)
+            m = new_map(self.spill.path / f"{name}.npy", a.shape, np.int64, SPILL_FIX)
             m[:] = a
             maps.append(m)
         del rev
