@@ -88,6 +88,22 @@ def test_embedding_through_batch_strategies(store, tmp_path, strategy):
     assert s["test_acc_mean"] > 0.5
 
 
+@pytest.mark.parametrize("options", [{"norm": "layer"}, {"residual": True}, {"jk": "cat"}, {"pre_norm": True}])
+def test_embedding_models_evaluate_with_their_options_layer_by_layer(store, tmp_path, options):
+    """Mini-batch evaluation runs the model layer by layer; an embedding model passed on only its layers and
+    activation, so residual/normalization were ignored (val/test metrics of another function than the saved
+    model) and jumping knowledge or pre-norm crashed."""
+    import trellis
+
+    run = trellis.train(str(store), model="gcn", features="embedding:8", strategy="mini", batch_size=64, epochs=3,
+                        lr=0.05, **options)
+    y = np.asarray(np.load(Path(store) / "y.npy"))
+    pred = np.asarray(run.predict())  # the whole-graph forward of the best epoch's model
+    for split in ("val", "test"):
+        ids = np.load(Path(store) / f"{split}_idx.npy")
+        assert run.summary[f"{split}_acc_mean"] == pytest.approx(float(np.mean(pred[ids] == y[ids])), abs=1e-12)
+
+
 def test_embedding_table_gets_sparse_gradients_and_sparse_optimizer(store, tmp_path):
     c = cfg(store, tmp_path / "r", features="embedding:8")
     st = loaded(c)

@@ -81,6 +81,26 @@ def test_edge_weights_are_used(tmp_path):
             assert [r["loss"] for r in plain.history] != [r["loss"] for r in weighted.history]
 
 
+def test_edge_weights_must_be_there_and_not_negative_in_train_and_sweep(sbm_store, tmp_path):
+    """Negative weights gave a node whose weighted in-degree is not positive a silent 0 (PyG's GCN: NaN), and a
+    sweep with edge_weight=true on a store without weights trained unweighted (train refused it)."""
+    rng = np.random.default_rng(0)
+    n = 100
+    w = rng.uniform(0.1, 2.0, 600).astype(np.float32)
+    w[7] = -1.5
+    graph = {"src": rng.integers(0, n, 600), "dst": rng.integers(0, n, 600), "num_nodes": n, "symmetrize": False,
+             "x": rng.standard_normal((n, 4)).astype(np.float32), "y": rng.integers(0, 3, n), "edge_weight": w,
+             "splits": {"train": np.arange(0, 50), "val": np.arange(50, 75), "test": np.arange(75, n)}}
+    negative = r"--edge-weight: 1 of the store's \d+ edge weights are negative \(smallest -1.5\).*non-negative"
+    with pytest.raises(TrellisUserError, match=negative):
+        trellis.train(graph, model="sage", edge_weight=True, epochs=1)
+    with pytest.raises(TrellisUserError, match=negative):
+        trellis.sweep(graph, {"lr": [0.01, 0.02]}, edge_weight=True, epochs=1)
+    with pytest.raises(TrellisUserError, match="--edge-weight: the store .* has no edge weights"):
+        trellis.sweep(sbm_store, {"lr": [0.01, 0.02]}, edge_weight=True, epochs=1)
+    trellis.train(graph, model="sage", epochs=1)  # unweighted: the weights are not read
+
+
 def test_options_refused_where_they_cannot_run(sbm_store, tmp_path):
     gs = GraphStore(sbm_store)
     layout = write_layout(gs, partition_graph(gs, "metis", 2, measure=False), tmp_path / "p2")

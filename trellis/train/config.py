@@ -139,8 +139,8 @@ class TrainConfig:
     jk: str = _f("none", "jumping knowledge: every layer hidden-wide, a linear map reads their outputs "
                          "concatenated (cat) or their maximum (max) (default: none)", choices=JKS)
     mlp_hidden: int = _f(0, "gin: hidden width of each layer's MLP (default: 0 = the layer's width)")
-    edge_weight: bool = _f(False, "gcn/sage: use the store's edge weights (PyG's edge_weight: weighted GCN "
-                                  "normalization, weighted mean) (default: off)")
+    edge_weight: bool = _f(False, "gcn/sage: use the store's edge weights, which must be non-negative (PyG's "
+                                  "edge_weight: weighted GCN normalization, weighted mean) (default: off)")
     dropout: float = _f(None, "dropout before every layer " + defaults_text("dropout"), resolved=True)
     lr: float = _f(None, "learning rate " + defaults_text("lr"), resolved=True)
     weight_decay: float = _f(None, "L2 penalty " + defaults_text("weight_decay"), resolved=True)

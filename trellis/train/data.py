@@ -65,6 +65,27 @@ class GraphData:
         return 0 if ef is None else int(ef.reshape(ef.shape[0], -1).shape[1])
 
 
+def check_edge_weights(store: GraphStore) -> None:
+    """Refuse ``--edge-weight`` on a store without edge weights, or with negative ones.
+
+    Why negative ones: GCN and SAGE divide by each node's weighted in-degree (PyG's ``edge_weight``), which
+    negative weights can make zero or negative; the result was silently 0 for such a node (PyG's GCN: NaN).
+    """
+    if store.edge_weight is None:
+        raise TrellisUserError(f"--edge-weight: the store {store.path} has no edge weights (import them with the "
+                               "edges: edge_weights.npy beside an edge list, or edge_weight= of "
+                               "trellis.data.from_arrays)")
+    if not store.num_edges:
+        return
+    smallest = float(np.min(store.edge_weight))  # a reduction over the memory map: no edge-sized temporary
+    if smallest < 0:
+        negative = int(np.count_nonzero(np.asarray(store.edge_weight) < 0))
+        raise TrellisUserError(
+            f"--edge-weight: {negative} of the store's {store.num_edges} edge weights are negative (smallest "
+            f"{smallest:g}); gcn and sage divide by each node's weighted in-degree, which negative weights can make "
+            "zero or negative: give non-negative weights (a node whose in-edges all weigh 0 aggregates nothing)")
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` -> ``cuda`` when available, else ``cpu``; refuse ``cuda`` on a machine without one."""
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):

@@ -69,11 +69,19 @@ def node_inputs(kind: str, num_nodes: int, indptr: np.ndarray, indices: np.ndarr
     raise ValueError(f"no computed inputs for features kind {kind!r}")
 
 
+#: What layer-wise inference (``trellis.loader.inference``) and the engines that walk a stack read of a model:
+#: its layers, what comes before and after each (activation; pre-norm, normalization, residual), the jumping
+#: knowledge readout and a pre-norm input layer. An embedding model passes them all through: with only
+#: ``convs`` and ``activation``, mini- and cluster-batch evaluation ran a plain stack (residual, normalization
+#: ignored: metrics of another function than the model) or crashed (jumping knowledge, pre-norm).
+LAYERWISE = ("convs", "activation", "pre", "post", "readout", "encoder", "encode", "jk")
+
+
 class NodeEmbedding(nn.Module):
     """A learnable ``[N, D]`` input table in front of a model; inputs are node-id columns.
 
-    Exposes the wrapped model's ``convs`` and ``activation`` (so exact layer-wise inference still applies)
-    and :meth:`embed_inputs` for it to look the ids up first.
+    Exposes what layer-wise inference reads of the wrapped model (:data:`LAYERWISE`), so exact layer-wise
+    inference still applies, and :meth:`embed_inputs` for it to look the ids up first.
     """
 
     def __init__(self, model: nn.Module, num_nodes: int, dim: int) -> None:
@@ -82,15 +90,14 @@ class NodeEmbedding(nn.Module):
         nn.init.normal_(self.table.weight, std=dim ** -0.5)
         self.model = model
 
-    @property
-    def convs(self) -> Any:
-        """The wrapped model's ``convs`` (None if it has none), so layer-wise inference can walk them."""
-        return getattr(self.model, "convs", None)
+    def __getattr__(self, name: str) -> Any:
+        """What layer-wise inference reads of a stack (:data:`LAYERWISE`): the wrapped model's.
 
-    @property
-    def activation(self) -> Any:
-        """The wrapped model's activation (None if it has none), used with :attr:`convs` by layer-wise inference."""
-        return getattr(self.model, "activation", None)
+        Raises AttributeError where the wrapped model has none, as a plain model would.
+        """
+        if name in LAYERWISE:
+            return getattr(self._modules["model"], name)
+        return super().__getattr__(name)
 
     def embed_inputs(self, ids: Tensor) -> Tensor:
         """Table rows of the node ids in column 0 of ``ids``."""

@@ -55,7 +55,7 @@ from trellis.plan.rewrites import DEFAULT_REWRITES
 from trellis.train.build import ModelFactory, build_run_optimizer, default_model_factory
 from trellis.train.config import TrainConfig, check_keys
 from trellis.train.convergence import summarize_time_to_accuracy
-from trellis.train.data import resolve_device
+from trellis.train.data import check_edge_weights, resolve_device
 from trellis.train.early_stopping import EarlyStopping
 from trellis.train.loop import Lane, run_epochs
 from trellis.train.optim import OPTIMIZERS
@@ -363,6 +363,12 @@ def load_sweep_data(entries: list[SweepEntry], device: torch.device, rewrites: S
     if isinstance(strategy, FullBatch):
         strategy.rewrites = tuple(rewrites)
     strategy.load()
+    if any(e.cfg.edge_weight for e in entries):
+        try:
+            check_edge_weights(strategy.store)
+        except TrellisUserError:
+            strategy.close()
+            raise
     return strategy
 
 

@@ -41,7 +41,7 @@ from trellis.plan.price import Price, run_value
 from trellis.train.build import ModelFactory, build_run_optimizer, default_model_factory
 from trellis.train.config import TrainConfig
 from trellis.train.convergence import summarize_time_to_accuracy
-from trellis.train.data import resolve_device
+from trellis.train.data import check_edge_weights, resolve_device
 from trellis.train.early_stopping import EarlyStopping
 from trellis.train.loop import Lane, StopOnSignal, run_epochs
 from trellis.train.rng import get_rng_state, seed_everything, set_rng_state
@@ -197,11 +197,12 @@ class Trainer:
         cls.check_options(self.cfg)
         strategy = cls(self.cfg, device)
         strategy.load()
-        if self.cfg.edge_weight and strategy.store.edge_weight is None:
-            strategy.close()
-            raise TrellisUserError(f"--edge-weight: the store {self.cfg.store} has no edge weights (import them "
-                                   "with the edges: edge_weights.npy beside an edge list, or edge_weight= of "
-                                   "trellis.data.from_arrays)")
+        if self.cfg.edge_weight:
+            try:
+                check_edge_weights(strategy.store)
+            except TrellisUserError:
+                strategy.close()
+                raise
         return strategy
 
     # ---- explain --------------------------------------------------------------------------------
