@@ -73,6 +73,23 @@ def test_same_summary_as_the_cli(sbm_store, tmp_path):
     assert torch.equal(again.predict(), run.predict())
 
 
+def test_config_file_as_the_cli_s_config_flag(sbm_store, tmp_path):
+    """docs/api.md: every `trellis train` flag by its field name; config= (--config) was refused as unknown."""
+    assert main(["train", str(sbm_store), "--epochs", "3", "--hidden", "8", "--out", str(tmp_path / "cli"),
+                 "--no-progress"]) == 0
+    saved = tmp_path / "cli" / "config.json"
+    assert main(["train", str(sbm_store), "--config", str(saved), "--lr", "0.02", "--out", str(tmp_path / "cli2"),
+                 "--no-progress"]) == 0
+    run = trellis.train(sbm_store, config=saved, lr=0.02)  # the options given win, as flags do
+    assert run.run_dir is None  # the file's out (the first run's directory) is not used
+    assert run.config.hidden == 8 and run.config.lr == 0.02
+    cli = [json.loads(line)["loss"] for line in (tmp_path / "cli2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in run.history] == cli
+    (tmp_path / "bad.json").write_text('{"hiden": 8}')
+    with pytest.raises(TrellisUserError, match=r"config=.*bad\.json: unknown option 'hiden'; did you mean 'hidden'"):
+        trellis.train(sbm_store, config=tmp_path / "bad.json")
+
+
 def test_errors_are_the_cli_messages_as_exceptions(sbm_store, tmp_path):
     with pytest.raises(TrellisUserError, match="--lr must be a positive"):
         trellis.train(sbm_store, lr=-1)

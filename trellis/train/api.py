@@ -26,7 +26,7 @@ from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.models import MODELS, register_model
 from trellis.train.build import check_registered, default_model_factory, make_model
-from trellis.train.config import TrainConfig
+from trellis.train.config import TrainConfig, check_keys, load_config_file
 from trellis.train.features import NodeEmbedding
 from trellis.train.runs import iter_jsonl, open_run_dir, read_json
 from trellis.train.tasks import TASKS, Task
@@ -186,6 +186,20 @@ def model_option(model: str | Callable[..., nn.Module] | None) -> str | None:
 
 
 @keeps_caller_state
+def _config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The options of ``config=`` (``trellis train --config``: JSON, TOML or a run's ``config.json``).
+
+    Its store, out and resume are not used: the graph is the first argument, and nothing is written unless
+    ``out=`` asks (a run's ``config.json`` names that run's directory).
+    """
+    if path is None:
+        return {}
+    values = load_config_file(os.fspath(path))
+    check_keys(values, f"config={path}")
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    return {k: v for k, v in values.items() if k not in ("store", "out", "resume", "overwrite")}
+
+
 def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, progress: bool = False,
           model: str | Callable[..., nn.Module] | None = None, **options: Any) -> Run:
     """Train a GNN and return the :class:`Run` (``trellis train`` as a function).
@@ -197,6 +211,8 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
         model: A model name (``gcn``, ``sage``, ...) or a builder ``(in_dim, out_dim, **hparams) -> Module``.
         **options: Any ``trellis train`` option by its field name (``epochs=50``, ``lr=0.005``,
             ``strategy="mini"``, ``fanouts="10,5"``); values are validated as the CLI validates flags.
+            ``config=FILE`` reads options from a file as ``--config`` does (those given here win; its store
+            and out are not used).
 
     Raises:
         TrellisUserError: A bad option or store (the CLI's message, which names the flag).
@@ -211,8 +227,9 @@ def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, prog
                                       "json": "(the Run is the result)",
                                       "explain": "(use trellis.explain(...))"}[bad])
     name = model_option(model)
+    base = _config_file(options.pop("config", None))
     path, keep = as_store(data)
-    values = {**options, "store": path, "progress": progress}
+    values = {**base, **options, "store": path, "progress": progress}
     if name is not None:
         values["model"] = name
     if out is not None:
