@@ -165,3 +165,18 @@ def test_explain_describes_the_layout_and_the_plan_without_starting_ranks(dist_s
     assert "distributed: 4 ranks over" in out and "src-owned: push exchange" in out
     assert "gcn[0]: pushdown=yes" in out and "exchange per layer at width 16" in out
     assert not _ranks()
+
+
+def test_a_torchrun_mini_job_records_what_its_resume_needs(dist_store, layouts, tmp_path):
+    """Rank 0 recorded nproc null for a torchrun job, which a mini-batch resume read as one process training every
+    part through its buffer (another strategy, silently); and parts_dir as given (relative), which a resume from
+    another directory did not find."""
+    parts = layouts[("metis", 2)]
+    rel = os.path.relpath(parts, tmp_path)
+    rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         "-m", "trellis.cli", "train", str(dist_store), "--strategy", "mini", "--parts-dir", rel,
+                         "--out", "run", "--epochs", "1", "--hidden", "8", "--no-progress"], env=ENV, cwd=tmp_path,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    assert rc.returncode == 0, rc.stderr.decode()[-3000:]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["nproc"] == 2 and saved["parts_dir"] == str(Path(parts).resolve())

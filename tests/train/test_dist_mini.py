@@ -226,6 +226,7 @@ def test_batches_from_the_trainer_sampler_processes_or_sampler_ranks_give_the_sa
     (["--nproc", "2", "--sampler-ranks", "-1"], "--sampler-ranks"),
     (["--nproc", "2", "--sampler-ranks", "1", "--samplers", "1"], "--samplers with --sampler-ranks"),
     (["--nproc", "1", "--sampler-ranks", "1"], "--sampler-ranks 1 applies to data-parallel mini-batch"),
+    (["--sampler-ranks", "1"], "--sampler-ranks 1 applies to data-parallel mini-batch"),  # was trained unused
 ])
 def test_bad_sampler_ranks_are_refused_before_any_rank_starts(sbm_store, layouts, tmp_path, capsys, args, message):
     code = main(["train", str(sbm_store), "--strategy", "mini", "--parts-dir", str(layouts[3]), "--epochs", "1",
@@ -292,3 +293,31 @@ def test_an_interrupted_buffered_two_rank_run_resumes_to_the_uninterrupted_metri
               fanouts="5,5", progress=False, checkpoint_every=1, device="cpu", parts_dir=str(layouts[3]), nproc=2,
               buffer_parts=1, buffer_cache="8K")
     two_rank_resume_matches(kw, tmp_path, KEYS, epochs=kw["epochs"])
+
+
+def test_the_rank_target_check_reads_the_split_the_ranks_train_on(data_dir, tmp_path):
+    """check_ranks counted the store's own split: with --split-seed it refused a layout whose ranks all hold
+    training nodes of the redrawn split, and let through one whose rank 1 holds none of them."""
+    from trellis.errors import TrellisUserError
+    from trellis.train.data import redraw_split
+    from trellis.train.strategies.dist_mini import check_ranks
+
+    store = GraphStore(import_graph(data_dir / "cora-npz", tmp_path / "s", format="npz", progress=False))
+    n = store.num_nodes
+    own = np.asarray(store.split("train"))
+    redrawn = redraw_split(store, np.asarray(store.y), 1)["train"]
+    layouts = {}
+    for name, avoid in (("redrawn-in-both", own), ("store-in-both", redrawn)):
+        parts = np.zeros(n, np.int32)
+        parts[np.setdiff1d(np.arange(n // 2, n), avoid)] = 1  # part 1 holds none of `avoid`
+        if name == "store-in-both":
+            parts[np.setdiff1d(own, redrawn)[0]] = 1  # one store training node, not a redrawn one
+        layouts[name] = write_layout(store, PartitionBook(parts, 2, "custom"), tmp_path / name)
+
+    def cfg(layout):
+        return TrainConfig(store=str(store.path), strategy="mini", parts_dir=str(layout), nproc=2, split_seed=1,
+                           out=str(tmp_path / "r"))
+
+    check_ranks(cfg(layouts["redrawn-in-both"]), store, 2)  # its part 1 holds redrawn training nodes
+    with pytest.raises(TrellisUserError, match="rank 1 of 2 would train no target"):
+        check_ranks(cfg(layouts["store-in-both"]), store, 2)

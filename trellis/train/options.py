@@ -357,7 +357,9 @@ class MiniOptions(_Buffer, _Batched):
             parse_size(self.buffer_cache, flag="--buffer-cache")
         _at_least("sampler_ranks", self.sampler_ranks, 0)
         if self.sampler_ranks:
-            if self.parts_dir is None or (self.nproc or 1) < 2 and self.nproc is not None:
+            # --nproc unset: a torchrun rank (the job's size says how many), else one process, which has no ranks
+            ranks = self.nproc if self.nproc is not None else (1 if RankEnv.from_environ() is None else 2)
+            if self.parts_dir is None or ranks < 2:
                 raise TrellisUserError(f"--sampler-ranks {self.sampler_ranks} applies to data-parallel mini-batch "
                                        "(--parts-dir PART_DIR --nproc P > 1); add them or drop --sampler-ranks")
             if self.nproc is not None and self.sampler_ranks > self.nproc:

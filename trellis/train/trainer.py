@@ -101,6 +101,22 @@ def _check_checkpoint_config(paths: RunPaths, saved: Any, cfg: TrainConfig) -> N
                                f"config.json says {now.get(k)!r}; restore config.json, or start a new run")
 
 
+def _record_for_resume(cfg: TrainConfig, world_size: int) -> None:
+    """Make ``cfg`` say what ``--resume`` needs to start this run again the same way, from anywhere.
+
+    Paths become absolute (a layout, a cache or a spill root named relative to where the run started was not
+    found by a resume from another directory). And a job started by torchrun (``--nproc`` unset) records its
+    trainer count: a mini- or cluster-batch config without ``--nproc`` means one process training every part
+    through its buffer, so the resume of a 2-rank torchrun job trained on silently as another strategy.
+    """
+    for key in ("parts_dir", "pp_dir", "spill_dir"):
+        value = getattr(cfg, key, None)
+        if value:
+            setattr(cfg, key, str(Path(value).resolve()))
+    if cfg.nproc is None and world_size > 1 and cfg.strategy in ("mini", "cluster"):
+        cfg.nproc = world_size
+
+
 class TrainingInterrupted(Exception):  # noqa: N818 - an outcome, not an error
     """A run stopped on SIGINT/SIGTERM after writing a checkpoint; ``--resume`` continues it."""
 
@@ -297,6 +313,7 @@ class Trainer:
                 self._lock = RunLock(root).acquire()  # before --overwrite could clear a running run's files
             paths = prepare_run_dir(root, overwrite=cfg.overwrite)
             cfg.out = str(paths.root)
+            _record_for_resume(cfg, strategy.world.world_size)
             # the store recorded absolute: `--resume RUN_DIR` from another directory finds it
             write_json_atomic(paths.config, {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())})
         strategy.world.barrier("after the run directory")

@@ -261,7 +261,10 @@ def check_ranks(cfg: TrainConfig, store: GraphStore, world: int) -> PartitionedG
         raise TrellisUserError(f"--buffer-parts {cfg.buffer_parts} is more than the {int(held[r])} part(s) rank {r} "
                                f"of {world} holds (part p goes to rank p mod {world}); pass --buffer-parts "
                                f"{int(held.min())} or fewer")
-    counts = rank_targets(layout, store, world)
+    # the split the ranks train on: --split-seed redraws it (the store's own split refused valid layouts and let
+    # a rank without targets through)
+    train = load_labels(store, cfg.task, torch.device("cpu"), cfg.split_seed)[1]["train"].numpy()
+    counts = rank_targets(layout, train, world)
     empty = [r for r, c in enumerate(counts) if c == 0]
     if empty and cfg.strategy == "mini":
         raise TrellisUserError(f"rank {empty[0]} of {world} would train no target: its parts of {cfg.parts_dir} "
@@ -309,10 +312,10 @@ def rank_share(batch_size: int, counts: list[int], rank: int) -> int:
     return max(1, -(-int(batch_size) * int(counts[rank]) // max(1, sum(counts))))
 
 
-def rank_targets(layout: PartitionedGraph, store: GraphStore, world: int) -> list[int]:
-    """Training nodes each rank draws its targets from."""
+def rank_targets(layout: PartitionedGraph, train: np.ndarray, world: int) -> list[int]:
+    """Training nodes (of ``train``) each rank draws its targets from."""
     node_part = np.load(layout.path / "node_parts.npy", mmap_mode="r")
-    train = np.asarray(store.split("train"), dtype=np.int64)
+    train = np.asarray(train, dtype=np.int64)
     ranks = rank_of_part(layout.num_parts, world)[np.asarray(node_part[train], dtype=np.int64)]
     return np.bincount(ranks, minlength=world).tolist()
 
@@ -597,7 +600,7 @@ class DistributedMini(BatchStrategy):
         """The ranks' parts, targets and batch shares, then the mini-batch plan."""
         assert self.comm is not None
         world = self.cfg.nproc or self.comm.world_size
-        counts = rank_targets(self.layout, self.store, world)
+        counts = rank_targets(self.layout, self.data.splits["train"].cpu().numpy(), world)
         shares = [rank_share(self.cfg.batch_size, counts, r) for r in range(len(counts))]
         part_rank = rank_of_part(self.layout.num_parts, world)
         k = int(self.cfg.sampler_ranks or 0)
