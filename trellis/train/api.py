@@ -185,7 +185,6 @@ def model_option(model: str | Callable[..., nn.Module] | None) -> str | None:
     return name
 
 
-@keeps_caller_state
 def _config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     """The options of ``config=`` (``trellis train --config``: JSON, TOML or a run's ``config.json``).
 
@@ -200,6 +199,7 @@ def _config_file(path: str | os.PathLike[str] | None) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k not in ("store", "out", "resume", "overwrite")}
 
 
+@keeps_caller_state
 def train(data: GraphLike, /, *, out: str | os.PathLike[str] | None = None, progress: bool = False,
           model: str | Callable[..., nn.Module] | None = None, **options: Any) -> Run:
     """Train a GNN and return the :class:`Run` (``trellis train`` as a function).
