@@ -405,3 +405,17 @@ def test_state_graphs_reuse_their_arrays_without_leaking_counts():
         got = builder.build(pieces, avail, skip)
         ref = state_graph(5, pieces, avail, skip)
         assert all(np.array_equal(x, y) for x, y in zip(got[:3], ref[:3])) and got[3:] == ref[3:]
+
+
+def test_evaluation_chunks_stay_within_their_bytes():
+    from trellis.loader.buffer_inference import EDGE_BYTES, OUT_COPIES, chunk_cuts
+
+    deg = np.random.default_rng(0).integers(0, 50, 10_000)
+    cuts = chunk_cuts(deg, 64, 32, 1 << 20)
+    assert cuts[0] == 0 and cuts[-1] == deg.shape[0] and (np.diff(cuts) > 0).all()
+    cost = (deg + 1) * (64 * 4 + EDGE_BYTES) + 32 * 4 * OUT_COPIES
+    per_chunk = np.add.reduceat(cost, cuts[:-1])
+    single = np.diff(cuts) == 1
+    assert (per_chunk[~single] <= (1 << 20) + cost.max()).all()  # a row more at most
+    assert len(cuts) - 1 >= cost.sum() // (1 << 20)
+    assert np.array_equal(chunk_cuts(deg, 64, 32, None), [0, deg.shape[0]])  # edges only: one chunk here

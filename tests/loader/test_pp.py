@@ -373,3 +373,33 @@ def test_build_without_features_is_refused(tmp_path) -> None:
     p = write_store(tmp_path / "nofeat", indptr=np.array([0, 1, 2]), indices=np.array([1, 0]))
     with pytest.raises(TrellisUserError, match="no node features"):
         build_pp(open_store(p), tmp_path / "pp", settings(), progress=False, log=None)
+
+
+def test_no_batch_of_one_row_and_every_row_once():
+    """A last batch of one row crashed SIGN's batch normalization (200 training rows, --batch-size 199; or a rank
+    whose share left one over); it joins the batch before, and the loader's length counts that."""
+    from trellis.loader.pp import batches_per_epoch, epoch_batches
+
+    rng = np.random.default_rng(0)
+    for n in range(1, 40):
+        for b in range(1, 12):
+            for c in (1, 3):
+                if c > b:
+                    continue
+                batches = epoch_batches(n, b, c, shuffle=True, rng=rng)
+                assert len(batches) == batches_per_epoch(n, b, c)
+                assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(-(-n // c)))
+                if c == 1 and 1 < b < n:
+                    assert min(x.shape[0] for x in batches) > 1
+    assert [x.shape[0] for x in epoch_batches(200, 199, 1, shuffle=False, rng=None)] == [200]
+
+
+def test_sign_trains_where_the_last_batch_would_hold_one_row(sbm_store, tmp_path):
+    import trellis
+    from trellis.data.store import GraphStore
+
+    trellis.preprocess(sbm_store, tmp_path / "pp", hops=2)
+    train = GraphStore(sbm_store).split("train").shape[0]
+    run = trellis.train(sbm_store, strategy="pp", pp_dir=str(tmp_path / "pp"), model="sign", epochs=2,
+                        batch_size=train - 1)
+    assert len(run.history) == 2 and np.isfinite([r["loss"] for r in run.history]).all()

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from trellis.errors import TrellisUserError
-from trellis.plan.residency import BufferCosts, plan_buffer
+from trellis.plan.residency import MARGIN_BYTES, BufferCosts, plan_buffer
+from trellis.utils.sizes import parse_size
 
 GIB = 2**30
 
@@ -30,3 +31,29 @@ def test_evaluation_counts_in_the_plan():
     assert "evaluation" in b.table()
     with pytest.raises(TrellisUserError, match="smallest budget that works"):
         plan_buffer(scored, lean.fixed_bytes + 2 * lean.slot_bytes)
+
+
+def test_the_table_adds_up_to_what_the_planner_checks():
+    """--explain's total left out the 64 MiB head-room, so a budget above the total it showed was refused."""
+    costs = _costs()
+    plan = plan_buffer(costs, costs.fixed_bytes + 5 * costs.slot_bytes)
+    slots = min(plan.capacity + 1, costs.num_parts)
+    total = costs.fixed_bytes + slots * costs.slot_bytes + plan.cache_rows * costs.row_bytes
+    assert "head-room" in plan.table() and str(MARGIN_BYTES // 2**20) in plan.table()
+    shown = plan.table().splitlines()[-1].split()[1:3]
+    assert abs(parse_size("".join(shown)) - total) <= 0.01 * total  # the table's rounding
+
+
+def test_the_smallest_budget_named_is_one_the_parser_reads_and_the_planner_takes():
+    """It was named in GiB with two decimals; `G` is decimal, so typing it back was refused."""
+    costs = _costs()
+    with pytest.raises(TrellisUserError, match=r"\(--memory-budget (\d+)MiB\)") as err:
+        plan_buffer(costs, costs.fixed_bytes)
+    given = err.value.args[0].split("(--memory-budget ")[1].split(")")[0]
+    plan_buffer(costs, parse_size(given))
+
+
+def test_no_cache_when_every_part_is_resident():
+    """Without a budget, --buffer-cache with every part resident held every row a second time."""
+    assert plan_buffer(_costs(), None, cache_bytes=GIB, avg_degree=10).cache_rows == 0
+    assert plan_buffer(_costs(), None, buffer_parts=4, cache_bytes=GIB, avg_degree=10).cache_rows > 0

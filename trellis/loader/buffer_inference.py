@@ -28,6 +28,27 @@ from trellis.loader.sampler import NeighborSampler
 
 #: Edges per chunk of destination rows (bounds a chunk's gathered rows and per-edge work).
 CHUNK_EDGES = 2_000_000
+#: Bytes per in-edge of a chunk besides its source row: the sampled block's indices and edge ids, the SpMM's.
+EDGE_BYTES = 48
+#: Float32 copies of a destination row's output a layer holds at its peak (aggregation, transform, epilogue).
+OUT_COPIES = 4
+
+
+def chunk_cuts(deg: np.ndarray, width_in: int, width_out: int, chunk_bytes: int | None) -> np.ndarray:
+    """Boundaries of the chunks of destination rows with in-degrees ``deg``.
+
+    Each chunk has at most :data:`CHUNK_EDGES` edges and at most ``chunk_bytes`` of working memory (None: edges
+    only), but one row at least. A chunk holds one gathered source row per in-edge at most, its edges' indices and
+    its rows' outputs; on a graph of a few hundred thousand nodes a 2M-edge chunk was a whole part, whose rows and
+    activations (100 MiB at hidden 256) no budget counted.
+    """
+    edges = np.cumsum(deg + 1)
+    cuts = [np.searchsorted(edges, np.arange(CHUNK_EDGES, int(edges[-1]) + CHUNK_EDGES, CHUNK_EDGES))]
+    if chunk_bytes is not None:
+        cost = np.cumsum((deg + 1) * (width_in * 4 + EDGE_BYTES) + width_out * 4 * OUT_COPIES)
+        cuts.append(np.searchsorted(cost, np.arange(chunk_bytes, int(cost[-1]) + chunk_bytes, chunk_bytes)))
+    n = deg.shape[0]
+    return np.unique(np.concatenate([[0], *(np.minimum(c + 1, n) for c in cuts), [n]]))
 
 
 def _write_rows(path: Path, rows: int, width: int) -> tuple[object, Callable[[np.ndarray], None]]:
@@ -111,7 +132,7 @@ def check_buffer_inference(model: nn.Module) -> None:
 
 @torch.no_grad()
 def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, rows: np.ndarray | None = None,
-                     device: torch.device | str = "cpu") -> Tensor:
+                     device: torch.device | str = "cpu", chunk_bytes: int | None = None) -> Tensor:
     """Outputs of ``model`` for ``rows`` (sorted, unique; None = every node), layer by layer over the buffer.
 
     Args:
@@ -120,6 +141,7 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
         spill: Directory for the per-part layer outputs (removed by the caller).
         rows: Nodes whose final outputs are returned (sorted ascending, unique).
         device: Where the layers run.
+        chunk_bytes: Working memory of one chunk of destination rows (a budget's share: see :func:`chunk_cuts`).
     """
     convs: list[nn.Module] = list(model.convs)  # type: ignore[arg-type]
     check_buffer_inference(model)
@@ -174,10 +196,7 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
                     if last and dst.size == 0:
                         continue
                     f = None
-                    deg = np.diff(ip)[dst]
-                    cost = np.cumsum(deg + 1)
-                    cuts = np.searchsorted(cost, np.arange(CHUNK_EDGES, int(cost[-1]) + CHUNK_EDGES, CHUNK_EDGES))
-                    cuts = np.unique(np.concatenate([[0], np.minimum(cuts + 1, dst.shape[0]), [dst.shape[0]]]))
+                    cuts = chunk_cuts(np.diff(ip)[dst], width_in, int(getattr(conv, "out_dim", width_in)), chunk_bytes)
                     for a, b in zip(cuts[:-1], cuts[1:]):
                         batch = g.sample(dst[a:b], 0)
                         block = batch.blocks[0]
@@ -220,4 +239,4 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
         model.train(was_training)
 
 
-__all__ = ["buffer_inference"]
+__all__ = ["buffer_inference", "chunk_cuts"]

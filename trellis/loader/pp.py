@@ -292,7 +292,21 @@ def epoch_batches(n: int, batch_size: int, chunk_size: int, *, shuffle: bool,
     n_chunks = -(-n // c)
     order = rng.permutation(n_chunks) if shuffle and rng is not None else np.arange(n_chunks, dtype=np.int64)
     k = max(1, int(batch_size) // c)
-    return [order[i:i + k] for i in range(0, n_chunks, k)]
+    batches = [order[i:i + k] for i in range(0, n_chunks, k)]
+    if c == 1 and k > 1 and len(batches) > 1 and batches[-1].shape[0] == 1:
+        # a last batch of one row joins the one before: batch normalization cannot train on one row (SIGN crashed
+        # with 200 training rows and --batch-size 199, or on a rank whose share left one over)
+        batches[-2:] = [order[-(k + 1):]]
+    return batches
+
+
+def batches_per_epoch(n: int, batch_size: int, chunk_size: int) -> int:
+    """How many batches :func:`epoch_batches` makes of ``n`` rows."""
+    c = max(1, int(chunk_size))
+    k = max(1, int(batch_size) // c)
+    n_chunks = -(-n // c)
+    full = -(-n_chunks // k)
+    return full - 1 if c == 1 and k > 1 and full > 1 and n_chunks % k == 1 else full
 
 
 @dataclass
@@ -368,15 +382,14 @@ class PPLoader:
         self.num_rows = self.hi - self.lo
         self.name = name
         k = max(1, self.batch_size // self.chunk_size)
-        self._buf_rows = min(k * self.chunk_size, max(1, self.num_rows))
+        # one row more: a last batch of one row joins the one before (epoch_batches)
+        self._buf_rows = min(k * self.chunk_size + (self.chunk_size == 1), max(1, self.num_rows))
         self._buffers: list[torch.Tensor] = buffers if buffers is not None else []
         self._buffer_lock = threading.Lock()
 
     def __len__(self) -> int:
         """Batches per epoch."""
-        n_chunks = -(-self.num_rows // self.chunk_size)
-        per_batch = max(1, self.batch_size // self.chunk_size)
-        return -(-n_chunks // per_batch)
+        return batches_per_epoch(self.num_rows, self.batch_size, self.chunk_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the shuffle of epoch ``epoch`` (deterministic given the seed)."""

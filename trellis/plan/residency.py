@@ -20,6 +20,8 @@ from trellis.utils.sizes import format_size
 NODE_BYTES = 80
 #: Fixed head-room for the allocator and small temporaries.
 MARGIN_BYTES = 64 * 2**20
+#: Working memory of one chunk of evaluation over the buffer (``loader.buffer_inference.chunk_cuts``).
+EVAL_CHUNK_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,11 @@ class BufferPlan:
         rows = [("process baseline", c.baseline), (f"O(N) maps and vectors ({c.num_nodes:,} nodes)",
                                                    c.num_nodes * NODE_BYTES),
                 ("model + optimizer", c.model_bytes), ("batches in flight", c.batch_bytes),
-                ("evaluation (scored rows' logits, a split's copy, metrics)", c.eval_bytes),
+                ("evaluation (a chunk's rows; scored rows' logits, a split's copy, metrics)", c.eval_bytes),
                 (f"part slots: {self.capacity} resident + {slots - self.capacity} reading "
                  f"(of {c.num_parts} parts)", slots * c.slot_bytes),
-                (f"cache ({self.cache_rows:,} rows by inclusion probability)", self.cache_rows * c.row_bytes)]
+                (f"cache ({self.cache_rows:,} rows by inclusion probability)", self.cache_rows * c.row_bytes),
+                ("head-room (the allocator, small temporaries)", MARGIN_BYTES)]
         width = max(len(r[0]) for r in rows)
         lines = ["residency (partition buffer):"]
         lines += [f"  {name:<{width}}  {format_size(b):>10}" for name, b in rows]
@@ -117,14 +120,16 @@ def plan_buffer(costs: BufferCosts, budget: int | None, *, buffer_parts: int | N
         raise TrellisUserError(f"--buffer-parts {buffer_parts}: give 1 to {p} (the layout has {p} parts)")
     if budget is None:
         k = p if buffer_parts is None else buffer_parts
-        rows = 0 if not cache_bytes else cache_bytes // costs.cache_row_bytes(avg_degree)
+        # every part resident: a cache would hold every row a second time, for nothing
+        rows = 0 if not cache_bytes or k >= p else cache_bytes // costs.cache_row_bytes(avg_degree)
         return BufferPlan(k, int(min(rows, costs.num_nodes)), None, costs)
     smallest = costs.fixed_bytes + min(2, p) * costs.slot_bytes
     if budget < smallest:
         raise TrellisUserError(f"--memory-budget {format_size(budget)} holds less than one partition and the rest of "
                                f"the run (the largest part needs {format_size(costs.slot_bytes)} per slot, two slots, "
                                f"plus {format_size(costs.fixed_bytes)}); the smallest budget that works is "
-                               f"{format_size(smallest)} -- or partition into more parts")
+                               f"{format_size(smallest)} (--memory-budget {-(-smallest // 2**20)}MiB) -- or partition "
+                               "into more parts")
     free = budget - costs.fixed_bytes
     fit = min(p, int(free // costs.slot_bytes) - 1) if p > 1 else 1
     if buffer_parts is not None:

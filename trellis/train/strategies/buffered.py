@@ -33,7 +33,7 @@ from trellis.nn.layers import PUSHDOWN_LAYERS
 from trellis.nn.models import input_aggregation
 from trellis.partition.base import methods_of_ownership
 from trellis.partition.layout import PartitionedGraph, open_layout_of, part_dir_name
-from trellis.plan.residency import BufferCosts, BufferPlan, plan_buffer
+from trellis.plan.residency import EVAL_CHUNK_BYTES, BufferCosts, BufferPlan, plan_buffer
 from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_labels
@@ -148,8 +148,13 @@ def plan_residency(cfg: TrainConfig, layout: PartitionedGraph, spec: ModelSpec, 
     dim, h = spec.in_dim, cfg.hidden
     params = dim * h * 2 + h * h * 2 * max(0, cfg.layers - 2) + h * spec.out_dim * 2
     scored = int(np.unique(torch.cat(list(splits.values())).cpu().numpy()).shape[0])
+    # evaluation over the buffer: a chunk's working memory, and, where a hidden layer is wider than the features,
+    # part slots of its width beside the training ones (buffer_inference's arena of a later layer)
+    wide = h * (cfg.heads if cfg.model in ("gat", "gate") else 1)
+    eval_slot = rows * wide * 4 if budget is not None and cfg.layers > 1 and wide > dim else 0
     costs = BufferCosts(layout.num_nodes, len(ids), rows, edges, dim * 4, params * 16, batch_bytes[0], baseline,
-                        batch_bytes[1], eval_bytes=scored * (spec.out_dim * 4 * 2 + 16))
+                        batch_bytes[1] + eval_slot,
+                        eval_bytes=scored * (spec.out_dim * 4 * 2 + 16) + (EVAL_CHUNK_BYTES if budget else 0))
     given = getattr(cfg, "buffer_cache", None)
     cache = None if given is None else parse_size(given, flag="--buffer-cache")
     if cluster:
@@ -264,7 +269,8 @@ class BufferedMini(BatchStrategy):
             root.mkdir(parents=True, exist_ok=True)
         try:
             with OwnedTempDir("trellis-eval-", dir=root) as tmp:
-                return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device)
+                return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device,
+                                        chunk_bytes=EVAL_CHUNK_BYTES)
         finally:
             if made and root is not None:
                 shutil.rmtree(root, ignore_errors=True)
