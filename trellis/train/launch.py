@@ -40,6 +40,7 @@ from trellis.train.strategies import strategy_class
 from trellis.train.strategies.dist_mini import check_ranks
 from trellis.train.strategies.dist_pp import check_pp_ranks
 from trellis.train.strategies.partitioned import check_layout
+from trellis.train.strategies.partitioned_outofcore import check_rank_model
 from trellis.utils.memory import proc_status
 from trellis.utils.sizes import format_size, parse_size
 
@@ -72,6 +73,8 @@ def preflight(cfg: TrainConfig) -> int:
         nproc = cfg.nproc if cfg.nproc is not None else layout.num_parts
         check_layout(cfg, store, nproc)
     if cfg.memory_budget is not None:  # the exact minimum needs the rank's part and plan: each rank names it
+        if cfg.strategy == "full":
+            check_rank_model(cfg, store)
         budget = parse_size(cfg.memory_budget, flag="--memory-budget")
         base = proc_status().get("RssAnon", 0)  # this process has imported what a rank imports
         if budget < base:

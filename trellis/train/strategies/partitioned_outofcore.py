@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from trellis.data.store import GraphStore
 from trellis.distributed.halo import MappedHalo, Route, Traffic
 from trellis.distributed.ownership import dst_methods
 from trellis.errors import TrellisUserError
@@ -34,7 +35,7 @@ from trellis.nn.tiled import Gather, TiledGNN, layer_shapes
 from trellis.ops.tiled import MappedCSR
 from trellis.partition.layout import LocalGraph, PartitionedGraph
 from trellis.plan.outofcore import OutOfCorePlan, plan_out_of_core
-from trellis.train.build import ModelFactory
+from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import normalize_features
 from trellis.train.features import parse_features
@@ -48,6 +49,28 @@ from trellis.utils.diskmap import SPILL_FIX, new_map
 from trellis.utils.memory import trim_heap
 from trellis.utils.sizes import format_size
 from trellis.utils.spill import SpillDir, check_spill_root
+
+
+def refuse_untileable(model: nn.Module, cfg: TrainConfig) -> None:
+    """Refuse a model out-of-core ranks cannot tile, in one line naming the flag."""
+    try:
+        check_tileable(model)
+    except TrellisUserError as exc:
+        why = (str(exc) if not getattr(model, "plain", True)
+               else "the out-of-core engine tiles GCN, SAGE (mean) and GIN")
+        raise TrellisUserError(f"--model {cfg.model} cannot train under --memory-budget: {why}; drop "
+                               "--memory-budget") from None
+
+
+def check_rank_model(cfg: TrainConfig, store: GraphStore) -> None:
+    """:func:`refuse_untileable` before any rank starts (the launcher's preflight).
+
+    The model of ``cfg`` on ``store``'s widths: each rank refused it after the job had started, every rank
+    printing the error.
+    """
+    ef = store.edge_feat
+    spec = ModelSpec(max(1, store.num_features), 2, 0 if ef is None else int(ef.shape[1]), store.num_nodes, 0)
+    refuse_untileable(build_run_model(cfg, spec), cfg)
 
 
 class PartitionedOutOfCore(PartitionedFull):
@@ -121,13 +144,7 @@ class PartitionedOutOfCore(PartitionedFull):
     def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> nn.Module:
         """The run's model; the first call plans the tiles under the budget (and refuses what cannot run)."""
         model = Strategy.build_model(self, factory, cfg)
-        try:
-            check_tileable(model)
-        except TrellisUserError as exc:
-            why = (str(exc) if not getattr(model, "plain", True)
-                   else "the out-of-core engine tiles GCN, SAGE (mean) and GIN")
-            raise TrellisUserError(f"--model {self.cfg.model} cannot train under --memory-budget: {why}; drop "
-                                   "--memory-budget") from None
+        refuse_untileable(model, self.cfg)
         if self.plan is None:
             self._plan(model)
         return model
