@@ -447,3 +447,33 @@ def test_sign_tunes_over_a_preprocessed_cache_and_its_choice_replays(store, tmp_
                  "--json", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["test_acc"] == [first["test_acc"]] and summary["val_acc"] == [first["val_acc"]]
+
+
+def test_a_space_value_no_run_takes_is_refused_before_anything_trains(store, tmp_path, capsys):
+    """dropout uniform in [0.1, 1.0005] was accepted; a later bracket's draw reached 1.0 and the tune exited 2 after
+    brackets of work, its state left behind (and its resume failed on the same draw)."""
+    for space, message in (({"dropout": {"uniform": [0.1, 1.0005]}}, "the range [0.1, 1.0005] reaches 1.0005"),
+                           ({"hidden": {"int_uniform": [0, 64]}}, "the range [0, 64] reaches 0")):
+        (tmp_path / "s.json").write_text(json.dumps(space))
+        rc = main(["tune", store, "--model", "gcn", "--space", str(tmp_path / "s.json"), "--candidates", "1",
+                   "--budget", "20s", "--out", str(tmp_path / "t")])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and "which no run takes" in err, err
+        assert not (tmp_path / "t").exists()
+
+
+def test_the_default_space_under_a_memory_budget_holds_what_tiles_train(store):
+    """Its residual and layer-norm candidates were refused under --memory-budget, naming flags never given."""
+    from trellis.train.tune import TuneConfig
+
+    plain = TuneConfig(store=store, model="gcn", out="x").search_space()
+    budgeted = TuneConfig(store=store, model="gcn", out="x", base={"memory_budget": "2G"}).search_space()
+    assert {"residual", "norm"} <= set(plain) and not {"residual", "norm"} & set(budgeted)
+    assert set(budgeted) == set(plain) - {"residual", "norm"}
+
+
+def test_a_candidate_refused_by_its_run_leaves_no_tune_directory(store, tmp_path, capsys):
+    rc = main(["tune", store, "--model", "gcn", "--grid", "residual=true,false", "--memory-budget", "2G",
+               "--budget", "20s", "--out", str(tmp_path / "t")])
+    assert rc == 2 and "cannot train under --memory-budget" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()  # tune.json and state/ were left behind

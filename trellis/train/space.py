@@ -147,8 +147,16 @@ def parse_space(raw: Any, source: str) -> Space:
     return space
 
 
-def load_space(spec: str | None, model: str) -> Space:
+#: What out-of-core tiles cannot train (``nn.batched.check_tileable``): a default space under ``--memory-budget``
+#: leaves these dimensions out (its candidates were refused, naming flags the user had not given).
+NOT_TILEABLE = ("residual", "norm")
+
+
+def load_space(spec: str | None, model: str, *, out_of_core: bool = False) -> Space:
     """``--space``: ``default`` (or None) = the model's default space; otherwise a JSON file.
+
+    ``out_of_core``: the candidates train under ``--memory-budget`` (full-batch tiles): the default space
+    without :data:`NOT_TILEABLE`.
 
     Raises:
         TrellisUserError: No default space for ``model``, a missing or unreadable file, bad JSON, or a bad
@@ -158,7 +166,8 @@ def load_space(spec: str | None, model: str) -> Space:
         if model not in DEFAULT_SPACES:
             raise TrellisUserError(f"--model {model}: no default search space (defaults: "
                                    f"{', '.join(DEFAULT_SPACES)}); give one with --space FILE or --grid")
-        return parse_space(DEFAULT_SPACES[model], f"default space of {model}")
+        raw = {k: v for k, v in DEFAULT_SPACES[model].items() if not (out_of_core and k in NOT_TILEABLE)}
+        return parse_space(raw, f"default space of {model}")
     path = Path(spec)
     try:
         raw = json.loads(path.read_text())

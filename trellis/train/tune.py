@@ -156,7 +156,8 @@ class TuneConfig:
         if self.grid:
             grid = parse_grid(self.grid)
             return parse_space(dict(grid), "--grid")
-        return load_space(self.space, self.model)
+        out_of_core = self.base.get("memory_budget") is not None and self.base.get("strategy", "full") == "full"
+        return load_space(self.space, self.model, out_of_core=out_of_core)
 
 
 def parse_duration(text: str, flag: str = "--budget") -> float:
@@ -261,6 +262,7 @@ class Tune:
                               progress=tc.progress)
         draws, self.how = candidates(self.space, tc.candidates, tc.seed, tc.search)
         self.entries = make_entries(self.sc, draws)
+        self._check_space_values(draws[0])
         self.entries = [replace(e, id=f"c{i:03d}") for i, e in enumerate(self.entries)]
         self.max_epochs = max(e.cfg.epochs for e in self.entries)
         self.rungs = rung_epochs(len(self.entries), self.max_epochs, tc.eta, tc.min_epochs)
@@ -282,6 +284,22 @@ class Tune:
         self.playoff_rounds = 0  # rounds of fresh seeds the playoff ran (:meth:`playoff`)
         self.playoff_skipped: list[str] = []  # trained finalists whose playoff and final runs did not fit
         self.run_s: dict[str, float] = {}  # a playoff finalist's longest run so far (search or playoff), seconds
+
+    def _check_space_values(self, draw: dict[str, Any]) -> None:
+        """Refuse a space value no candidate may take, before anything trains: every choice, a range's ends.
+
+        A range reaching an invalid value (``dropout`` uniform in [0, 1.05]) was accepted, and the tune failed
+        brackets later on the draw that reached it, with nothing written but its state (its resume failed again).
+        """
+        for name, dim in self.space.items():
+            for value in dim.choices if dim.kind == "choice" else (dim.low, dim.high):
+                value = int(value) if dim.kind == "int_uniform" else value
+                try:
+                    make_entries(self.sc, [{**draw, name: value}])
+                except TrellisUserError as exc:
+                    where = "a choice" if dim.kind == "choice" else f"the range [{dim.low:g}, {dim.high:g}] reaches"
+                    raise TrellisUserError(f"the search space's {name}: {where} {value!r}, which no run takes "
+                                           f"({str(exc).split(': ', 1)[-1]}); narrow it") from None
 
     # -- brackets: a budget left over after the schedule buys another one (Hyperband's outer loop)
     def bracket_entries(self, k: int) -> list[SweepEntry]:
@@ -742,6 +760,12 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
         except (KeyboardInterrupt, StopRequested):
             print(f"tune interrupted; continue it with: trellis tune --resume {tune.root}", file=tune.err)
             raise KeyboardInterrupt from None
+        except TrellisUserError:
+            if not resume:  # a configuration no run takes: no half-written TUNE_DIR (its resume would fail alike)
+                for s in tune.states.values():
+                    s.log.close()
+                shutil.rmtree(tune.root, ignore_errors=True)
+            raise
         finally:
             for s in tune.states.values():
                 s.log.close()
