@@ -196,7 +196,9 @@ def run_epochs(lanes: Sequence[Lane], open_batch: Callable[[list[Lane]], ModelBa
         open_batch: Opens the strategy's batch over the lanes that still train (called once).
         task: The task (loss and metrics).
         until: Pause every lane at this many epochs (None: train each to its stop).
-        deadline: A ``time.perf_counter`` value after which no new epoch starts.
+        deadline: A ``time.perf_counter`` value no epoch may end after: one that would, at the last epoch's pace,
+            does not start. (An epoch that crossed it was the overshoot by which a budgeted tune's likely choice,
+            whose final runs the deadline had reserved exactly, no longer fit and was passed over.)
         device: The device (CUDA work is synchronized around the timed step).
         epoch_info: Strategy fields added to every record (e.g. spill traffic).
         sample: Samples the memory peaks (after the step and after evaluation).
@@ -215,8 +217,11 @@ def run_epochs(lanes: Sequence[Lane], open_batch: Callable[[list[Lane]], ModelBa
         return True
     batch = open_batch([lanes[k] for k in run_ids])
     cuda = device is not None and device.type == "cuda"
+    # an epoch that would end past the deadline does not start: its length is the last epoch's, or before the
+    # first the lanes' own measured epochs (their shares of earlier batches) added up
+    last_s = sum(lanes[k].time_s / lanes[k].epochs for k in run_ids if lanes[k].epochs)
     while batch.active:
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and time.perf_counter() + last_s > deadline:
             return False
         run = [lanes[run_ids[j]] for j in batch.active]
         t_epoch = time.perf_counter()
@@ -237,7 +242,7 @@ def run_epochs(lanes: Sequence[Lane], open_batch: Callable[[list[Lane]], ModelBa
             sample()
         if cuda:
             torch.cuda.synchronize(device)
-        epoch_s = time.perf_counter() - t_epoch
+        epoch_s = last_s = time.perf_counter() - t_epoch
         total = sum(ln.weight for ln in run)
         extra = epoch_info()
         stop: list[int] = []
