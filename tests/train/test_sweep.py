@@ -59,6 +59,9 @@ def test_values_trellis_train_refuses_are_refused_naming_the_configuration(store
         SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), base={"lrate": "0.2"})
     with pytest.raises(TrellisUserError, match="--batch-models"):
         SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), batch_models=0)
+    for key in ("epochs", "patience", "device"):  # overridden by the sweep's own flag, silently
+        with pytest.raises(TrellisUserError, match=f"--set {key}: set by the sweep itself.*\\(--{key}\\)"):
+            SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), base={key: "0" if key != "device" else "cuda"})
 
 
 def solo_metrics(cfg_path, out):

@@ -300,6 +300,18 @@ def _duration(budget: str | float | None) -> float | None:
     return parse_duration(str(budget))
 
 
+def _grid_values(key: str, values: Any) -> str:
+    """A grid entry as the CLI's ``--grid`` text: a list of values, one value, or the CLI's ``"0.01,0.02"``."""
+    if isinstance(values, str):
+        return values
+    if isinstance(values, (int, float, bool)):
+        return str(values)
+    try:
+        return ",".join(str(v) for v in values)
+    except TypeError:
+        raise TrellisUserError(f"grid {key}={values!r}: give a list of values (or one value)") from None
+
+
 @keeps_caller_state
 def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn", out: str | os.PathLike[str] | None
           = None, epochs: int | None = None, patience: int | None = None, seed: int = 0, device: str = "auto",
@@ -322,8 +334,7 @@ def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn"
     from trellis.train.sweep import SweepConfig, parse_grid, run_sweep
 
     path, keep = as_store(store)
-    items = [f"{k}={values if isinstance(values, str) else ','.join(str(v) for v in values)}"  # "0.01,0.02" too
-             for k, values in grid.items()]
+    items = [f"{k}={_grid_values(k, values)}" for k, values in grid.items()]
     with OwnedTempDir("trellis-sweep-") as scratch:
         sc = SweepConfig(store=path, model=model, grid=parse_grid(items), base=base, epochs=epochs, patience=patience,
                          seed=seed, device=device, batch_models=batch_models,

@@ -231,11 +231,13 @@ class SweepConfig:
         if self.batch_models is not None and self.batch_models < 1:
             raise TrellisUserError(f"--batch-models must be a positive integer (got {self.batch_models})")
         check_keys(self.base, "--set")
-        fixed = {"store", "model", "seed", "runs", "resume", "out"}
+        # the sweep's own flags (device, epochs, patience, progress: their values overrode a --set one silently)
+        fixed = {"store", "model", "seed", "runs", "resume", "out", "device", "epochs", "patience", "progress"}
         for key in self.base:
             name = key.replace("-", "_")
             if name in fixed:
-                raise TrellisUserError(f"--set {key}: set by the sweep itself; use the sweep's own flag instead")
+                raise TrellisUserError(f"--set {key}: set by the sweep itself; use the sweep's own flag instead"
+                                       + (f" (--{name})" if name in ("device", "epochs", "patience") else ""))
             if name == "strategy" and self.base[key] not in SWEEP_STRATEGIES:
                 raise TrellisUserError(f"--set {key}={self.base[key]}: a sweep trains --strategy "
                                        f"{' or '.join(SWEEP_STRATEGIES)} (in memory or with --set memory_budget=SIZE); "
