@@ -38,3 +38,41 @@ def test_help_and_data_info_do_not_import_torch(sbm_store):
     proc = subprocess.run([sys.executable, "-m", "trellis.cli", "predict", "--help"], env=env, capture_output=True,
                           text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0 and "--proba" in proc.stdout, proc.stderr
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def test_a_closed_output_pipe_is_named_as_such(sbm_store):
+    """`trellis ... | head` ended in "error: Broken pipe (check the path, its permissions and the free space)"."""
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before anything is written
+    proc = subprocess.run([sys.executable, "-m", "trellis.cli", "data", "info", str(sbm_store), "--json"],
+                          env=_env(), stdout=w, stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    os.close(w)
+    assert proc.returncode == 1 and "output pipe was closed by its reader" in proc.stderr, proc.stderr
+    assert "check the path" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sigterm_to_a_sweep_removes_what_it_was_writing(sbm_store, tmp_path):
+    """A SIGTERM killed `trellis sweep` at once (exit 143, no message) and left its hidden `.out.tmp-*` directory
+    with the spills; it now unwinds like Ctrl-C."""
+    import signal
+    import time
+
+    out = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "sweep", str(sbm_store), "--grid",
+                             "lr=0.01,0.005", "--epochs", "100000", "--patience", "100000", "--no-progress", "--out",
+                             str(out)], env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".sweep.tmp-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert list(tmp_path.glob(".sweep.tmp-*")), "the sweep never started writing"
+    time.sleep(2)  # into its epochs
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "interrupted" in err, err
+    assert not list(tmp_path.iterdir())

@@ -8,9 +8,12 @@ no traceback), 1 internal error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -100,6 +103,14 @@ def attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list
 COMPUTING = frozenset({"train", "predict", "sweep", "tune", "preprocess", "partition", "bench", "demo"})
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is (see :func:`main`)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any] | None = None) -> int:
     """Entry point; returns the exit code (also used by tests).
 
@@ -120,6 +131,14 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
             from trellis.utils.numba import launch_threads
 
             launch_threads()  # before numba's first kernel could undo OMP_NUM_THREADS (or torch's default)
+        if args.command != "train" and threading.current_thread() is threading.main_thread():
+            # a SIGTERM (a job cancelled) unwinds like Ctrl-C, so what a command was writing is removed (a sweep's
+            # hidden directory and its spills stayed); `train` turns it into a checkpoint itself
+            previous = signal.signal(signal.SIGTERM, _terminate)
+            try:
+                return int(args.func(args) or 0)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
         rc = args.func(args)
         return int(rc or 0)
     except TrellisUserError as exc:
@@ -130,9 +149,15 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
             raise
         print(f"error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGTERM if isinstance(exc, Terminated) else 130
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): not a path's fault
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter's exit flushes it
+        print("error: the command's output pipe was closed by its reader (e.g. `| head`); the command stopped",
+              file=sys.stderr)
+        return 1
     except OSError as exc:
         # The file system refused a path or ran out of space (an unwritable --out, a missing parent, a full disk):
         # one line naming the path, as for any bad input; TRELLIS_TRACEBACK=1 shows where.
