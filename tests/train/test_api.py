@@ -481,3 +481,22 @@ def test_a_budgeted_run_without_out_writes_nothing_where_it_runs(sbm_store, tmp_
     assert list(tmp_path.iterdir()) == [] and run.config.spill_dir is None
     assert run.predict().shape == (500,)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_takes_the_cli_s_options(sbm_store, tmp_path, capsys):
+    """splits, eta, min_epochs, batch_models, grid, search had no Python spelling (the error blamed --set), and
+    budget=True was a one-second budget."""
+    flags = ["--grid", "lr=0.01,0.02", "--search", "grid", "--eta", "2", "--min-epochs", "2", "--batch-models", "1",
+             "--epochs", "4", "--patience", "4", "--seeds", "1", "--playoff", "1"]
+    assert main(["tune", str(sbm_store), *flags, "--out", str(tmp_path / "cli")]) == 0
+    board = trellis.tune(sbm_store, grid={"lr": [0.01, 0.02]}, search="grid", eta=2, min_epochs=2, batch_models=1,
+                         epochs=4, patience=4, seeds=1, playoff=1)
+    cli = json.loads((tmp_path / "cli" / "leaderboard.json").read_text())
+
+    def rows(b):
+        return [{k: v for k, v in r.items() if k != "time_s"} for r in b["rows"]]
+
+    assert rows(board) == rows(cli) and board["best"]["params"] == cli["best"]["params"]
+    for bad in (True, -5, "soon"):
+        with pytest.raises(TrellisUserError, match="budget="):
+            trellis.tune(sbm_store, grid={"lr": [0.01]}, budget=bad)

@@ -47,8 +47,8 @@ def register(sub: Any) -> None:
     p.add_argument("--candidates", type=_int("--candidates"), default=27, metavar="N",
                    help="candidates drawn at random (the first rung; default: 27)")
     p.add_argument("--budget", default=None, metavar="DURATION",
-                   help="wall-time budget for the whole tune, e.g. 20m, 90s, 1h (default: none: the full "
-                        "halving schedule)")
+                   help="wall-time budget for the whole tune, e.g. 20m, 90s, 1h (a bare number is minutes) "
+                        "(default: none: the full halving schedule)")
     p.add_argument("--eta", type=_int("--eta"), default=3, metavar="N",
                    help="halving rate: keep the best 1/eta per rung, train them eta times longer (default: 3)")
     p.add_argument("--min-epochs", type=_int("--min-epochs"), default=None, metavar="N",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -293,11 +294,18 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
 
 
 def _duration(budget: str | float | None) -> float | None:
+    """``budget=``: a number is seconds; a string reads as ``--budget`` (``"90s"``, ``"20m"``; bare: minutes)."""
     from trellis.train.tune import parse_duration
 
-    if budget is None or isinstance(budget, (int, float)):
-        return None if budget is None else float(budget)
-    return parse_duration(str(budget))
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TrellisUserError(f"budget={budget!r}: give seconds (a number) or a duration such as '20m'")
+    if isinstance(budget, str):
+        return parse_duration(budget, "budget=")
+    if not (math.isfinite(budget) and budget > 0):
+        raise TrellisUserError(f"budget={budget!r}: the duration must be positive")
+    return float(budget)
 
 
 def _grid_values(key: str, values: Any) -> str:
@@ -347,9 +355,12 @@ def sweep(store: GraphLike, grid: dict[str, list[Any]], /, *, model: str = "gcn"
 
 @keeps_caller_state
 def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str | None = None,
+         grid: dict[str, Any] | None = None, search: str = "auto",
          budget: str | float | None = None, out: str | os.PathLike[str] | None = None, candidates: int = 27,
-         seeds: int = 3, epochs: int | None = None, seed: int = 0, playoff: int = 15, playoff_seeds: int = 3,
-         device: str = "auto", progress: bool = False, **base: Any) -> dict[str, Any]:
+         seeds: int = 3, splits: int | None = None, epochs: int | None = None, patience: int | None = None,
+         min_epochs: int | None = None, eta: int = 3, seed: int = 0, playoff: int = 15, playoff_seeds: int = 3,
+         batch_models: int | None = None, device: str = "auto", progress: bool = False,
+         **base: Any) -> dict[str, Any]:
     """``trellis tune`` as a function: search on validation, retrain the choice over seeds; returns the board.
 
     Args:
@@ -357,14 +368,22 @@ def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str
         model: Model family.
         space: ``None`` (the model's default space), a space as a dict (``{"lr": {"log_uniform": [1e-3, 0.05]},
             "hidden": [64, 128]}``) or a JSON space file.
-        budget: Wall time, ``"20m"`` or seconds (default: the whole halving schedule).
+        grid: A finite space as ``--grid`` gives it (``{"lr": [0.01, 0.005]}``), instead of ``space``.
+        search: ``auto|grid|random`` (``--search``).
+        budget: Wall time: a number is seconds; a string reads as ``--budget`` (``"90s"``, ``"20m"``, ``"1.5h"``;
+            a bare number in a string is minutes, as on the command line). Default: the whole halving schedule.
         out: TUNE_DIR to write (default: none; a scratch directory is removed afterwards).
         candidates: Random candidates per bracket.
         seeds: Seeds of the final retraining.
+        splits: Splits of the final retraining (``--splits``).
         epochs: Epochs of the last rung.
+        patience: Early-stopping patience of every candidate.
+        min_epochs: Epochs of the first rung (``--min-epochs``).
+        eta: The halving factor (``--eta``).
         seed: Seed of the draws.
         playoff: Finalists retrained with ``playoff_seeds`` fresh seeds each before the choice (1: none).
         playoff_seeds: Fresh seeds per playoff finalist.
+        batch_models: Candidates per batch (default: the planner's choice).
         device: ``auto|cpu|cuda[:N]``.
         progress: Progress bars.
         **base: Options every candidate shares (``trellis train`` fields).
@@ -384,8 +403,10 @@ def tune(store: GraphLike, /, *, model: str = "gcn", space: dict[str, Any] | str
         else:
             space_arg = space
         tc = TuneConfig(store=path, model=model, space=space_arg, candidates=candidates, budget_s=_duration(budget),
-                        epochs=epochs, seed=seed, seeds=seeds, playoff=playoff, playoff_seeds=playoff_seeds,
-                        base=base, device=device, progress=progress,
+                        grid=None if grid is None else [f"{k}={_grid_values(k, v)}" for k, v in grid.items()],
+                        search=search, eta=eta, min_epochs=min_epochs, patience=patience, splits=splits,
+                        batch_models=batch_models, epochs=epochs, seed=seed, seeds=seeds, playoff=playoff,
+                        playoff_seeds=playoff_seeds, base=base, device=device, progress=progress,
                         out=os.fspath(out) if out is not None else os.path.join(scratch, "tune"))
         board = run_tune(tc)
     del keep

@@ -23,7 +23,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -304,9 +303,11 @@ class Trainer:
             scratch = owned.name
             paths = prepare_run_dir(Path(scratch) / "run")
         elif strategy.world.rank != 0:  # a peer of the process that writes the run directory
-            # named by the launcher's job, which removes what a killed peer leaves (train/launch.py)
-            scratch = tempfile.mkdtemp(prefix=f"{PEER_PREFIX}{os.environ.get(JOB_ENV, 'torchrun')}-")
-            paths = prepare_run_dir(scratch, overwrite=True)
+            # named by the launcher's job, which removes what a killed peer leaves (train/launch.py); under torchrun
+            # (no launcher) the next peer's directory removes it (an owned directory: utils/tempdirs.py)
+            owned = OwnedTempDir(f"{PEER_PREFIX}{os.environ.get(JOB_ENV, 'torchrun')}-")
+            scratch = owned.name
+            paths = prepare_run_dir(Path(scratch) / "run")
         elif paths is None:
             root = Path(cfg.out or default_run_dir(Path(str(cfg.store)).name, cfg.model))
             if self._lock is None:
@@ -357,8 +358,6 @@ class Trainer:
             meter.stop()
             if owned is not None:
                 owned.cleanup()
-            elif scratch is not None:
-                shutil.rmtree(scratch, ignore_errors=True)
         if scratch is None:
             plot_curves(paths.metrics, paths.curves, metric)
             write_json_atomic(paths.summary, summary)
