@@ -477,3 +477,17 @@ def test_a_candidate_refused_by_its_run_leaves_no_tune_directory(store, tmp_path
                "--budget", "20s", "--out", str(tmp_path / "t")])
     assert rc == 2 and "cannot train under --memory-budget" in capsys.readouterr().err
     assert not (tmp_path / "t").exists()  # tune.json and state/ were left behind
+
+
+def test_a_tune_records_absolute_paths_and_a_finished_one_is_not_resumed(store, tmp_path, monkeypatch, capsys):
+    """tune --resume from another directory did not find a store named relative; --resume of a finished tune ran
+    its playoff and final runs again and replaced its wall time."""
+    monkeypatch.chdir(tmp_path)
+    rel = os.path.relpath(store, tmp_path)
+    assert main(["tune", rel, "--grid", "lr=0.01,0.02", "--epochs", "2", "--seeds", "1", "--out", "t"]) == 0
+    settings = json.loads((tmp_path / "t" / "tune.json").read_text())["settings"]
+    assert settings["store"] == str(Path(store).resolve()) and Path(settings["out"]).is_absolute()
+    capsys.readouterr()
+    monkeypatch.chdir("/")
+    assert main(["tune", "--resume", str(tmp_path / "t")]) == 2
+    assert "the tune has finished" in capsys.readouterr().err

@@ -120,7 +120,7 @@ def parse_space(raw: Any, source: str) -> Space:
         if isinstance(spec, list):
             if not spec:
                 raise TrellisUserError(f"{where} is an empty list: give at least one value")
-            values = tuple(parse_grid_value(gk, str(v), f"{key}={v}") for v in spec)
+            values = tuple(parse_grid_value(gk, str(v), f"{key}={v}", flag=source) for v in spec)
             if len(set(values)) != len(values):
                 raise TrellisUserError(f"{where} lists a value twice")
             space[name] = Dim(name, values)

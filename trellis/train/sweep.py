@@ -154,29 +154,29 @@ def parse_grid(items: Sequence[str] | None) -> dict[str, list[Any]]:
     return grid
 
 
-def parse_grid_value(k: GridKey, text: str, item: str) -> Any:
-    """One value of hyperparameter ``k`` from its text (``item`` names it in errors)."""
+def parse_grid_value(k: GridKey, text: str, item: str, flag: str = "--grid") -> Any:
+    """One value of hyperparameter ``k`` from its text (``flag`` and ``item`` name it in errors)."""
     if k.kind == "float":
         try:
             value = float(text)
         except ValueError:
-            raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not a number") from None
+            raise TrellisUserError(f"{flag} {item}: {k.name} value {text!r} is not a number") from None
         if not math.isfinite(value):
-            raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not a finite number")
+            raise TrellisUserError(f"{flag} {item}: {k.name} value {text!r} is not a finite number")
         return value
     if k.kind == "int":
         try:
             return int(text)
         except ValueError:
-            raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not an integer") from None
+            raise TrellisUserError(f"{flag} {item}: {k.name} value {text!r} is not an integer") from None
     if k.kind == "bool":
         flag_value = {"true": True, "false": False, "1": True, "0": False}.get(text.lower())
         if flag_value is None:
-            raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not true or false")
+            raise TrellisUserError(f"{flag} {item}: {k.name} value {text!r} is not true or false")
         return flag_value
     if text not in k.choices:
         hint = difflib.get_close_matches(text, list(k.choices), n=1)
-        raise TrellisUserError(f"--grid {item}: {k.name} value {text!r} is not one of {', '.join(k.choices)}"
+        raise TrellisUserError(f"{flag} {item}: {k.name} value {text!r} is not one of {', '.join(k.choices)}"
                                + (f"; did you mean {hint[0]!r}?" if hint else ""))
     return text
 

@@ -373,7 +373,12 @@ class Tune:
         """``tune.json``: what --resume needs to rebuild the same candidates."""
         self.root.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.root / "tune.json", {
-            "format": TUNE_FORMAT, "version": 1, "settings": asdict(self.tc), "space": space_to_json(self.space),
+            # paths absolute: `--resume TUNE_DIR` from another directory finds the store and the space file
+            "format": TUNE_FORMAT, "version": 1, "space": space_to_json(self.space),
+            "settings": {**asdict(self.tc), "store": str(Path(self.tc.store).resolve()),
+                         "out": str(self.root.resolve()),
+                         **({"space": str(Path(self.tc.space).resolve())} if self.tc.space not in (None, "default")
+                            else {})},
             "search": self.how, "rungs": self.rungs, "eta": self.tc.eta,
             "candidates": [{"id": e.id, **e.params} for e in self.entries]})
 
@@ -1005,7 +1010,10 @@ def load_resume(tune_dir: str) -> TuneConfig:
     except (OSError, ValueError, KeyError) as exc:
         raise TrellisUserError(f"--resume {tune_dir}: cannot read {path} ({exc})") from None
     settings.pop("memory_budget_mb", None)  # tunes written before --memory-budget became the runs' budget
-    return TuneConfig(**settings)
+    if (Path(tune_dir) / "leaderboard.json").is_file():  # it ran again, its wall time replaced, to the same results
+        raise TrellisUserError(f"--resume {tune_dir}: the tune has finished (its results are in "
+                               f"{Path(tune_dir) / 'report.md'}); start a new tune with another --out")
+    return TuneConfig(**{**settings, "out": str(tune_dir)})
 
 
 __all__ = ["TuneConfig", "format_tune", "load_resume", "parse_duration", "run_tune", "rung_epochs"]
