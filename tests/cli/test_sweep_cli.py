@@ -66,6 +66,8 @@ def test_explain_prints_the_choice_of_k_and_the_batched_plan(store, capsys):
     (["--grid", "lr=0.1", "--set", "layers"], "expected KEY=VALUE"),
     (["--grid", "lr=0.1", "--model", "gat", "--batch-models", "2"], "cannot be model-batched"),
     (["--grid", "lr=0.1", "--model", "nosuch"], "--model 'nosuch' is not one of"),
+    (["--grid", "lr=0.1,0.2", "--memory-budget", "abc"], "error: --memory-budget: cannot read the size 'abc'"),
+    (["--grid", "lr=0.1", "--set", "epochs=0"], "--set epochs: set by the sweep itself"),
 ])
 def test_bad_input_is_one_line_and_exit_2(store, tmp_path, capsys, argv, needle):
     out = tmp_path / "never"

@@ -51,9 +51,3 @@ def test_the_smallest_budget_named_is_one_the_parser_reads_and_the_planner_takes
         plan_buffer(costs, costs.fixed_bytes)
     given = err.value.args[0].split("(--memory-budget ")[1].split(")")[0]
     plan_buffer(costs, parse_size(given))
-
-
-def test_no_cache_when_every_part_is_resident():
-    """Without a budget, --buffer-cache with every part resident held every row a second time."""
-    assert plan_buffer(_costs(), None, cache_bytes=GIB, avg_degree=10).cache_rows == 0
-    assert plan_buffer(_costs(), None, buffer_parts=4, cache_bytes=GIB, avg_degree=10).cache_rows > 0

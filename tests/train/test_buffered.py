@@ -286,3 +286,10 @@ def test_budget_evaluation_spills_in_the_run_directory_not_tmpdir(sbm_store, p4,
     trainer.train(_cfg(sbm_store, out, parts_dir=str(p4), memory_budget="8G", buffer_parts=2, epochs=1))
     assert dirs and all(Path(d) == out / "spill" for d in dirs)
     assert not (out / "spill").exists()
+
+
+def test_no_cache_when_one_process_holds_every_part(sbm_store, p4, tmp_path):
+    """Without a budget, --buffer-cache with every part resident cached every row a second time (a rank's cache
+    holds other ranks' rows: it keeps it)."""
+    s = trainer.train(_cfg(sbm_store, tmp_path / "r", parts_dir=str(p4), buffer_cache="1G", epochs=1))
+    assert s["buffer_parts"] == 4 and s["cache_rows"] == 0

@@ -15,6 +15,7 @@ from typing import Any
 
 from trellis.cli.commands import help_of, help_text
 from trellis.errors import TrellisUserError
+from trellis.utils.sizes import parse_size
 
 _EPILOG = """\
 examples:
@@ -88,6 +89,7 @@ def with_budget(base: dict[str, str], budget: str | None) -> dict[str, str]:
         return base
     if "memory_budget" in base:
         raise TrellisUserError("--memory-budget and --set memory_budget=... name the same option; give it once")
+    parse_size(budget, flag="--memory-budget")  # one flag for every configuration: named as such, not by the first
     return {**base, "memory_budget": budget}
 
 

@@ -21,6 +21,11 @@ class GraphStats:
     num_src: int
     num_dst: int
     num_edges: int
+    #: The share of stored values of a sparse input (bag-of-words rows, ``ops/sparse_rows.py``); None: dense. The
+    #: executor transforms a sparse input first and touches only its stored values (dropout, the product), so a
+    #: plan that assumed a dense ``[N, F]`` input (a cached aggregate-first evaluation, a 3.5 GB dropout on
+    #: Coauthor CS) was not what ran, and the K it chose for a sweep was priced on it.
+    sparse_input: float | None = None
 
     @classmethod
     def of(cls, graph: object) -> GraphStats:
@@ -81,6 +86,13 @@ def spmm_cost(s: GraphStats, width: int, weighted: bool) -> Cost:
 def linear_cost(rows: int, d_in: int, d_out: int) -> Cost:
     """Dense ``[rows, d_in] @ [d_in, d_out]``."""
     return Cost(2.0 * rows * d_in * d_out, FLOAT * (rows * d_in + d_in * d_out + rows * d_out), rows * d_out * FLOAT)
+
+
+def sparse_linear_cost(rows: int, d_in: int, d_out: int, share: float) -> Cost:
+    """Sparse ``[rows, d_in]`` (``share`` of it stored, CSR) ``@ [d_in, d_out]``: a weight row per stored value."""
+    nnz = rows * d_in * share
+    return Cost(2.0 * nnz * d_out, nnz * (FLOAT + INDEX) + FLOAT * (nnz * d_out + rows * d_out), rows * d_out * FLOAT,
+                float(nnz))
 
 
 def gather_cost(s: GraphStats, width: int) -> Cost:

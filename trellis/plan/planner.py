@@ -211,7 +211,10 @@ def plan_model(models: Sequence[ModelDecl], stats: GraphStats, *, training: bool
             p = m.dropout if training else 0.0
             ig = input_grad if i == 0 else True
             agg = choose_order(d, stats, input_grad=ig, training=training)[0] if d.unparameterized_message else False
-            row.append(ConfigLayer(d, p, input_constant=i == 0 and not input_grad and p == 0.0, input_grad=ig,
+            if i == 0 and stats.sparse_input is not None:
+                agg = False  # a sparse input is transformed first (an aggregate-first result would be dense [N, F])
+            constant = i == 0 and not input_grad and p == 0.0 and stats.sparse_input is None  # a sparse one: no cache
+            row.append(ConfigLayer(d, p, input_constant=constant, input_grad=ig,
                                    aggregate_first=agg, activation=m.activation and i < depth - 1,
                                    next_dropout=p if i < depth - 1 else 0.0))
         layers.append(row)
@@ -253,8 +256,9 @@ def _lower(row: list[ConfigLayer], s: GraphStats, index: int) -> LayerPlan:
     ops: list[Op] = []
     notes: list[str] = []
     drop = [c for c in row if c.dropout > 0.0 and index == 0]
-    if drop:
-        cost = C.total(C.dropout_cost(n_src, c.decl.in_dim) for c in drop)
+    share = s.sparse_input if index == 0 else None
+    if drop:  # of a sparse input: its stored values only
+        cost = C.total(C.dropout_cost(n_src, c.decl.in_dim).scale(1.0 if share is None else share) for c in drop)
         ops.append(Op("elementwise", f"dropout input x{len(drop)} [{d.in_dim}]", cost,
                       input_grad=any(c.input_grad for c in drop), launches=len(drop)))
     if not d.unparameterized_message:  # a single configuration (check_batchable refuses more)
@@ -267,8 +271,10 @@ def _lower(row: list[ConfigLayer], s: GraphStats, index: int) -> LayerPlan:
     ag = [c for c in row if c.aggregate_first and not c.cached]
     ca = [c for c in row if c.cached]
     if tr:
-        ops.append(Op("linear", f"{_dims(tr)} on {n_src} rows",
-                      C.total(C.linear_cost(n_src, c.decl.in_dim, c.decl.out_dim) for c in tr),
+        ops.append(Op("linear", f"{_dims(tr)} on {n_src} rows" + ("" if share is None else
+                                                                     f" (sparse input, {share:.2%} stored)"),
+                      C.total(C.linear_cost(n_src, c.decl.in_dim, c.decl.out_dim) if share is None else
+                              C.sparse_linear_cost(n_src, c.decl.in_dim, c.decl.out_dim, share) for c in tr),
                       input_grad=any(c.input_grad for c in tr),
                       launches=1 if all(c.input_constant for c in tr) else len(tr)))
     const_ag = [c for c in ag if c.input_constant]

@@ -120,8 +120,7 @@ def plan_buffer(costs: BufferCosts, budget: int | None, *, buffer_parts: int | N
         raise TrellisUserError(f"--buffer-parts {buffer_parts}: give 1 to {p} (the layout has {p} parts)")
     if budget is None:
         k = p if buffer_parts is None else buffer_parts
-        # every part resident: a cache would hold every row a second time, for nothing
-        rows = 0 if not cache_bytes or k >= p else cache_bytes // costs.cache_row_bytes(avg_degree)
+        rows = 0 if not cache_bytes else cache_bytes // costs.cache_row_bytes(avg_degree)
         return BufferPlan(k, int(min(rows, costs.num_nodes)), None, costs)
     smallest = costs.fixed_bytes + min(2, p) * costs.slot_bytes
     if budget < smallest:

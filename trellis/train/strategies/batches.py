@@ -204,7 +204,7 @@ class BatchStrategy(GraphStrategy):
                     optimizer.step()
                     steps += 1
                 open_step = backed = False
-        self.last_epoch = {"batches": float(steps), "targets": float(count), "wait_s": waited.wait_s}
+        self.last_epoch = {"batches": steps, "targets": count, "wait_s": waited.wait_s}  # counts, as ranks record
         elapsed = time.perf_counter() - t0
         self._wait_shares.append(waited.wait_s / elapsed if elapsed > 0 else 0.0)
         self._close_epoch(elapsed)

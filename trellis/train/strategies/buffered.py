@@ -159,6 +159,8 @@ def plan_residency(cfg: TrainConfig, layout: PartitionedGraph, spec: ModelSpec, 
     cache = None if given is None else parse_size(given, flag="--buffer-cache")
     if cluster:
         cache = 0  # a cluster-batch is the induced subgraph of the resident parts: no rows from outside
+    if parts is None and budget is None and cfg.buffer_parts in (None, layout.num_parts):
+        cache = 0  # one process with every part resident: a cache would hold every row a second time, for nothing
     avg_degree = layout.num_edges / max(1, layout.num_nodes)
     return plan_buffer(costs, budget, buffer_parts=cfg.buffer_parts, cache_bytes=cache, avg_degree=avg_degree)
 

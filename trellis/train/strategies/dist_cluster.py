@@ -239,6 +239,13 @@ class DistributedCluster(DistributedMini):
         return torch.tensor(total / max(count_all, 1.0), dtype=torch.float32)
 
     # ---- reporting ------------------------------------------------------------------------------
+    def summary_info(self) -> dict[str, Any]:
+        """The ranks' figures, less the data-parallel mini-batch's (a batch is a cluster here, not a batch share)."""
+        info = super().summary_info()
+        for key in ("rank_batch_size", "feature_cache_bytes", "rank_targets"):
+            info.pop(key, None)
+        return info
+
     def explain(self, model: nn.Module) -> str:
         """The ranks' parts and the batches every rank computes its rows of, then the plan."""
         assert self.comm is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,6 +17,7 @@ from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of, model_decl
 from trellis.nn.runtime import generator_scope
 from trellis.ops.graph import CSRGraph
+from trellis.ops.sparse_rows import is_sparse
 from trellis.plan.batching import choose_k
 from trellis.plan.cost import GraphStats
 from trellis.plan.outofcore import in_memory_estimate
@@ -59,6 +61,14 @@ class GraphStrategy(Strategy):
         """The whole graph."""
         assert self.data.graph is not None
         return self.data.graph
+
+    def plan_stats(self) -> GraphStats:
+        """The planner's statistics of the whole graph, with the share of a sparse input's stored values."""
+        stats = GraphStats.of(self.explain_graph())
+        x = self.data.x
+        if isinstance(x, torch.Tensor) and is_sparse(x):
+            stats = replace(stats, sparse_input=x.values().numel() / max(1, x.shape[0] * x.shape[1]))
+        return stats
 
     def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
         """Widths, task and inputs ``trellis predict`` rebuilds the model from."""
@@ -235,7 +245,7 @@ class FullBatch(GraphStrategy):
             if override not in (None, 1):
                 raise TrellisUserError(f"--batch-models {override}: {exc}") from None
             return 1, f"K = 1: {exc}", []
-        choice = choose_k(decls, GraphStats.of(self.explain_graph()), budget_bytes=budget_bytes, override=override,
+        choice = choose_k(decls, self.plan_stats(), budget_bytes=budget_bytes, override=override,
                           rewrites=self.rewrites)
         rows = [{"k": r.k, "batches": r.batches, "est_epoch_s": r.epoch_seconds, "est_peak_mb": r.peak_bytes / 2**20,
                  "fits": r.fits} for r in choice.estimates]
@@ -252,7 +262,7 @@ class FullBatch(GraphStrategy):
         except TrellisUserError:
             return 1.0
         if self._stats is None:
-            self._stats = GraphStats.of(self.explain_graph())
+            self._stats = self.plan_stats()
         return sum(plan_model([decl], self._stats, training=t, rewrites=self.rewrites).seconds() for t in (True, False))
 
     def explain(self, model: nn.Module) -> str:
@@ -261,7 +271,7 @@ class FullBatch(GraphStrategy):
             decl = model_decl(model, family_of(model))
         except TrellisUserError:
             return super().explain(model)
-        stats = GraphStats.of(self.data.graph)
+        stats = self.plan_stats()
         return (plan_model([decl], stats, training=True).format() + "\n\n"
                 + plan_model([decl], stats, training=False).format())
 
