@@ -491,3 +491,22 @@ def test_a_tune_records_absolute_paths_and_a_finished_one_is_not_resumed(store, 
     monkeypatch.chdir("/")
     assert main(["tune", "--resume", str(tmp_path / "t")]) == 2
     assert "the tune has finished" in capsys.readouterr().err
+
+
+def test_the_report_does_not_call_a_passed_over_choice_clear():
+    """"The top five candidates scored 91.67 to 97.00, so the choice is clear" of a choice ranked 8th, whose seven
+    betters the budget passed over."""
+    from trellis.train.tune import _margin
+
+    board = {"playoff": [], "top5_val": [0.97, 0.95, 0.93, 0.92, 0.9167], "val_std": 0.001}
+    assert "clear" in _margin(board)
+    text = _margin({**board, "passed_over": [{"config": "c008", "final_s_est": 2.2}] * 7})
+    assert "clear" not in text and "the 7 ranked above it were passed over" in text
+
+
+def test_the_choice_is_marked_selected_in_the_leaderboard(store, tmp_path):
+    assert main(["tune", store, "--grid", "lr=0.01,0.02", "--epochs", "2", "--seeds", "1", "--out",
+                 str(tmp_path / "t")]) == 0
+    board = json.loads((tmp_path / "t" / "leaderboard.json").read_text())
+    chosen = [r for r in board["rows"] if r["config"] == board["best"]["config"]]
+    assert chosen and chosen[0]["stopped"] == "selected"  # it read "epochs": the search's epochs ran out

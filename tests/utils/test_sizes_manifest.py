@@ -26,6 +26,9 @@ def test_bare_numbers_take_the_given_unit_and_bad_sizes_name_the_flag():
         parse_size("lots", flag="--memory-budget")
     with pytest.raises(TrellisUserError):
         parse_size("-1G")
+    with pytest.raises(TrellisUserError, match="--memory-budget: '1.5' is a fraction of a byte; give a unit"):
+        parse_size("1.5", flag="--memory-budget")  # was 1 byte
+    assert parse_size("1.5", bare_unit="MiB") == int(1.5 * 2**20) and parse_size("1.5K") == 1500
 
 
 def test_format_size():

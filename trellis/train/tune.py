@@ -807,8 +807,8 @@ def _board(tune: Tune, best: SweepEntry, final: list[dict[str, Any]], search_s: 
         if s is None or s.stopper.best_metrics.get(f"val_{m}") is None:
             continue  # never evaluated (the budget ran out before its batch trained an epoch)
         reached = last_rung[e.id]
-        why = s.stopped or ("selected" if e.id == best.id else
-                            "finalist" if e.id in tune.progress["active"] else f"halved after rung {reached}")
+        why = ("selected" if e.id == best.id else s.stopped  # the choice is marked whatever stopped its search
+               or ("finalist" if e.id in tune.progress["active"] else f"halved after rung {reached}"))
         rows.append({"config": e.id, **e.params, "rung": reached, "epochs": s.epochs,
                      f"val_{m}": s.stopper.best_metrics.get(f"val_{m}"), "val_loss": s.stopper.best_val_loss,
                      "best_epoch": s.stopper.best_epoch, "time_s": s.time_s, "stopped": why,
@@ -879,6 +879,10 @@ def _margin(board: dict[str, Any]) -> str:
         return (f"The playoff's runner-up ({b['config']}) averaged {_pct(b['val_mean'])} on validation, {gap:.2f} "
                 f"points below the choice (standard error of the difference {se:.2f}), so the choice is "
                 f"{'clear' if gap > 2 * se else 'within the noise of the runner-up'}. ")
+    passed = board.get("passed_over") or []
+    if passed:  # the spread of the top five says nothing of a choice that is not among them
+        return (f"The choice is not the search's best: the {len(passed)} ranked above it were passed over (above), "
+                "so its margin is not measured. ")
     top5 = board["top5_val"]
     return (f"The top five candidates scored {_pct(min(top5))} to {_pct(max(top5))} on validation, so the choice "
             f"is {'clear' if max(top5) - min(top5) > 2 * board['val_std'] else 'within the noise of the runners-up'}. ")

@@ -44,7 +44,12 @@ def parse_size(text: str | int | float, *, bare_unit: str = "B", flag: str | Non
         where = f"{flag}: " if flag else ""
         raise TrellisUserError(f"{where}cannot read the size {text!r}; write e.g. 2G, 512MiB or 1000000")
     unit = m.group(2).lower()
-    return int(float(m.group(1)) * (UNITS[unit] if unit else scale))
+    value = float(m.group(1)) * (UNITS[unit] if unit else scale)
+    if not unit and scale == 1 and value != int(value):  # "1.5" was read as 1 byte: a unit was surely meant
+        where = f"{flag}: " if flag else ""
+        raise TrellisUserError(f"{where}{text!r} is a fraction of a byte; give a unit, e.g. {m.group(1)}G or "
+                               f"{m.group(1)}GiB")
+    return int(value)
 
 
 def format_size(n: float, *, digits: int = 2, unit: str | None = None) -> str:
