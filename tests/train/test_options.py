@@ -71,6 +71,7 @@ def test_a_config_file_may_nest_a_strategy_table(tmp_path):
     ({"strategy": "pp", "model": "sgc", "pp_dir": "d", "pp_loader": "chunky"}, "did you mean 'chunk'"),
     ({"strategy": "full", "labor": True}, "--labor does not apply to --strategy full; it applies to --strategy mini"),
     ({"strategy": "full", "memory_budget": "lots"}, "--memory-budget"),
+    ({"strategy": "pp", "model": "sgc", "pp_dir": "d", "timeout": 30}, "--timeout applies to pp with --nproc"),
 ])
 def test_each_strategy_validates_its_own_options(kwargs, message):
     with pytest.raises(TrellisUserError, match=message):

@@ -438,6 +438,8 @@ class PPOptions(_Memory, _Batched, _Ranks):
         _at_least("chunk_size", self.chunk_size, 1)
         _choice("pp_loader", self.pp_loader, PP_LOADERS)
         _Ranks.validate(self, cfg)
+        if self.given("timeout") and (self.nproc or 1) < 2 and RankEnv.from_environ() is None:  # it was ignored
+            raise TrellisUserError("--timeout applies to pp with --nproc P > 1 (ranks); add --nproc or drop it")
 
 
 #: ``--strategy`` name -> its options (a strategy registered without options has none).
