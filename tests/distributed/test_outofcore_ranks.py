@@ -84,8 +84,7 @@ def test_out_of_core_ranks_train_the_single_process_losses(runs, world, data, mo
         assert g["spill_written_bytes"] > 0 and g["exchange_bytes"] > 0
     summary = json.loads((runs[(world, data, model)] / "summary.json").read_text())
     assert summary["world_size"] == world and summary["tiles"] >= 300 // (world * TILE_ROWS)
-    assert not (runs[(world, data, model)] / "spill").exists() or not any((runs[(world, data, model)] / "spill")
-                                                                           .rglob("*.f32"))
+    assert not (runs[(world, data, model)] / "spill").exists()  # an empty one stayed: the ranks share it
 
 
 def test_out_of_core_ranks_refuse_what_they_cannot_run(dist_store, layouts, tmp_path):

@@ -17,6 +17,7 @@ GIN, on the CPU; the blocking schedule.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -295,4 +296,7 @@ class PartitionedOutOfCore(PartitionedFull):
             assert self.spill is not None
             self.spill.close()
             self.spill = None
+            if not self.cfg.spill_dir:  # RUN_DIR/spill, shared by the ranks: the last one to close removes it
+                with contextlib.suppress(OSError):
+                    self._spill_root().parent.rmdir()
         super().close()
