@@ -183,3 +183,18 @@ def test_a_torchrun_mini_job_records_what_its_resume_needs(dist_store, layouts, 
     assert rc.returncode == 0, rc.stderr.decode()[-3000:]
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["nproc"] == 2 and saved["parts_dir"] == str(Path(parts).resolve())
+
+
+def test_a_torchrun_job_of_the_wrong_size_is_not_blamed_on_nproc(dist_store, layouts):
+    """Under torchrun (no --nproc) each rank said `--nproc 3 does not match`, a flag the user never gave."""
+    from trellis.data.store import GraphStore
+    from trellis.errors import TrellisUserError
+    from trellis.train.config import TrainConfig
+    from trellis.train.strategies.partitioned import check_layout
+
+    parts = str(layouts[("metis", 2)])
+    with pytest.raises(TrellisUserError, match=r"^a job of 3 ranks \(WORLD_SIZE\) does not match the 2 parts.*start "
+                                               r"2 ranks"):
+        check_layout(TrainConfig(store=str(dist_store), parts_dir=parts), GraphStore(dist_store), 3)
+    with pytest.raises(TrellisUserError, match=r"^--nproc 3 does not match the 2 parts.*pass --nproc 2"):
+        check_layout(TrainConfig(store=str(dist_store), parts_dir=parts, nproc=3), GraphStore(dist_store), 3)

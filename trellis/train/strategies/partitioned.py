@@ -64,9 +64,12 @@ def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) ->
     assert cfg.parts_dir is not None
     layout = open_layout_of(cfg.parts_dir, store)
     if world_size is not None and world_size != layout.num_parts:
-        raise TrellisUserError(f"--nproc {world_size} does not match the {layout.num_parts} parts of "
-                               f"{cfg.parts_dir}: one rank trains one part; pass --nproc {layout.num_parts} or "
-                               f"re-partition with `trellis partition {cfg.store} --parts {world_size}`")
+        # under torchrun (no --nproc given) the job's size is what does not match
+        given = f"--nproc {world_size}" if cfg.nproc is not None else f"a job of {world_size} ranks (WORLD_SIZE)"
+        fix = f"pass --nproc {layout.num_parts}" if cfg.nproc is not None else f"start {layout.num_parts} ranks"
+        raise TrellisUserError(f"{given} does not match the {layout.num_parts} parts of {cfg.parts_dir}: one rank "
+                               f"trains one part; {fix} or re-partition with `trellis partition {cfg.store} "
+                               f"--parts {world_size}`")
     if (cfg.overlap or cfg.staleness > 0) and layout.ownership != "dst":
         flag = "--overlap" if cfg.overlap else f"--staleness {cfg.staleness}"
         raise TrellisUserError(f"{flag} splits each rank's pull graph into interior and boundary edges, but "
