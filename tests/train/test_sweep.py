@@ -64,6 +64,18 @@ def test_values_trellis_train_refuses_are_refused_naming_the_configuration(store
             SweepConfig(store=store, grid=parse_grid(["lr=0.1"]), base={key: "0" if key != "device" else "cuda"})
 
 
+
+def test_set_values_are_typed_as_a_python_callers(store):
+    """``--set layers=3`` (a string) and ``base={"layers": 3}`` are one setting in sweep.json and a resume."""
+    grid = parse_grid(["lr=0.1"])
+    cli = SweepConfig(store=store, grid=grid, base={"layers": "3", "dropout": "0.25", "residual": "true"})
+    api = SweepConfig(store=store, grid=grid, base={"layers": 3, "dropout": 0.25, "residual": True})
+    assert cli.base == api.base == {"layers": 3, "dropout": 0.25, "residual": True}
+    assert json.dumps(cli.base) == json.dumps(api.base)
+    with pytest.raises(TrellisUserError, match="--set: --layers must be an integer"):
+        SweepConfig(store=store, grid=grid, base={"layers": "three"})
+
+
 def solo_metrics(cfg_path, out):
     """Run the configuration's saved config.json through the real trainer, as `trellis train --config`."""
     values = json.loads(cfg_path.read_text())

@@ -354,13 +354,7 @@ class TrainConfig:
                 "mini": {"fanouts": "10,5"}}``, a TOML file's ``[mini]``).
             source: Where the values came from, for error messages (e.g. the config file's path).
         """
-        values = flatten_options(values, source)
-        check_keys(values, source)
-        kwargs: dict[str, Any] = {}
-        for key, value in values.items():
-            name = key.replace("-", "_")
-            kwargs[name] = parse_value(name, value) if isinstance(value, str) else _coerce(name, value)
-        return cls(**kwargs)
+        return cls(**typed_values(flatten_options(values, source), source))
 
     @property
     def options(self) -> StrategyOptions:
@@ -516,6 +510,23 @@ def parse_value(name: str, text: str) -> Any:
                 dict: "a JSON object like '{\"key\": 1}'"}[typ]
         raise TrellisUserError(f"{flag(name)} must be {kind} (got {text!r})") from None
     return s
+
+
+def typed_values(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Field name -> typed value: strings parsed per field type, JSON values coerced (what a config holds).
+
+    Why: the same setting given as ``--set layers=3`` and as ``base={"layers": 3}`` must be recorded, compared and
+    resumed as one value.
+
+    Raises:
+        TrellisUserError: An unknown name (``source`` says where it came from) or a value that does not parse.
+    """
+    check_keys(values, source)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        out[name] = parse_value(name, value) if isinstance(value, str) else _coerce(name, value)
+    return out
 
 
 def _coerce(name: str, value: Any) -> Any:

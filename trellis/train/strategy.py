@@ -27,6 +27,7 @@ from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model, default_model_factory, make_model
 from trellis.train.config import TrainConfig
+from trellis.train.data import check_edge_weights
 from trellis.train.loop import Lane, ModelBatch, SoloBatch
 from trellis.train.tasks import Task
 from trellis.train.world import LOCAL, World
@@ -135,6 +136,19 @@ class Strategy(ABC):
     @abstractmethod
     def load(self) -> None:
         """Open the store and load what this strategy trains on; refuse bad input with a user error."""
+
+    def open(self, edge_weight: bool) -> None:
+        """:meth:`load`, then refuse ``--edge-weight`` on a store whose weights cannot be used.
+
+        What ``load`` opened is closed on refusal; the trainer and the sweep both open their data this way.
+        """
+        self.load()
+        if edge_weight:
+            try:
+                check_edge_weights(self.store)
+            except TrellisUserError:
+                self.close()
+                raise
 
     @property
     def checksum(self) -> str:

@@ -53,9 +53,9 @@ from trellis.nn.models import JKS, NORMS
 from trellis.plan.batching import balanced_batches, default_budget_bytes
 from trellis.plan.rewrites import DEFAULT_REWRITES
 from trellis.train.build import ModelFactory, build_run_optimizer, default_model_factory
-from trellis.train.config import TrainConfig, check_keys
+from trellis.train.config import TrainConfig, typed_values
 from trellis.train.convergence import summarize_time_to_accuracy
-from trellis.train.data import check_edge_weights, resolve_device
+from trellis.train.data import resolve_device
 from trellis.train.early_stopping import EarlyStopping
 from trellis.train.loop import Lane, run_epochs
 from trellis.train.optim import OPTIMIZERS
@@ -230,7 +230,7 @@ class SweepConfig:
                 parse_grid([f"{key}=" + ",".join(map(str, self.grid[key]))])
         if self.batch_models is not None and self.batch_models < 1:
             raise TrellisUserError(f"--batch-models must be a positive integer (got {self.batch_models})")
-        check_keys(self.base, "--set")
+        self.base = typed_base(self.base)
         # the sweep's own flags (device, epochs, patience, progress: their values overrode a --set one silently)
         fixed = {"store", "model", "seed", "runs", "resume", "out", "device", "epochs", "patience", "progress"}
         for key in self.base:
@@ -244,6 +244,18 @@ class SweepConfig:
                                        "train other strategies with `trellis train`")
             if name in self.grid:
                 raise TrellisUserError(f"--set {key} and --grid {name}: give the values in one place")
+
+
+def typed_base(base: dict[str, Any]) -> dict[str, Any]:
+    """``--set``'s values typed: its strings and a Python caller's numbers make one record (and one resume).
+
+    Raises:
+        TrellisUserError: An unknown key or a value that does not parse, named as ``--set``'s.
+    """
+    try:
+        return typed_values(base, "--set")
+    except TrellisUserError as exc:
+        raise TrellisUserError(f"--set: {exc}") from None
 
 
 @dataclass
@@ -364,13 +376,7 @@ def load_sweep_data(entries: list[SweepEntry], device: torch.device, rewrites: S
                                "--memory-budget) or pp; train other strategies with `trellis train`")
     if isinstance(strategy, FullBatch):
         strategy.rewrites = tuple(rewrites)
-    strategy.load()
-    if any(e.cfg.edge_weight for e in entries):
-        try:
-            check_edge_weights(strategy.store)
-        except TrellisUserError:
-            strategy.close()
-            raise
+    strategy.open(any(e.cfg.edge_weight for e in entries))
     return strategy
 
 

@@ -40,7 +40,7 @@ from trellis.plan.price import Price, run_value
 from trellis.train.build import ModelFactory, build_run_optimizer, default_model_factory
 from trellis.train.config import TrainConfig
 from trellis.train.convergence import summarize_time_to_accuracy
-from trellis.train.data import check_edge_weights, resolve_device
+from trellis.train.data import resolve_device
 from trellis.train.early_stopping import EarlyStopping
 from trellis.train.loop import Lane, StopOnSignal, run_epochs
 from trellis.train.rng import get_rng_state, seed_everything, set_rng_state
@@ -211,13 +211,7 @@ class Trainer:
         cls = strategy_class(self.cfg.strategy).for_config(self.cfg)
         cls.check_options(self.cfg)
         strategy = cls(self.cfg, device)
-        strategy.load()
-        if self.cfg.edge_weight:
-            try:
-                check_edge_weights(strategy.store)
-            except TrellisUserError:
-                strategy.close()
-                raise
+        strategy.open(self.cfg.edge_weight)
         return strategy
 
     # ---- explain --------------------------------------------------------------------------------

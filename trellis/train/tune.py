@@ -72,6 +72,7 @@ from trellis.train.sweep import (
     make_entries,
     open_state,
     parse_grid,
+    typed_base,
 )
 from trellis.utils.atomic import check_output
 from trellis.utils.manifest import format_of
@@ -147,6 +148,7 @@ class TuneConfig:
             raise TrellisUserError(f"--search {self.search}: choose auto, grid or random")
         if self.budget_s is not None and not self.budget_s > 0:
             raise TrellisUserError(f"--budget must be a positive duration, e.g. 20m (got {self.budget_s} s)")
+        self.base = typed_base(self.base)
         if self.grid and self.space not in (None, "default"):
             raise TrellisUserError(f"--space {self.space} and --grid are two ways to give the space; give one (put "
                                    "the grid's keys into the space file, or drop --space)")
