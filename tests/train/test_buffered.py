@@ -255,6 +255,32 @@ def test_predict_a_buffer_run_from_the_layout(sbm_store, p4, tmp_path):
     assert (pred[test] == y[test]).mean() == pytest.approx(summary["test_acc_mean"], abs=1e-9)
 
 
+@pytest.mark.parametrize("budget", [None, "2G"])
+def test_predict_a_buffer_run_writes_the_embeddings_a_run_in_memory_writes(sbm_store, p4, tmp_path, budget):
+    """The buffer's prediction wrote the logits as the embeddings; now the last layer's input, as in memory.
+
+    The reference is the same model predicted in memory (its run's config without the layout). Without a budget
+    prediction is exact, so every part is resident whatever --buffer-parts the run trained with; within one the
+    buffer holds the run's two parts and its cache every other row (the graph is small), so it is exact too.
+    """
+    from trellis.train.predict import embedding_path, predict
+
+    trainer.train(_cfg(sbm_store, tmp_path / "buf", parts_dir=str(p4), nproc=1, buffer_parts=2, epochs=2))
+    shutil.copytree(tmp_path / "buf", tmp_path / "mem")
+    cfg = json.loads((tmp_path / "mem" / "config.json").read_text())
+    for key in ("parts_dir", "nproc", "buffer_parts"):
+        cfg.pop(key, None)
+    (tmp_path / "mem" / "config.json").write_text(json.dumps(cfg))
+    ref = predict(tmp_path / "mem", sbm_store, tmp_path / "ref.npy", device="cpu", proba=True)
+    got = predict(tmp_path / "buf", sbm_store, tmp_path / "got.npy", device="cpu", proba=True, memory_budget=budget)
+    assert got["embedding_source"] == ref["embedding_source"] == "penultimate"
+    assert got["embedding_dim"] == ref["embedding_dim"] == 16
+    emb, emb_ref = np.load(embedding_path(tmp_path / "got.npy")), np.load(embedding_path(tmp_path / "ref.npy"))
+    np.testing.assert_allclose(emb, emb_ref, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "got.npy"), np.load(tmp_path / "ref.npy"), rtol=0, atol=1e-5)
+    assert not list(tmp_path.glob("*.tmp.npy"))
+
+
 def test_label_skew_measures_parts_that_follow_the_labels():
     from trellis.train.strategies.buffered import label_skew
 

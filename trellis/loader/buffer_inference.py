@@ -25,6 +25,7 @@ from trellis.loader.blocks import attach_edge_data
 from trellis.loader.buffer import PartitionBuffer, PartRows, buffer_states, read_npy, state_graph
 from trellis.loader.features import gather_rows, normalize_rows_
 from trellis.loader.sampler import NeighborSampler
+from trellis.utils.diskmap import new_map
 
 #: Edges per chunk of destination rows (bounds a chunk's gathered rows and per-edge work).
 CHUNK_EDGES = 2_000_000
@@ -130,9 +131,38 @@ def check_buffer_inference(model: nn.Module) -> None:
                                "does not run (drop --pre-norm, or train without --memory-budget)")
 
 
+class _EmbeddingFile:
+    """The last layer's input rows of every node, written part by part as the last pass reads them.
+
+    Why there: the last pass loads every part's input rows (the penultimate layer's outputs, or the features of a
+    one-layer model) whole into its slot, which is what ``trellis predict`` writes as the embeddings; copying
+    them out then costs one write per part and no extra read. The file is made under a temporary name and
+    renamed when complete, so no half-written ``.npy`` remains.
+    """
+
+    def __init__(self, path: Path, rows: int, width: int) -> None:
+        self.path, self.tmp = path, path.with_name(path.name + ".tmp.npy")
+        self.map = new_map(self.tmp, (rows, width), np.float32, "free space or write the embeddings elsewhere")
+
+    def write(self, rows: np.ndarray, block: np.ndarray) -> None:
+        self.map[rows] = block
+
+    def finish(self) -> int:
+        """Flush, rename into place; returns the embedding width."""
+        width = int(self.map.shape[1])
+        self.map.flush()
+        del self.map
+        os.replace(self.tmp, self.path)
+        return width
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
 @torch.no_grad()
 def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, rows: np.ndarray | None = None,
-                     device: torch.device | str = "cpu", chunk_bytes: int | None = None) -> Tensor:
+                     device: torch.device | str = "cpu", chunk_bytes: int | None = None,
+                     embeddings_to: Path | None = None) -> Tensor:
     """Outputs of ``model`` for ``rows`` (sorted, unique; None = every node), layer by layer over the buffer.
 
     Args:
@@ -142,6 +172,7 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
         rows: Nodes whose final outputs are returned (sorted ascending, unique).
         device: Where the layers run.
         chunk_bytes: Working memory of one chunk of destination rows (a budget's share: see :func:`chunk_cuts`).
+        embeddings_to: Where to write every node's last-layer input as a ``[N, width]`` ``.npy`` (None: nowhere).
     """
     convs: list[nn.Module] = list(model.convs)  # type: ignore[arg-type]
     check_buffer_inference(model)
@@ -158,6 +189,7 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
     sampler = NeighborSampler(np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64), [-1], degrees=buf.degree)
     order = buffer_states(p, buf.capacity, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
                           np.random.default_rng(0))
+    emb: _EmbeddingFile | None = None
     try:
         for li, conv in enumerate(convs):
             last = li == len(convs) - 1
@@ -170,6 +202,8 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
             flat = buf.arena.reshape(-1)[: buf.cache_base * buf.dim]
             arena = (flat[:need] if need <= flat.shape[0] else np.empty(need, np.float32)).reshape(-1, width_in)
             lp = _LayerPass(buf, arena, rows_file, normalize=li == 0)
+            if last and embeddings_to is not None:
+                emb = _EmbeddingFile(embeddings_to, n, width_in)
             slot_of, c_base = lp.slot_of, lp.cache_base
             cache_out: np.ndarray | None = None
             load, activate, evict, resident = lp.load, lp.activate, lp.evict, lp.resident
@@ -189,6 +223,9 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
                 avail = in_parts | buf.cached
                 for q in todo[k]:
                     piece = resident[q][1]
+                    if last and emb is not None:
+                        at = resident[q][0] * buf.max_rows
+                        emb.write(piece.rows, arena[at: at + piece.rows.shape[0]])
                     ip, ix, eids, _, _ = state_graph(n, [piece], avail, in_parts)
                     g = sampler.with_graph(ip, ix)
                     nodes = piece.rows
@@ -234,8 +271,13 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
             for q in list(resident):
                 evict(q)
         assert out is not None
+        if emb is not None:
+            emb.finish()
+            emb = None
         return out
     finally:
+        if emb is not None:
+            emb.discard()
         model.train(was_training)
 
 

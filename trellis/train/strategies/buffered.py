@@ -262,8 +262,15 @@ class BufferedMini(BatchStrategy):
         """Exact layer-wise inference without a budget; under one, layer-wise over the buffer (within it)."""
         if self.plan.budget is None:
             return super()._infer(model, rows)
-        # --spill-dir, else the run directory's spill/ (as a budgeted full-batch run's): not $TMPDIR, which may be a
-        # small file system the budget's spills were never meant for
+        return self._buffer_inference(model, rows)
+
+    def _buffer_inference(self, model: torch.nn.Module, rows: np.ndarray | None = None,
+                          embeddings_to: Path | None = None) -> torch.Tensor:
+        """Layer-wise inference over the buffer, its layer outputs spilled to a scratch directory.
+
+        The scratch goes under ``--spill-dir``, else the run directory's ``spill/`` (as a budgeted full-batch
+        run's): not ``$TMPDIR``, which may be a small file system the budget's spills were never meant for.
+        """
         cfg = self.cfg
         root = Path(cfg.spill_dir) if cfg.spill_dir else (Path(cfg.out) / "spill" if cfg.out else None)
         made = root is not None and not root.exists()
@@ -272,7 +279,7 @@ class BufferedMini(BatchStrategy):
         try:
             with OwnedTempDir("trellis-eval-", dir=root) as tmp:
                 return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device,
-                                        chunk_bytes=EVAL_CHUNK_BYTES)
+                                        chunk_bytes=EVAL_CHUNK_BYTES, embeddings_to=embeddings_to)
         finally:
             if made and root is not None:
                 shutil.rmtree(root, ignore_errors=True)
@@ -320,22 +327,30 @@ class BufferedMini(BatchStrategy):
         --move-features``).
         """
         run_cfg, saved = req.run_cfg, req.saved
+        budget = req.memory_budget or run_cfg.get("memory_budget")
+        # without a budget inference is exact, so every part is resident (a run's --buffer-parts is for training)
         keep = {k: run_cfg[k] for k in ("strategy", "model", "parts_dir", "buffer_parts", "buffer_cache", "fanouts",
                                         "batch_size", "layers", "hidden", "task", "split_seed", "labor")
-                if run_cfg.get(k) is not None}
+                if run_cfg.get(k) is not None and not (budget is None and k in ("buffer_parts", "buffer_cache"))}
         cfg = TrainConfig.from_dict({**keep, "store": req.store, "nproc": 1, "device": "cpu", "progress": False,
-                                     "feature_norm": saved["feature_norm"],
-                                     "memory_budget": req.memory_budget or run_cfg.get("memory_budget"),
+                                     "feature_norm": saved["feature_norm"], "memory_budget": budget,
                                      "spill_dir": req.spill_dir})
         strategy = cls(cfg, torch.device("cpu"))
         strategy.load()
         try:
             model = saved_model(req)
             model.load_state_dict(saved["state_dict"])
-            logits = strategy.predict(model)
+            model.eval()
+            if embeddings_to is None or not hasattr(model, "convs") or getattr(model, "jk", "none") != "none" \
+                    or getattr(model, "pre_norm", False):
+                logits = strategy.predict(model)  # layer-wise inference does not write a --jk/--pre-norm embedding
+                return Prediction(logits, logits, "logits")
+            # the last layer's input, as a run in memory writes it (without a budget every part is resident)
+            logits = strategy._buffer_inference(model, embeddings_to=embeddings_to)
+            source = "penultimate" if len(getattr(model, "convs", ())) > 1 else "features"
+            return Prediction(logits, None, source, int(np.load(embeddings_to, mmap_mode="r").shape[1]))
         finally:
             strategy.close()
-        return Prediction(logits, logits, "logits")
 
 
 class BufferedCluster(BufferedMini):
