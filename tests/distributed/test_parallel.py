@@ -109,6 +109,31 @@ def test_world_size_one_is_the_single_process_bit_for_bit(dist_store, layouts, s
     assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
 
 
+
+def test_predict_a_run_whose_store_moved_its_features_to_the_layout(dist_store, layouts, tmp_path):
+    """``trellis predict`` of a partition-parallel run read the store's features, which ``--move-features``
+    deletes; it now reads the layout's (the buffer's exact inference) and predicts what it did before the move."""
+    import shutil
+
+    import numpy as np
+
+    from trellis.data.store import GraphStore
+    from trellis.train.predict import embedding_path, predict
+
+    store, layout = tmp_path / "store", layouts[("metis", 1)]
+    shutil.copytree(dist_store, store)
+    Trainer(_cfg(store, "gcn", tmp_path / "run", parts_dir=str(layout), nproc=1), err=io.StringIO()).fit()
+    before = predict(tmp_path / "run", store, tmp_path / "before.npy", device="cpu", proba=True)
+    GraphStore(store).move_features(layout)
+    after = predict(tmp_path / "run", store, tmp_path / "after.npy", device="cpu", proba=True)
+    assert before["embedding_source"] == after["embedding_source"] == "penultimate"
+    for name in ("before.npy", "after.npy"):
+        assert np.isfinite(np.load(tmp_path / name)).all()
+    np.testing.assert_allclose(np.load(tmp_path / "after.npy"), np.load(tmp_path / "before.npy"), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.load(embedding_path(tmp_path / "after.npy")),
+                               np.load(embedding_path(tmp_path / "before.npy")), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("world,method,model", [(w, me, mo) for w, jobs in JOBS.items() for me, mo in jobs])
 def test_ranks_train_the_single_process_losses(parallel, single, world, method, model):
     got, want = _losses(parallel[(world, method, model)]), _losses(single[model])

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.train.build import ModelFactory, check_registered
 from trellis.train.config import TrainConfig
@@ -145,6 +146,10 @@ def prediction_strategy(saved: dict[str, Any], run_cfg: dict[str, Any], store: s
         return strategy_class("pp"), None
     name = run_cfg.get("strategy", "full")
     parts = run_cfg.get("parts_dir") if name in ("mini", "cluster") else None
+    if name == "full" and memory_budget is None and run_cfg.get("parts_dir") and GraphStore(store).moved_to("x"):
+        # a partition-parallel run whose store moved its features to the layout: the buffer's exact inference
+        # reads them there (the same layer-wise function of the same model)
+        name, parts = "mini", run_cfg["parts_dir"]
     if memory_budget is None and name == "full":
         memory_budget = run_cfg.get("memory_budget")
     if memory_budget is not None and parts is None:

@@ -332,6 +332,7 @@ class BufferedMini(BatchStrategy):
         keep = {k: run_cfg[k] for k in ("strategy", "model", "parts_dir", "buffer_parts", "buffer_cache", "fanouts",
                                         "batch_size", "layers", "hidden", "task", "split_seed", "labor")
                 if run_cfg.get(k) is not None and not (budget is None and k in ("buffer_parts", "buffer_cache"))}
+        keep["strategy"] = "cluster" if cls.cluster_mode else "mini"  # a partition-parallel full run's layout too
         cfg = TrainConfig.from_dict({**keep, "store": req.store, "nproc": 1, "device": "cpu", "progress": False,
                                      "feature_norm": saved["feature_norm"], "memory_budget": budget,
                                      "spill_dir": req.spill_dir})
