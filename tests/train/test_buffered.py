@@ -281,6 +281,29 @@ def test_predict_a_buffer_run_writes_the_embeddings_a_run_in_memory_writes(sbm_s
     assert not list(tmp_path.glob("*.tmp.npy"))
 
 
+@pytest.mark.parametrize("fanouts", [[15, 10], [10, 10, 10], [-1, 5]])
+def test_the_planned_input_rows_of_a_batch_are_above_the_sampled_ones(dataset, sbm_store, tmp_path, fanouts):
+    """The residency plan priced a batch as ``batch × Π fanout`` rows capped at N: every batch of Coauthor CS
+    was the whole graph (2.8 GiB of batches in flight planned against a 1.6 GiB run). The estimate from the
+    degrees is lower, and must stay above what the sampler really draws (measured on real graphs here)."""
+    from trellis.loader.sampler import NeighborSampler
+    from trellis.train.strategies.buffered import expected_input_rows
+
+    cora = import_graph(dataset("cora"), tmp_path / "cora", format="planetoid", progress=False)
+    for path in (cora, sbm_store):
+        s = GraphStore(path)
+        indptr, indices = np.asarray(s.indptr, dtype=np.int64), np.asarray(s.indices, dtype=np.int64)
+        train = np.asarray(s.split("train"))
+        sampler = NeighborSampler(indptr, indices, fanouts)
+        rng = np.random.default_rng(0)
+        drawn = max(sampler.sample(np.sort(rng.choice(train, train.shape[0], replace=False)), i).node_ids.shape[0]
+                    for i in range(3))
+        planned = expected_input_rows(train.shape[0], fanouts, np.diff(indptr))
+        assert drawn <= planned <= s.num_nodes
+        if path == cora and fanouts == [15, 10]:  # the old price: 140 × (1 + 15 + 150) rows, capped at all 2,708
+            assert planned < 0.8 * s.num_nodes
+
+
 def test_label_skew_measures_parts_that_follow_the_labels():
     from trellis.train.strategies.buffered import label_skew
 

@@ -113,7 +113,33 @@ def replay_fanouts(cfg: TrainConfig) -> list[int]:
     return default_replay_fanouts(parse_fanouts(cfg.fanouts, cfg.layers))
 
 
-def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, batch_size: int | None = None) -> int:
+def expected_input_rows(batch: int, fanouts: list[int], degree: np.ndarray) -> int:
+    """About the distinct input rows of a neighbour batch of ``batch`` targets: what its feature gather holds.
+
+    Each hop draws ``min(fanout, degree)`` neighbours of every node of the hop before: the targets are uniform,
+    the later hops' nodes are reached along edges, so weighted by degree (a symmetric graph's out-degree). The
+    draws beyond the targets repeat nodes; counted as uniform draws over the other nodes (``n (1 - e^(-m/n))``
+    distinct of ``m``), which overstates the distinct rows of draws that cluster around the targets. Why not
+    ``batch × Π fanout``, capped at N, as before: on Coauthor CS (18k nodes, 6,805 features, degree 9) it
+    priced every batch as the whole graph, 7.7k distinct rows measured against 18.3k, and the residency plan
+    held 2.8 GiB of batches a run never used.
+    """
+    n = int(degree.shape[0])
+    if n == 0:
+        return 0
+    deg = degree.astype(np.float64)
+    weight = deg / max(1.0, float(deg.sum()))
+    level = draws = float(min(batch, n))
+    for i, f in enumerate(fanouts):
+        take = deg if f <= 0 else np.minimum(deg, f)
+        level *= float(take.mean() if i == 0 else (weight * take).sum())
+        draws += level
+    rest = n - min(batch, n)
+    return int(min(n, min(batch, n) + rest * -np.expm1(-(draws - min(batch, n)) / max(1, rest))))
+
+
+def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, degree: np.ndarray,
+                          batch_size: int | None = None) -> int:
     """Bytes of the neighbour batches in flight (their input rows), and of the rehearsal batches kept."""
     batch = int(batch_size or cfg.batch_size)
 
@@ -123,7 +149,7 @@ def neighbour_batch_bytes(cfg: TrainConfig, layout: PartitionedGraph, dim: int, 
             levels.append(levels[-1] * (max(1, f) if f > 0 else 32))
         return levels
 
-    inputs = min(sum(rows_per_level(parse_fanouts(cfg.fanouts, cfg.layers))), layout.num_nodes)
+    inputs = expected_input_rows(batch, parse_fanouts(cfg.fanouts, cfg.layers), degree)
     levels = rows_per_level(replay_fanouts(cfg))  # a rehearsal batch's, at its own fanouts
     # a kept rehearsal batch of a built-in pushed-down model holds its first hop's rows and their first-layer
     # aggregations instead of its input rows (collapsed, loader.buffer.Kept)
@@ -223,7 +249,8 @@ class BufferedMini(BatchStrategy):
 
     def _batch_bytes(self, layout: PartitionedGraph, part_rows: int, dim: int) -> tuple[int, int]:
         """Bytes of the batches in flight: ``(fixed, per resident part)`` (neighbour batches: fixed only)."""
-        return neighbour_batch_bytes(self.cfg, layout, dim), 0
+        targets = int(self.data.splits["train"].shape[0])  # a batch holds at most every training node
+        return neighbour_batch_bytes(self.cfg, layout, dim, np.diff(self.indptr), min(self.cfg.batch_size, targets)), 0
 
     def _fanouts(self) -> list[int]:
         return parse_fanouts(self.cfg.fanouts, self.cfg.layers)

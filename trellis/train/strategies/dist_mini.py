@@ -432,7 +432,8 @@ class DistributedMini(BatchStrategy):
         """This rank's partition buffer: its parts' residency planned against its own budget."""
         assert self.comm is not None
         cfg, d, layout = self.cfg, self.data, self.layout
-        batch_bytes = neighbour_batch_bytes(cfg, layout, self.spec.in_dim, self.rank_batch)
+        batch_bytes = neighbour_batch_bytes(cfg, layout, self.spec.in_dim, np.diff(self.indptr),
+                                            min(self.rank_batch, max(1, len(self.targets))))
         self.plan = plan_residency(cfg, layout, self.spec, d.splits, self.budget[0], self.budget[1], (batch_bytes, 0),
                                    parts=self.my_parts)
         degree = np.diff(self.indptr).astype(np.float32)
