@@ -198,3 +198,75 @@ def test_a_torchrun_job_of_the_wrong_size_is_not_blamed_on_nproc(dist_store, lay
         check_layout(TrainConfig(store=str(dist_store), parts_dir=parts), GraphStore(dist_store), 3)
     with pytest.raises(TrellisUserError, match=r"^--nproc 3 does not match the 2 parts.*pass --nproc 2"):
         check_layout(TrainConfig(store=str(dist_store), parts_dir=parts, nproc=3), GraphStore(dist_store), 3)
+
+
+USER_SCRIPT = '''
+import sys
+import trellis
+from trellis.nn import build_model
+
+
+def my_gcn(in_dim, out_dim, hidden=8):
+    return build_model("gcn", in_dim, out_dim, hidden=hidden)
+
+
+if __name__ == "__main__":
+    def under_main(in_dim, out_dim):
+        return my_gcn(in_dim, out_dim)
+
+    store, parts, out = sys.argv[1:4]
+    try:
+        trellis.train(store, model=under_main, epochs=2, parts_dir=parts, nproc=2, out=out + "-x")
+    except trellis.TrellisUserError as exc:
+        print("REFUSED", exc)
+    run = trellis.train(store, model=my_gcn, epochs=2, parts_dir=parts, nproc=2, out=out)
+    print("TRAINED", run.summary["model"], len(run.history))
+'''
+
+
+def test_a_python_callers_own_model_trains_on_ranks(dist_store, layouts, tmp_path):
+    """``trellis.train(model=builder, nproc=2)``: every rank died with "--model 'my_gcn' is not one of ..." (a rank
+    is a fresh ``python -m trellis.cli`` that never imported the caller's script). The ranks now import the
+    builder by reference, the script under ``__mp_main__``; one defined under the main guard is refused first."""
+    script = tmp_path / "user_script.py"
+    script.write_text(USER_SCRIPT)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), str(dist_store), str(layouts[("metis", 2)]), str(out)],
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REFUSED model=under_main: under_main is defined under the script's `if __name__" in proc.stdout
+    assert "TRAINED my_gcn 2" in proc.stdout
+    assert json.loads((out / "config.json").read_text())["model"] == "my_gcn"
+    assert not (tmp_path / "run-x").exists()
+
+
+def test_a_builder_no_rank_can_import_is_refused_before_ranks_start():
+    from trellis.errors import TrellisUserError
+    from trellis.nn.models import MODELS, register_model
+    from trellis.train.launch import USER_MODEL_ENV, import_user_model, user_model_env
+
+    assert user_model_env("gcn") == {}
+
+    def local_builder(in_dim, out_dim):
+        raise AssertionError("not built")
+
+    register_model("local_builder_t", local_builder)
+    try:
+        with pytest.raises(TrellisUserError, match="model=local_builder_t: the ranks are new processes and cannot "
+                                                   "import a builder defined in a function"):
+            user_model_env("local_builder_t")
+    finally:
+        MODELS.pop("local_builder_t", None)
+    from tests.train.stubmodel import StubGNN  # an importable module's builder: found by module and name
+
+    register_model("stub_t", StubGNN)
+    try:
+        env = user_model_env("stub_t")
+        assert json.loads(env[USER_MODEL_ENV])["module"] == "tests.train.stubmodel"
+        MODELS.pop("stub_t")
+        os.environ[USER_MODEL_ENV] = env[USER_MODEL_ENV]
+        import_user_model()  # what a rank does first
+        assert getattr(MODELS["stub_t"], "__wrapped__", MODELS["stub_t"]) is StubGNN
+    finally:
+        os.environ.pop(USER_MODEL_ENV, None)
+        MODELS.pop("stub_t", None)

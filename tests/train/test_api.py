@@ -295,6 +295,12 @@ def test_a_user_model_run_read_back_without_its_builder_says_what_to_register(sb
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r")], capture_output=True, text=True, env=env,
                          timeout=300)
     assert "register_model('linearprobe', builder)" in out.stdout, out.stderr
+    for argv in (["train", "--resume", str(tmp_path / "r")],  # suggested --model gcn ("did you mean")
+                 ["predict", str(tmp_path / "r"), str(sbm_store), "--out", str(tmp_path / "p.npy")]):
+        cli = subprocess.run([sys.executable, "-m", "trellis.cli", *argv], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert cli.returncode == 2 and "the trellis command knows only the built-in models" in cli.stderr, cli.stderr
+        assert "trellis.resume" in cli.stderr and "Traceback" not in cli.stderr
 
 
 # ---- the caller's process: what a call leaves of it, and what of it changes a call --------------------------------

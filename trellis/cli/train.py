@@ -20,6 +20,7 @@ from typing import Any
 from trellis.cli.args import int_at_least
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
+from trellis.train.build import check_registered
 from trellis.train.config import SESSION_FIELDS, TrainConfig, base_type, check_keys, flag, load_config_file
 from trellis.train.options import OPTIONS
 from trellis.train.strategies import STRATEGIES
@@ -102,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if not isinstance(saved, dict) or not saved.get("store"):
             raise TrellisUserError(f"{paths.config}: not a run's config (a JSON object naming its store); the run "
                                    "directory is damaged: start a new run")
+        check_registered(str(saved.get("model")), str(resume))  # a user's model: resumed from Python, not here
         return TrainConfig.from_dict({**saved, **given}, source=f"{resume}/config.json")
     values: dict[str, Any] = {}
     if args._config_file:
@@ -146,8 +148,10 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def run_train(args: argparse.Namespace) -> int:
     """Train (or with ``--explain`` only describe) the configured runs; returns 0, or 128 + signal when interrupted."""
+    from trellis.train.launch import import_user_model
     from trellis.train.trainer import Trainer, TrainingInterrupted
 
+    import_user_model()  # a rank started for a Python caller's own model (before its config names it)
     cfg = config_from_args(args)
     rank = None
     if (cfg.parts_dir is not None and cfg.strategy in ("full", "mini", "cluster")) or cfg.strategy == "pp":

@@ -324,6 +324,11 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": _mlp,
 }
 _BUILTIN = frozenset(MODELS)
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is one of Trellis's own models (every process knows it without a registration)."""
+    return name in _BUILTIN
 #: The options every built-in builder is handed (``trellis train`` flags, not ``--model-args``).
 MODEL_FLAGS = ("hidden", "layers", "heads", "dropout", "edge_dim", "norm", "residual", "jk", "mlp_hidden",
                "edge_weight", "pre_norm")

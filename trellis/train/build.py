@@ -82,8 +82,10 @@ def check_registered(model: str, where: str) -> None:
     from trellis.nn.pp_models import PP_MODELS
 
     if model not in MODELS and model not in PP_MODELS:
-        raise TrellisUserError(f"{where}: the run trained the model {model!r}, which this process does not know; "
-                               f"register its builder first: trellis.nn.register_model({model!r}, builder)")
+        raise TrellisUserError(f"{where}: the run trained the model {model!r}, which this process does not know "
+                               "(the trellis command knows only the built-in models); from Python, register its "
+                               f"builder first: trellis.nn.register_model({model!r}, builder), then call "
+                               "trellis.predict, trellis.load_run or trellis.resume")
 
 
 def build_run_model(cfg: TrainConfig, spec: ModelSpec, factory: ModelFactory = default_model_factory) -> nn.Module:

@@ -126,6 +126,108 @@ def _describe(code: int) -> str:
 #: Set to ``1`` in the ranks of a quiet launch: their trainers print no banner.
 QUIET_ENV = "TRELLIS_QUIET"
 
+#: Where a rank finds a user's model builder (``trellis.train(model=builder)``, ``register_model``): JSON of
+#: its name, module, qualified name, the caller's script and ``sys.path``.
+USER_MODEL_ENV = "TRELLIS_USER_MODEL"
+
+
+def user_model_env(name: str) -> dict[str, str]:
+    """The environment that lets a rank import the user's builder of model ``name`` ({} for a built-in).
+
+    Why: a rank is a fresh ``python -m trellis.cli train`` process (what ``torchrun`` starts), which knows only
+    the built-in models; a builder registered in the caller's process must be importable by reference, as
+    ``multiprocessing``'s spawn imports the caller's script (under ``__mp_main__``: its ``if __name__ ==
+    "__main__":`` block does not run again).
+
+    Raises:
+        TrellisUserError: A builder no other process can import (defined in a function or a notebook, a lambda).
+    """
+    from trellis.nn.models import MODELS, is_builtin
+
+    if is_builtin(name) or name not in MODELS:
+        return {}
+    fn = getattr(MODELS[name], "__wrapped__", MODELS[name])
+    module, qual = getattr(fn, "__module__", None), str(getattr(fn, "__qualname__", ""))
+    main = getattr(sys.modules.get("__main__"), "__file__", None) if module == "__main__" else None
+    if not module or "<" in qual or (module == "__main__" and main is None):
+        where = ("an interactive session or notebook" if module == "__main__" and main is None
+                 else "a function (or it is a lambda)")
+        raise TrellisUserError(f"model={name}: the ranks are new processes and cannot import a builder defined in "
+                               f"{where}; define it at the top level of a module or script (the script's run "
+                               "under `if __name__ == \"__main__\":`), or start the ranks with torchrun running "
+                               "your script")
+    if main is not None and not _defined_outside_main_block(main, qual.split(".")[0]):
+        raise TrellisUserError(f"model={name}: {qual} is defined under the script's `if __name__ == \"__main__\":`, "
+                               "which the ranks do not run; define the builder at the script's top level")
+    spec = {"name": name, "module": module, "qualname": qual, "main": main and os.path.abspath(main),
+            "path": [p for p in sys.path if p]}
+    return {USER_MODEL_ENV: json.dumps(spec)}
+
+
+def _defined_outside_main_block(script: str, name: str) -> bool:
+    """Whether ``script`` binds ``name`` at its top level, not under ``if __name__ == "__main__":``.
+
+    A script that cannot be read or parsed is given the benefit of the doubt (the rank then names what fails).
+    """
+    import ast
+
+    try:
+        tree = ast.parse(Path(script).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return True
+
+    def main_guard(node: ast.stmt) -> bool:
+        test = ast.unparse(node.test) if isinstance(node, ast.If) else ""
+        return "__main__" in test and "__name__" in test
+
+    def binds(body: list[ast.stmt]) -> bool:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name:
+                return True
+            if isinstance(node, ast.Import | ast.ImportFrom) and any((a.asname or a.name.split(".")[0]) == name
+                                                                     for a in node.names):
+                return True
+            if isinstance(node, ast.Assign | ast.AnnAssign) and any(
+                    isinstance(t, ast.Name) and t.id == name
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+                return True
+            if isinstance(node, ast.If | ast.Try | ast.With) and not main_guard(node):
+                inner = [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                         *(s for h in getattr(node, "handlers", []) for s in h.body)]
+                if binds(inner):
+                    return True
+        return False
+
+    return binds(tree.body)
+
+
+def import_user_model() -> None:
+    """In a rank: register the user's builder named by :data:`USER_MODEL_ENV` (a no-op without it)."""
+    import importlib
+    import runpy
+    import types
+
+    from trellis.nn.models import register_model
+
+    text = os.environ.get(USER_MODEL_ENV)
+    if not text:
+        return
+    spec = json.loads(text)
+    sys.path.extend(p for p in spec["path"] if p not in sys.path)
+    try:
+        if spec["main"]:  # the caller's script, its __main__ block not run (as multiprocessing's spawn does)
+            mod = types.ModuleType("__mp_main__")
+            mod.__dict__.update(runpy.run_path(spec["main"], run_name="__mp_main__"))
+        else:
+            mod = importlib.import_module(spec["module"])
+        obj: Any = mod
+        for part in spec["qualname"].split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # noqa: BLE001 - the user's code: any failure becomes one line
+        raise TrellisUserError(f"model={spec['name']}: a rank could not import its builder "
+                               f"{spec['module']}.{spec['qualname']} ({type(exc).__name__}: {exc})") from None
+    register_model(spec["name"], obj)
+
 
 def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
     """Start ``--nproc`` ranks running ``cfg`` and wait for them; returns the job's exit code.
@@ -138,6 +240,7 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
     nproc = preflight(cfg)
     port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else free_port()
     _check_port(port)
+    user = user_model_env(cfg.model)
     warm_kernels()
     values = cfg.to_dict(session=True)
     values["nproc"] = nproc
@@ -168,7 +271,7 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(values))
         for r in range(total):
-            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), **({QUIET_ENV: "1"} if quiet else {})}
+            env = {**base, **user, "RANK": str(r), "LOCAL_RANK": str(r), **({QUIET_ENV: "1"} if quiet else {})}
             # Own session: a terminal's Ctrl-C reaches only the launcher, which passes it on once (two
             # SIGINTs would make a rank abort without its checkpoint); ranks die with the launcher.
             procs.append(subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", "--config", str(cfg_file)],
@@ -216,8 +319,10 @@ def train_ranks(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> di
         cfg = dataclasses.replace(cfg, out=str(default_run_dir(Path(str(cfg.store)).name, cfg.model)))
     code = launch(cfg, err, quiet=quiet)
     if code != 0:
-        raise RuntimeError(f"the distributed run in {cfg.out} stopped with exit code {code}; continue it with "
-                           f"resume={cfg.out!r}")
+        started = Path(str(cfg.out), "config.json").is_file()  # rank 0 wrote the run directory: it can resume
+        raise RuntimeError(f"the distributed run in {cfg.out} stopped with exit code {code}"
+                           + (f"; continue it with resume={cfg.out!r}" if started else
+                              " before rank 0 wrote its run directory (the ranks' errors are above)"))
     return dict(json.loads(Path(str(cfg.out), "summary.json").read_text()))
 
 
