@@ -89,6 +89,24 @@ def test_killed_rank_is_named_every_rank_exits_and_resume_finishes_the_run(dist_
     assert _records(out) == _records(whole)
 
 
+def test_python_resume_of_a_run_over_ranks_restarts_its_ranks(dist_store, layouts, whole, tmp_path):
+    """``trellis.resume`` trained an interrupted 2-rank run in one process (a world of one over a 2-part layout:
+    a torch error in the halo routes); it starts the ranks again, as ``trellis train --resume`` does."""
+    import trellis
+
+    out = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(dist_store), "--parts-dir",
+                             str(layouts[("metis", 2)]), "--out", str(out), *TRAIN], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_epochs(out, proc, 6)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130 and (out / "checkpoints" / "last.pt").is_file()
+    run = trellis.resume(out)
+    assert _records(out) == _records(whole)
+    assert len(run.history) == len(_records(whole))
+
+
 def test_torchrun_restart_resumes_from_the_checkpoint_by_itself(dist_store, layouts, whole, tmp_path):
     out = tmp_path / "elastic"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

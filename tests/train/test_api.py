@@ -170,6 +170,10 @@ def test_partition_is_callable_like_the_cli(sbm_store, tmp_path, capsys):
     with pytest.raises(TrellisUserError, match="--parts must be at least 1"):
         trellis.partition(sbm_store, 0, out=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+    # the ranks' plan, as `trellis train --parts-dir --explain` prints it (it crashed in a world of one process)
+    text = trellis.explain(sbm_store, model="gcn", parts_dir=str(tmp_path / "p4"), nproc=4)
+    assert main(["train", str(sbm_store), "--parts-dir", str(tmp_path / "p4"), "--nproc", "4", "--explain"]) == 0
+    assert text.startswith("distributed: 4 ranks") and capsys.readouterr().out.strip() == text.strip()
 
 
 def test_sweep_tune_and_preprocess_are_functions(sbm_store, tmp_path, monkeypatch):

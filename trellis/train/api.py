@@ -428,7 +428,13 @@ def explain(data: GraphLike, /, *, model: str | Callable[..., nn.Module] | None 
     values = {**options, "store": path, "progress": False}
     if name is not None:
         values["model"] = name
-    text = Trainer(TrainConfig.from_dict(values, source="trellis.explain"), handle_signals=False).explain()
+    cfg = TrainConfig.from_dict(values, source="trellis.explain")
+    if cfg.parts_dir is not None and cfg.strategy == "full":  # the ranks' plan, described from here (as the CLI)
+        from trellis.train.strategies.partitioned import explain_distributed
+
+        text = explain_distributed(cfg, None)
+    else:
+        text = Trainer(cfg, handle_signals=False).explain()
     del keep
     return text
 
@@ -447,5 +453,10 @@ def resume(run_dir: str | os.PathLike[str]) -> Run:
         check_registered(str(saved.get("model")), str(paths.root))
         cfg = TrainConfig.from_dict({**saved, "resume": str(paths.root), "progress": False},
                                     source=f"{paths.config}")
-        Trainer(cfg, handle_signals=False).fit()
+        from trellis.train.launch import needs_launch, train_ranks
+
+        if needs_launch(cfg):  # a run over ranks resumes over ranks (in one process it trained a world of one)
+            train_ranks(cfg, quiet=True)
+        else:
+            Trainer(cfg, handle_signals=False).fit()
     return load_run(paths.root)
