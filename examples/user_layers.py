@@ -50,6 +50,7 @@ class EdgeMLP(MessagePassing):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(2 * in_dim, out_dim), nn.ReLU(), nn.Linear(out_dim, out_dim))
         self.root = nn.Linear(in_dim, out_dim)
+        self.in_dim, self.out_dim = in_dim, out_dim  # the widths --explain prices it at (it has no transform)
 
     def message(self, x_j: Tensor, x_i: Tensor) -> Tensor:
         """An MLP of the destination's and the source's rows."""

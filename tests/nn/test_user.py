@@ -91,6 +91,63 @@ def test_edge_mlp_gets_the_general_plan_and_its_gradients():
     assert torch.autograd.gradcheck(lambda t: layer(g, t), (x,), eps=1e-6, atol=1e-5)
 
 
+
+class _MaxCopy(MessagePassing):
+    """A copy message under max: not pushed down, but no per-edge matmul either (the transform runs per node)."""
+
+    aggregate = "max"
+    transform = "lin"
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(in_dim, out_dim, bias=False)
+
+    def message(self, x_j: torch.Tensor) -> torch.Tensor:
+        return x_j
+
+
+class _MeanNoTransform(MessagePassing):
+    """A pushed-down mean with no transform: its plan has no linear map and no bias."""
+
+    aggregate = "mean"
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.in_dim = self.out_dim = in_dim  # the aggregation's widths; the update maps to out_dim
+        self.post = nn.Linear(in_dim, out_dim)
+
+    def message(self, x_j: torch.Tensor) -> torch.Tensor:
+        return x_j
+
+    def update(self, aggr: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.post(aggr + x)
+
+
+def test_explain_describes_what_a_user_layer_runs(sbm_store):
+    """--explain priced a copy message under max as a per-edge 16->16 matmul ("parameterized message"), gave a
+    pushed-down layer without a transform a linear map and a bias, and priced EdgeMLP (no transform) at width 1."""
+    g, _ = random_graph(n=40, p=0.2)
+    ops = [(o.kind, o.detail) for o in _MaxCopy(6, 4).plan(g).ops]
+    assert [k for k, _ in ops] == ["linear", "gather", "segment_reduce"] and ops[1][1] == "source rows width 4"
+    assert "not linear" in " ".join(_MaxCopy(6, 4).plan(g).notes)
+    text = trellis.explain(sbm_store, model=lambda_free_builder, epochs=1)
+    first = text.split("_meannotransform[0]")[1].split("_meannotransform[1]")[0]
+    assert "spmm" in first and "linear" not in first and "bias" not in first
+    edge = [(o.kind, o.detail) for o in EdgeMLP(5, 4).plan(g).ops]
+    assert ("apply_edge", "message 5->4") in edge
+
+    class Unstated(EdgeMLP):
+        def __init__(self) -> None:
+            super().__init__(5, 4)
+            del self.in_dim, self.out_dim
+
+    assert "priced at width 1" in " ".join(Unstated().plan(g).notes)
+
+
+def lambda_free_builder(in_dim: int, out_dim: int) -> GNN:
+    return GNN([_MeanNoTransform(in_dim, 8), _MeanNoTransform(8, out_dim)], 0.0)
+
+
 @pytest.mark.parametrize("strategy", ["full", "mini", "cluster"])
 def test_edge_mlp_trains_in_every_strategy(sbm_store, strategy):
     extra = {"fanouts": "10,5"} if strategy == "mini" else {}  # another strategy refuses the flag

@@ -180,7 +180,8 @@ def declare(layer: MessagePassing) -> LayerDecl:
     decl = LayerDecl(cls.__name__.lower(), in_dim, out_dim, message=kind if pushdown else "custom",
                      message_params=kind == "custom", aggregate=cls.aggregate, transform=lin is not None,
                      root="none", update="none",  # ψ is opaque to the planner: costed as the epilogue
-                     edge_dim=1 if "edge_attr" in names else 0)
+                     edge_dim=1 if "edge_attr" in names else 0,
+                     widths_known=lin is not None or hasattr(layer, "in_dim"))
     layer.__dict__["_user_decl"] = decl
     return decl
 

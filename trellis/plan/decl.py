@@ -37,6 +37,8 @@ class LayerDecl:
             ``linear`` (a separate root transform, GraphSAGE), ``eps`` (``(1 + eps) x_i``, GIN).
         update: ``mlp`` when a parameterized update follows the aggregation (GIN), else ``none``.
         edge_dim: Width of edge features the layer reads (0 = none).
+        widths_known: The layer states its widths (a transform, or ``in_dim``/``out_dim``); a user layer with
+            neither is priced at width 1, and its plan says so.
     """
 
     name: str
@@ -50,6 +52,7 @@ class LayerDecl:
     root: str = "none"
     update: str = "none"
     edge_dim: int = 0
+    widths_known: bool = True
 
     def __post_init__(self) -> None:
         for value, allowed, what in ((self.message, MESSAGES, "message"), (self.aggregate, AGGREGATES, "aggregate"),

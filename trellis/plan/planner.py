@@ -75,7 +75,8 @@ def _attention_ops(d: LayerDecl, s: GraphStats) -> list[Op]:
 
 def plan_layer(d: LayerDecl, s: GraphStats) -> LayerPlan:
     """Choose the plan of layer ``d`` on a graph with statistics ``s``."""
-    notes: list[str] = []
+    notes: list[str] = [] if d.widths_known else [
+        "the layer states no widths (no transform, no in_dim/out_dim attributes): priced at width 1"]
     if d.message in ("attention", "edge_attention"):
         notes.append("attention needs transformed rows: transform first; only [E, heads] per-edge tensors")
         if d.message == "edge_attention":
@@ -98,6 +99,16 @@ def plan_layer(d: LayerDecl, s: GraphStats) -> LayerPlan:
             notes.append(f"aggregate-first est. {t_agg * 1e3:.2f} ms vs transform-first {t_tr * 1e3:.2f} ms")
         return LayerPlan(d.name, tuple(ops + _root_ops(d, s) + _update_ops(d, s)), pushdown=True,
                          aggregate_first=first, notes=tuple(notes))
+    if not d.message_params:  # a copy (or weighted) message under a non-linear aggregate: no per-edge matmul
+        notes.append(f"{d.aggregate} is not linear: the message is gathered per edge and reduced (general plan)"
+                     + ("; transform first" if d.transform else ""))
+        width = d.out_dim if d.transform else d.in_dim
+        ops = ([Op("linear", f"{d.in_dim}->{d.out_dim} on {s.num_src} rows",
+                   C.linear_cost(s.num_src, d.in_dim, d.out_dim))] if d.transform else [])
+        ops += [Op("gather", f"source rows width {width}", C.gather_cost(s, width)),
+                Op("segment_reduce", f"{d.aggregate} width {width}", C.segment_reduce_cost(s, width))]
+        return LayerPlan(d.name, tuple(ops + _root_ops(d, s) + _update_ops(d, s)), pushdown=False,
+                         aggregate_first=False, notes=tuple(notes))
     notes.append("parameterized message: per-edge rows are materialized (general plan)")
     ops = [Op("gather", f"source rows width {d.in_dim}", C.gather_cost(s, d.in_dim)),
            Op("apply_edge", f"message {d.in_dim + d.edge_dim}->{d.out_dim}",
@@ -244,7 +255,7 @@ def _param_count(d: LayerDecl) -> int:
 
 def _separate_bias(d: LayerDecl) -> bool:
     """GCN adds its bias after the aggregation; SAGE and GIN carry it inside a linear map."""
-    return d.root != "linear" and d.update == "none"
+    return d.root != "linear" and d.update == "none" and d.transform
 
 
 def _lower(row: list[ConfigLayer], s: GraphStats, index: int) -> LayerPlan:
@@ -295,7 +306,7 @@ def _lower(row: list[ConfigLayer], s: GraphStats, index: int) -> LayerPlan:
                       C.spmm_cost(s, d.in_dim, weighted), input_grad=False, cached=True))
         notes.append(f"input is constant: its aggregation is computed once and shared by {len(ca)} "
                      "configuration(s)")
-    if ag or ca:
+    if (ag or ca) and d.transform:  # a layer without a transform (a user's) has nothing to apply here
         ops.append(Op("linear", f"{_dims(ag + ca)} on {n_dst} rows",
                       C.total(C.linear_cost(n_dst, c.decl.in_dim, c.decl.out_dim) for c in ag + ca),
                       input_grad=any(c.input_grad for c in ag), launches=len(ag) + (1 if ca else 0)))
