@@ -2,7 +2,9 @@
 
 ``UserGCN`` is Kipf & Welling's layer as a user writes it: the planner reads its message (a weighted copy of the
 source row, no parameters) and runs it as one SpMM, reordered with its transform like the built-in GCN (equal to
-it to 1e-6, ``tests/nn/test_user.py``; as fast, ``benchmarks/bench_user_layers.py``). ``EdgeMLP`` has a
+it to 1e-6 on dense features, ``tests/nn/test_user.py``; as fast, ``benchmarks/bench_user_layers.py``; on a
+bag-of-words store the built-in models take the sparse rows and a user's model the dense ones, so they agree to
+rounding: 3.5e-6 in the losses of 30 epochs on Cora with residual and layer norm). ``EdgeMLP`` has a
 parameterized message (an MLP of both endpoints' rows): it gets the general plan and trains under every strategy.
 """
 
