@@ -144,6 +144,16 @@ def test_explain_describes_what_a_user_layer_runs(sbm_store):
     assert "priced at width 1" in " ".join(Unstated().plan(g).notes)
 
 
+def test_a_layer_without_a_transform_takes_sparse_rows():
+    """Sparse (bag-of-words) rows are transformed first; a layer without a transform asserted on them."""
+    torch.manual_seed(0)
+    g, _ = random_graph(n=30, p=0.2)
+    x = torch.randn(30, 6)
+    x[x < 0.5] = 0
+    layer = _MeanNoTransform(6, 4)
+    torch.testing.assert_close(layer(g, x.to_sparse_csr()), layer(g, x), rtol=0, atol=0)
+
+
 def lambda_free_builder(in_dim: int, out_dim: int) -> GNN:
     return GNN([_MeanNoTransform(in_dim, 8), _MeanNoTransform(8, out_dim)], 0.0)
 

@@ -88,6 +88,8 @@ def run_layer(convs: Sequence[PushdownLayer], graph: CSRGraph, hs: Sequence[Tens
         Per configuration, the layer's output before :meth:`PushdownLayer.output_bias`.
     """
     n = graph.num_dst
+    # sparse rows are transformed first (below); a layer without a transform (a user's) aggregates them dense
+    hs = [h.to_dense() if is_sparse(h) and not c.declare().transform else h for c, h in zip(convs, hs)]
     if graph.fixed_aggregation is not None:  # computed when the batch was kept: only the epilogue runs
         fixed = graph.fixed_aggregation
         return [conv.epilogue(fixed, h, None, True, n) for conv, h in zip(convs, hs)]
