@@ -250,19 +250,22 @@ class Trainer:
         device = resolve_device(cfg.device)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
+        # from before the data is loaded: a load's transient copies can be the run's peak
+        meter = PeakMemory(device=device).start()
         try:
             strategy = self._strategy(device)
             try:
-                return self._fit(strategy, device, ckpt, paths if cfg.resume else None)
+                return self._fit(strategy, device, ckpt, paths if cfg.resume else None, meter)
             finally:
                 strategy.close()
         finally:
+            meter.stop()
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
 
     def _fit(self, strategy: Strategy, device: torch.device, ckpt: dict[str, Any] | None,
-             paths: RunPaths | None) -> dict[str, Any]:
+             paths: RunPaths | None, meter: PeakMemory) -> dict[str, Any]:
         cfg = self.cfg
         task = strategy.task
         metric = task.select_metric(cfg.metric)  # a metric that does not fit the store's task is refused here
@@ -320,7 +323,6 @@ class Trainer:
             elif banner.startswith("warning: "):  # a library caller without progress still hears of a risk
                 warnings.warn(banner.removeprefix("warning: "), stacklevel=3)
         log = MetricsLog(paths.metrics, offset=prog.log_offset if scratch is None else None)
-        meter = PeakMemory(device=device).start()
         ctx = _RunContext(strategy, task, metric, paths, log, meter, prog, checksum, device)
         t_start = time.perf_counter()
         fresh = ckpt is None and scratch is None
@@ -349,7 +351,6 @@ class Trainer:
                 self.history = list(iter_jsonl(paths.metrics))
         finally:
             log.close()
-            meter.stop()
             if owned is not None:
                 owned.cleanup()
         if scratch is None:
