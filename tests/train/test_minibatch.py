@@ -243,3 +243,27 @@ def test_feature_residency_bad_input(sbm, tmp_path, capsys):
     assert "--feature-residency" in capsys.readouterr().err
     with pytest.raises(TrellisUserError, match="--feature-residency device with --parts-dir"):
         cfg(sbm, tmp_path, strategy="mini", parts_dir=str(tmp_path), nproc=1, feature_residency="device")
+
+
+def test_sigterm_to_the_process_group_with_sampler_processes_checkpoints(sbm, tmp_path):
+    """``timeout``, Slurm and systemd send SIGTERM to the whole group: the samplers' fork server died of it, every
+    worker then read as exited (code 255), and the run failed with exit 1 and no checkpoint (2 of 5 tries)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.train.helpers import wait_for_epochs
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    for attempt in range(3):
+        out = tmp_path / f"r{attempt}"
+        proc = subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", str(sbm), "--strategy", "mini",
+                                 "--model", "sage", "--fanouts", "5,5", "--batch-size", "64", "--epochs", "500",
+                                 "--samplers", "1", "--no-progress", "--out", str(out)],
+                                env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_for_epochs(out, proc, 3 + 2 * attempt)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143 and "checkpoint written" in err.decode(), err.decode()[-1500:]
+        assert "leaked" not in err.decode()

@@ -730,7 +730,10 @@ class _Slots:
 
 def _worker_main(rank: int, conn: Connection, threads: int, recycle: bool = False, background: bool = False) -> None:
     """A worker process: load the source, then build the batches it is asked for until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle; it stops us
+    # Ctrl-C and SIGTERM are the consumer's to handle (it checkpoints, then stops us): `timeout`, Slurm and systemd
+    # signal the whole process group, and a worker that died of it mid-epoch failed the consumer's stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     try:
         if background:  # before any thread pool starts, so that its threads inherit the policy
@@ -806,7 +809,7 @@ def _worker_main(rank: int, conn: Connection, threads: int, recycle: bool = Fals
 
 # ---- the pool ------------------------------------------------------------------------------------------
 
-_FORKSERVER_PRELOAD = ["trellis.loader.producer"]
+_FORKSERVER_PRELOAD = ["trellis.loader._forkserver", "trellis.loader.producer"]
 
 
 def _context(method: str) -> Any:
