@@ -180,3 +180,49 @@ def test_resume_refuses_a_rebuilt_pp_cache(store, tmp_path):
                                      "progress": False})
     with pytest.raises(TrellisUserError, match="changed since it started .*a rebuilt --pp-dir"):
         Trainer(resumed).fit()
+
+
+def test_a_pp_run_is_read_back_and_refuses_a_rebuilt_cache(store, tmp_path, monkeypatch):
+    """``trellis.load_run`` refused every pp run (so ``trellis.train(strategy="pp", nproc=2)`` raised after
+    training), and ``trellis predict`` read whatever cache its PP_DIR held by then: a cache rebuilt with other
+    hops and another operator predicted with exit 0. The model file now records the cache's settings and its
+    absolute path (predict from another directory found no cache)."""
+    import numpy as np
+
+    import trellis
+    from trellis.train.predict import predict
+
+    cache = tmp_path / "cache"
+    assert main(["preprocess", str(store), "--hops", "2", "--out", str(cache), "--no-progress"]) == 0
+    monkeypatch.chdir(tmp_path)
+    run = trellis.train(str(store), strategy="pp", pp_dir="cache", model="sgc", epochs=3, out=tmp_path / "run")
+    back = trellis.load_run(tmp_path / "run")
+    assert torch.equal(back.predict(logits=True), run.predict(logits=True))
+    monkeypatch.chdir(tmp_path.parent)
+    got = predict(tmp_path / "run", store, tmp_path / "p.npy", device="cpu")
+    assert got["num_nodes"] == 300 and np.load(tmp_path / "p.npy").shape == (300,)
+    assert main(["preprocess", str(store), "--hops", "3", "--operator", "rw", "--out", str(cache), "--overwrite",
+                 "--no-progress"]) == 0
+    with pytest.raises(TrellisUserError, match=r"rebuilt since the model trained on it \(hops 2 then, 3 now, "
+                                               r"operator 'sym' then, 'rw' now\)"):
+        predict(tmp_path / "run", store, tmp_path / "q.npy", device="cpu")
+
+
+def test_a_pp_sweep_under_a_memory_budget_and_its_configs_replay_from_anywhere(store, pp_dir, tmp_path, monkeypatch):
+    """``trellis sweep --memory-budget`` with strategy=pp was refused over --spill-dir (never given); the
+    configurations' config.json named the cache as typed, so replaying one from another directory failed."""
+    import json
+    import shutil
+
+    from trellis.train.sweep import SweepConfig, parse_grid, run_sweep
+
+    shutil.copytree(pp_dir, tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    run_sweep(SweepConfig(store=str(store), model="sign", grid=parse_grid(["lr=0.01,0.005"]), epochs=2,
+                          base={"strategy": "pp", "pp_dir": "cache", "hidden": "8", "memory_budget": "1G"},
+                          out=str(tmp_path / "sw"), progress=False))
+    saved = json.loads((tmp_path / "sw" / "configs" / "c00" / "config.json").read_text())
+    assert saved["pp_dir"] == str(tmp_path / "cache") and saved["store"] == str(store.resolve())
+    monkeypatch.chdir(tmp_path.parent)
+    assert main(["train", "--config", str(tmp_path / "sw" / "configs" / "c00" / "config.json"), "--out",
+                 str(tmp_path / "replay"), "--no-progress"]) == 0

@@ -602,11 +602,14 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
     a, b = split_rows(cache)
     row = h * cache.row_bytes
     data = (b - a) * row
-    batch = batch_size * row
+    # a batch buffer holds at most a split's rows (and one more: a last batch of one row joins the one before)
+    largest = max(hi - lo for lo, hi in (cache.split_range(s) for s in ("train", "val", "test")))
+    rows = min(batch_size + 1, max(1, largest))
+    batch = rows * row
     buffers = 2 * batch
     if budget < buffers:
         raise TrellisUserError(
-            f"memory budget {format_size(budget)} ({source}) is too small for one batch: {batch_size} rows × "
+            f"memory budget {format_size(budget)} ({source}) is too small for one batch: {rows} rows × "
             f"{h} hops × {cache.num_features} features × 4 B, double-buffered = {format_size(buffers)}; raise "
             "--memory-budget or lower --batch-size"
         )

@@ -279,15 +279,22 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
     models, headers = [], []
     for r in range(len(summary["seeds"])):
         saved = torch.load(paths.model(r), map_location="cpu", weights_only=True)
-        if saved.get("strategy") == "pp" or "kwargs" not in saved:
-            raise TrellisUserError(f"{paths.model(r)}: a {saved.get('model')} model file cannot be rebuilt as a "
-                                   "module here; use trellis.predict(run_dir, store, out)")
+        if "kwargs" not in saved:
+            raise TrellisUserError(f"{paths.model(r)}: a {saved.get('model')} model file of an older trellis cannot "
+                                   "be rebuilt as a module here; use trellis.predict(run_dir, store, out)")
         headers.append({k: v for k, v in saved.items() if k != "state_dict"})
-        m = make_model(default_model_factory, saved["model"], saved["in_dim"], saved["out_dim"],
-                       edge_dim=saved["edge_dim"], **saved["kwargs"])
-        features = str(saved.get("features", "store"))
-        if features.startswith("embedding:"):
-            m = NodeEmbedding(m, saved["num_nodes"], int(features.split(":", 1)[1]))
+        m: nn.Module
+        if saved.get("strategy") == "pp":  # a dense model over the cache's hops (pre-propagation)
+            from trellis.nn.pp_models import build_pp_model
+
+            m = build_pp_model(saved["model"], saved["num_features"], saved["hops"], saved["out_dim"],
+                               **saved["kwargs"])
+        else:
+            m = make_model(default_model_factory, saved["model"], saved["in_dim"], saved["out_dim"],
+                           edge_dim=saved["edge_dim"], **saved["kwargs"])
+            features = str(saved.get("features", "store"))
+            if features.startswith("embedding:"):
+                m = NodeEmbedding(m, saved["num_nodes"], int(features.split(":", 1)[1]))
         m.load_state_dict(saved["state_dict"])
         models.append(m.eval())  # as trellis.train's: ready to evaluate
     return Run(summary, list(iter_jsonl(paths.metrics)), models, cfg, paths.root, headers)

@@ -246,6 +246,11 @@ class SweepConfig:
                 raise TrellisUserError(f"--set {key} and --grid {name}: give the values in one place")
 
 
+def replay_config(cfg: TrainConfig) -> dict[str, Any]:
+    """A configuration as its ``config.json`` (``trellis train --config`` replays it from any directory)."""
+    return {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())}
+
+
 def typed_base(base: dict[str, Any]) -> dict[str, Any]:
     """``--set``'s values typed: its strings and a Python caller's numbers make one record (and one resume).
 
@@ -253,9 +258,13 @@ def typed_base(base: dict[str, Any]) -> dict[str, Any]:
         TrellisUserError: An unknown key or a value that does not parse, named as ``--set``'s.
     """
     try:
-        return typed_values(base, "--set")
+        typed = typed_values(base, "--set")
     except TrellisUserError as exc:
         raise TrellisUserError(f"--set: {exc}") from None
+    for key in ("pp_dir", "parts_dir", "spill_dir"):  # every config.json replays from any directory
+        if typed.get(key):
+            typed[key] = str(Path(typed[key]).resolve())
+    return typed
 
 
 @dataclass
@@ -368,7 +377,7 @@ def load_sweep_data(entries: list[SweepEntry], device: torch.device, rewrites: S
     ``spill_dir`` is where an out-of-core strategy spills when the configurations name no ``--spill-dir``.
     """
     cfg = entries[0].cfg
-    if spill_dir is not None and cfg.memory_budget is not None and cfg.spill_dir is None:
+    if spill_dir is not None and cfg.memory_budget is not None and cfg.spill_dir is None and cfg.strategy == "full":
         cfg = replace(cfg, spill_dir=str(spill_dir))
     strategy = strategy_class(cfg.strategy).for_config(cfg)(cfg, device)
     if not isinstance(strategy, FullBatch | OutOfCoreFull | PrePropagation):
@@ -419,7 +428,7 @@ def open_state(entry: SweepEntry, strategy: Strategy, metric: str, device: torch
     cfg = entry.cfg
     d = root / "configs" / entry.id
     (d / "models").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(d / "config.json", cfg.to_dict())
+    write_json_atomic(d / "config.json", replay_config(cfg))
     stopper = EarlyStopping(metric, cfg.patience, strategy.task.higher_is_better.get(metric, True))
     return ConfigState(cfg, model, build_run_optimizer(cfg, model), stopper, MetricsLog(d / "metrics.jsonl"), gen,
                        fields={"run": 0, "seed": cfg.seed}, weight=strategy.epoch_weight(model), entry=entry)

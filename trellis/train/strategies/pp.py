@@ -54,6 +54,15 @@ def predict_pp(record: dict[str, Any], store: GraphStore, device: torch.device, 
         TrellisUserError: The cache is gone, was built from another store, or keeps only split rows.
     """
     cache = open_checked_cache(record["pp_dir"], store)
+    trained_on = record.get("pp_settings")  # model files before it was recorded: not checked
+    if trained_on is not None and dict(cache.manifest["settings"]) != trained_on:
+        now = dict(cache.manifest["settings"])
+        changed = sorted(k for k in set(now) | set(trained_on) if now.get(k) != trained_on.get(k))
+        raise TrellisUserError(
+            f"{cache.path}: the cache was rebuilt since the model trained on it ("
+            + ", ".join(f"{k} {trained_on.get(k)!r} then, {now.get(k)!r} now" for k in changed)
+            + "); rebuild it with the run's settings (`trellis preprocess STORE --out PP_DIR --overwrite` with "
+            "them), or predict with a run trained on this cache")
     if cache.split_rows_only:
         raise TrellisUserError(
             f"{cache.path}: built with --split-rows-only, so it holds only train/val/test rows; predicting every "
@@ -163,8 +172,9 @@ class PrePropagation(Strategy):
         """What rebuilds the model for ``trellis predict``: widths, hops and the cache."""
         return {"strategy": "pp", "num_features": self.cache.num_features, "hops": self.cache.hops,
                 "out_dim": self.task.num_outputs, "kwargs": self._model_kwargs(cfg), "task": self.task.name,
-                "pp_dir": str(self.cache.path), "feature_norm": self.cache.feature_norm, "features": "store",
-                "num_nodes": self.store.num_nodes}
+                "pp_dir": str(Path(self.cache.path).resolve()), "feature_norm": self.cache.feature_norm,
+                "features": "store", "num_nodes": self.store.num_nodes,
+                "pp_settings": dict(self.cache.manifest["settings"])}  # predict refuses a cache rebuilt since
 
     def begin_run(self, seed: int) -> None:
         """Shuffles of this run follow its seed."""
