@@ -172,3 +172,22 @@ def test_train_pp_explain(store, pp_dir, capsys) -> None:
                  "--explain", "--memory-budget", "1G"]) == 0
     out = capsys.readouterr().out
     assert "parameters" in out and "placement: memory" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--operator", "heat", "--t", "inf"], "--t inf must be a finite number > 0"),  # built an all-NaN cache
+    (["--shuffle-seed", "-1"], "--shuffle-seed -1 must be an integer >= 0"),  # a ValueError traceback
+    (["--block-rows", "0"], "--block-rows 0 must be >= 1"),  # read as "not given"
+])
+def test_bad_preprocess_values_are_one_line(store, tmp_path, capsys, args, message) -> None:
+    assert main(["preprocess", str(store), *args, "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    assert message in err_of(capsys) and not (tmp_path / "x").exists()
+
+
+def test_bad_preprocess_values_from_python(store, tmp_path) -> None:
+    from trellis.errors import TrellisUserError
+    from trellis.loader.ppcache import preprocess
+
+    for kw, message in (({"hops": 2.5}, "--hops 2.5 must be an integer"), ({"shuffle_seed": -1}, "--shuffle-seed")):
+        with pytest.raises(TrellisUserError, match=message):
+            preprocess(str(store), tmp_path / "y", **kw)

@@ -589,7 +589,7 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
             conflicting flags.
     """
     if loader not in LOADERS:
-        raise TrellisUserError(f"unknown --loader {loader!r}; use one of {', '.join(LOADERS)}")
+        raise TrellisUserError(f"unknown --pp-loader {loader!r}; use one of {', '.join(LOADERS)}")
     if batch_size < 1:
         raise TrellisUserError(f"--batch-size {batch_size} must be >= 1")
     if chunk_size is not None and chunk_size < 1:
@@ -638,19 +638,19 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
         need = data + buffers + (naive_extra if loader.startswith("naive") else 0)
         if need > budget:
             raise TrellisUserError(
-                f"--loader {loader} keeps {format_size(need)} in memory but the budget is {format_size(budget)} "
-                f"({source}); use --loader storage (or auto), fewer hops, or a larger --memory-budget"
+                f"--pp-loader {loader} keeps {format_size(need)} in memory but the budget is {format_size(budget)} "
+                f"({source}); use --pp-loader storage (or auto), fewer hops, or a larger --memory-budget"
             )
     if loader in ("naive", "naive-batch", "index", "prefetch"):
         if chunk_size not in (None, 1):
             raise TrellisUserError(
-                f"--chunk-size applies to --loader chunk, storage or auto, not {loader} (exact reshuffling)")
+                f"--chunk-size applies to --pp-loader chunk, storage or auto, not {loader} (exact reshuffling)")
         return Placement(loader, "memory", 1, loader == "prefetch", budget, source, data, batch,
-                         f"--loader {loader} asked for; the split rows take {format_size(data)}")
+                         f"--pp-loader {loader} asked for; the split rows take {format_size(data)}")
     c = chunk_size or batch_size
     where = "memory" if loader == "chunk" else "storage"
     return Placement(loader, where, c, True, budget, source, data, batch,
-                     f"--loader {loader} asked for; the split rows take {format_size(data)}")
+                     f"--pp-loader {loader} asked for; the split rows take {format_size(data)}")
 
 
 class PPData:

@@ -134,8 +134,10 @@ class PPSettings:
     feature_norm: str = "auto"
 
     def __post_init__(self) -> None:
-        if int(self.hops) < 1:
-            raise TrellisUserError(f"--hops {self.hops} must be >= 1 (R = number of propagation steps)")
+        if isinstance(self.hops, bool) or not isinstance(self.hops, int) or self.hops < 1:
+            raise TrellisUserError(f"--hops {self.hops!r} must be an integer >= 1 (R = number of propagation steps)")
+        if isinstance(self.shuffle_seed, bool) or not isinstance(self.shuffle_seed, int) or self.shuffle_seed < 0:
+            raise TrellisUserError(f"--shuffle-seed {self.shuffle_seed!r} must be an integer >= 0")
         if self.feature_norm not in FEATURE_NORMS:
             raise TrellisUserError(
                 f"unknown --feature-norm {self.feature_norm!r}; use one of {', '.join(FEATURE_NORMS)}")
@@ -265,7 +267,7 @@ class PPCache:
                 f"{self.path} was preprocessed from another store (checksum {self.store_checksum[:12]}…, "
                 f"built from {self.manifest['store'].get('path')}) than {store.path} "
                 f"(checksum {store.checksum[:12]}…); run `trellis preprocess {store.path} --out NEW_DIR` "
-                "or pass --overwrite to rebuild it"
+                "or `trellis preprocess ... --overwrite` to rebuild it"
             )
 
     def rows_for_nodes(self, nodes: np.ndarray) -> np.ndarray:
@@ -446,7 +448,7 @@ def build_pp(store: GraphStore, out: str | os.PathLike[str], settings: PPSetting
         y = store.y
         if y is not None:
             np.save(tmp / "y.npy", np.asarray(y)[rows])
-        brows = int(block_rows) if block_rows else default_block_rows(f)
+        brows = int(block_rows) if block_rows is not None else default_block_rows(f)
         if brows < 1:
             raise TrellisUserError(f"--block-rows {brows} must be >= 1")
         nb_graph = max(1, -(-store.num_nodes // brows))

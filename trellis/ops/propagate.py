@@ -73,8 +73,8 @@ class OperatorSpec:
             raise TrellisUserError(f"unknown operator {self.name!r}; use one of {', '.join(OPERATORS)}")
         if self.name == "ppr" and not 0.0 < self.alpha <= 1.0:
             raise TrellisUserError(f"--alpha {self.alpha} must be in (0, 1] (the PPR teleport probability)")
-        if self.name == "heat" and not self.t > 0.0:
-            raise TrellisUserError(f"--t {self.t} must be > 0 (the heat-kernel diffusion time)")
+        if self.name == "heat" and not (self.t > 0.0 and math.isfinite(self.t)):  # t = inf: an all-NaN cache
+            raise TrellisUserError(f"--t {self.t} must be a finite number > 0 (the heat-kernel diffusion time)")
         if self.iters is not None and self.iters < 1:
             raise TrellisUserError(f"--iters {self.iters} must be >= 1")
 
