@@ -242,7 +242,7 @@ def test_placement_rules(cache) -> None:
     assert "more than the budget" in pl.reason
     with pytest.raises(TrellisUserError, match="too small for one batch"):
         plan_placement(cache, hops, 16, memory_budget=16 * 4 * F * 4)
-    with pytest.raises(TrellisUserError, match="--loader index keeps"):
+    with pytest.raises(TrellisUserError, match="--pp-loader index keeps"):
         plan_placement(cache, hops, 16, loader="index", memory_budget=data_bytes // 4)
     with pytest.raises(TrellisUserError, match="chunk-size applies"):
         plan_placement(cache, hops, 16, loader="index", chunk_size=4, memory_budget="1G")
