@@ -288,3 +288,22 @@ def test_a_builder_no_rank_can_import_is_refused_before_ranks_start():
     finally:
         os.environ.pop(USER_MODEL_ENV, None)
         MODELS.pop("stub_t", None)
+
+
+def test_a_rank_that_ignores_the_forwarded_stop_is_stopped_once_the_others_exit(monkeypatch):
+    """After a forwarded Ctrl-C the launcher waited for every rank with no deadline; a rank blocked in C++ (torch's
+    TCPStore connecting to a rank 0 that had exited) kept the job alive for good."""
+    import io
+
+    from trellis.train import launch
+
+    monkeypatch.setattr(launch, "STOP_WAIT_S", 0.5)
+    monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time\nfor s in (signal.SIGINT, signal.SIGTERM):\n"
+                              "    signal.signal(s, signal.SIG_IGN)\ntime.sleep(600)"])
+    err = io.StringIO()
+    t0 = time.monotonic()
+    assert launch._watch([done, stuck], err, [signal.SIGINT]) == 130
+    assert time.monotonic() - t0 < 30 and stuck.poll() is not None
+    assert f"rank 1 (pid {stuck.pid}) did not stop within 0 s of the others" in err.getvalue()

@@ -46,6 +46,8 @@ from trellis.utils.sizes import format_size, parse_size
 
 #: Seconds the launcher waits for ranks to stop after SIGTERM before it kills them.
 GRACE_S = 10.0
+#: Seconds the other ranks get to stop once one has exited after a forwarded Ctrl-C/SIGTERM.
+STOP_WAIT_S = 60.0
 
 
 def _check_port(port: int) -> None:
@@ -330,12 +332,23 @@ def _watch(procs: list[subprocess.Popen[bytes]], err: Any, stopping: list[int]) 
     """Wait for every rank; on the first failure name it, stop the rest and return non-zero.
 
     After the launcher passed on SIGINT/SIGTERM (``stopping``), ranks exit 128 + signal once they have
-    checkpointed together: that is waited for, not treated as a death.
+    checkpointed together: that is waited for, not treated as a death. But once one rank has exited, the rest
+    get :data:`STOP_WAIT_S`: a rank still starting up can be blocked in C++ connecting to a rank 0 that is gone
+    (torch's TCPStore), where no signal reaches it, and the launcher waited for it for good.
     """
+    first_exit: float | None = None
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             return next((c if c > 0 else 128 - c for c in codes if c), 0)
+        if stopping and any(c is not None for c in codes):
+            first_exit = first_exit if first_exit is not None else time.monotonic()
+            if time.monotonic() - first_exit > STOP_WAIT_S:
+                late = [r for r, c in enumerate(codes) if c is None]
+                print(f"rank {late[0]} (pid {procs[late[0]].pid}) did not stop within {STOP_WAIT_S:.0f} s of the "
+                      "others; stopping it", file=err, flush=True)
+                _stop(procs)
+                return 128 + stopping[0]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed and not stopping:
             r = failed[0]
