@@ -103,6 +103,26 @@ def test_resume_is_exact(sbm_store, p4, tmp_path):
     assert _losses(tmp_path / "run") == _losses(tmp_path / "ref")
 
 
+
+def test_resume_refuses_a_layout_repartitioned_in_place(sbm_store, tmp_path):
+    """A PART_DIR re-partitioned in place (same store, same part count, another method) between a kill and its
+    --resume trained the rest of the run on the other parts, silently."""
+    parts = _layout(sbm_store, tmp_path / "p4", 4, "metis")
+    c = _cfg(sbm_store, tmp_path / "run", parts_dir=str(parts), buffer_parts=2, epochs=4, checkpoint_every=1)
+
+    def stop_at(t, rec):
+        if rec["epoch"] == 1:
+            t.request_stop()
+
+    with pytest.raises(trainer.TrainingInterrupted):
+        trainer.Trainer(c, callbacks=[stop_at]).fit()
+    shutil.rmtree(parts)
+    _layout(sbm_store, parts, 4, "random")
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    with pytest.raises(TrellisUserError, match=r"changed since it started \(layout: .*'metis'.* then, .*'random'"):
+        trainer.train(TrainConfig.from_dict({**saved, "resume": c.out, "progress": False}))
+
+
 def test_real_data_bag_of_words_all_resident_equals_mini(dataset, tmp_path):
     """Cora's bag-of-words rows, row-normalized as each part is read, give mini's losses exactly."""
     store = import_graph(dataset("cora"), tmp_path / "cora", format="planetoid", progress=False)

@@ -532,6 +532,20 @@ class EdgeBucket:
         return int(self.src.shape[0])
 
 
+def layout_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What names a layout's partition: its method, part count and its node-to-part map's checksum.
+
+    Read from the manifest: nothing is hashed here. ``{}`` when ``path`` holds no readable layout (its reader
+    says why).
+    """
+    try:
+        m = LAYOUT.read(Path(path))
+    except (OSError, ValueError, TrellisUserError):
+        return {}
+    return {"method": m.get("method"), "num_parts": m.get("num_parts"),
+            "node_parts": m.get("arrays", {}).get("node_parts.npy", {}).get("sha256")}
+
+
 class PartitionedGraph:
     """Read access to a layout directory written by :func:`write_layout` / ``trellis partition``.
 

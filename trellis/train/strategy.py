@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
+from trellis.partition.layout import layout_identity
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model, default_model_factory, make_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import check_edge_weights
@@ -156,11 +157,14 @@ class Strategy(ABC):
         return str(self.store.checksum)
 
     def derived_inputs(self) -> dict[str, Any]:
-        """What the run trains on besides the store, built from it (a pre-propagation cache's settings).
+        """What the run trains on besides the store, built from it (a layout, a pre-propagation cache's settings).
 
-        A resumed run must find the same; the checkpoint records it.
+        A resumed run must find the same; the checkpoint records it. A layout is named by its method, part
+        count and the checksum of its node-to-part map: a PART_DIR re-partitioned in place between a kill and
+        its ``--resume`` trained the rest of the run on other parts, silently.
         """
-        return {}
+        parts = getattr(self.cfg, "parts_dir", None)
+        return {"layout": layout_identity(parts)} if parts else {}
 
     @property
     def num_edges(self) -> int:

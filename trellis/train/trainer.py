@@ -280,10 +280,12 @@ class Trainer:
                                        "started on; pass the original STORE")
             _check_checkpoint_config(paths, ckpt.get("config"), cfg)
             derived = strategy.derived_inputs()
-            if ckpt.get("derived_inputs", derived) != derived:
+            then = ckpt.get("derived_inputs") or {}  # what an older checkpoint did not record is not compared
+            changed = [k for k in then if then[k] != derived.get(k)]
+            if changed:
                 raise TrellisUserError(f"--resume {paths.root}: what the run trains on besides the store changed since "
-                                       f"it started ({ckpt['derived_inputs']} then, {derived} now; a rebuilt "
-                                       "--pp-dir?); restore it, or start a new run")
+                                       f"it started ({changed[0]}: {then[changed[0]]} then, {derived.get(changed[0])} "
+                                       "now; a rebuilt --pp-dir or --parts-dir?); restore it, or start a new run")
             prog = _Progress(**ckpt["progress"])
             logged = paths.metrics.stat().st_size if paths.metrics.is_file() else -1
             if logged < prog.log_offset:
