@@ -297,7 +297,10 @@ def _interrupted(small_store, out):
     (lambda d: (d / "config.json").write_text(
         json.dumps({**json.loads((d / "config.json").read_text()), "lr": 0.5})),
      r"its checkpoint was written with lr = 0\.01 but config\.json says 0\.5"),
-], ids=["garbage-checkpoint", "empty-checkpoint", "short-log", "missing-log", "edited-config"])
+    (lambda d: (d / "config.json").write_text(  # another strategy's run: named by its strategy, not batch_size
+        json.dumps({**json.loads((d / "config.json").read_text()), "strategy": "mini", "batch_size": 7})),
+     r"its checkpoint was written with strategy = 'full' but config\.json says 'mini'"),
+], ids=["garbage-checkpoint", "empty-checkpoint", "short-log", "missing-log", "edited-config", "other-strategy"])
 def test_a_damaged_run_directory_is_refused_on_resume_by_name(small_store, tmp_path, damage, match):
     """Tracebacks before; a short log was padded with NUL bytes and every later resume failed, a missing one gave a
     silently partial history, an edited config mixed two configurations in one run."""

@@ -43,6 +43,7 @@ from trellis.train.strategies.partitioned import check_layout
 from trellis.train.strategies.partitioned_outofcore import check_rank_model
 from trellis.utils.memory import proc_status
 from trellis.utils.sizes import format_size, parse_size
+from trellis.utils.tempdirs import OwnedTempDir
 
 #: Seconds the launcher waits for ranks to stop after SIGTERM before it kills them.
 GRACE_S = 10.0
@@ -267,11 +268,11 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
     # die with this process, and a stop of the whole process reaches them through _die_with_parent).
     forwarding = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if forwarding else {}
-    fd, name = tempfile.mkstemp(prefix="trellis-ranks-", suffix=".json")
-    cfg_file = Path(name)
+    # owned: a launcher killed with -9 leaves it only until the next launch (utils/tempdirs.py)
+    cfg_dir = OwnedTempDir("trellis-ranks-")
+    cfg_file = Path(cfg_dir.name) / "config.json"
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(values))
+        cfg_file.write_text(json.dumps(values))
         for r in range(total):
             env = {**base, **user, "RANK": str(r), "LOCAL_RANK": str(r), **({QUIET_ENV: "1"} if quiet else {})}
             # Own session: a terminal's Ctrl-C reaches only the launcher, which passes it on once (two
@@ -283,7 +284,7 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        cfg_file.unlink(missing_ok=True)
+        cfg_dir.cleanup()
         for d in Path(tempfile.gettempdir()).glob(f"{PEER_PREFIX}{job}-*"):  # a killed peer's scratch directory
             shutil.rmtree(d, ignore_errors=True)
 

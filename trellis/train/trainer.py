@@ -92,8 +92,10 @@ def _check_checkpoint_config(paths: RunPaths, saved: Any, cfg: TrainConfig) -> N
     if not isinstance(saved, dict):
         return
     now = cfg.to_dict()
-    diff = sorted(k for k in set(saved) | set(now)
-                  if k not in ("store", "out", "device", "epochs") and saved.get(k) != now.get(k))
+    first = {"strategy": 0, "model": 1}  # a checkpoint of another kind of run is named as such
+    diff = sorted((k for k in set(saved) | set(now)
+                   if k not in ("store", "out", "device", "epochs") and saved.get(k) != now.get(k)),
+                  key=lambda k: (first.get(k, 2), k))
     if diff:
         k = diff[0]
         raise TrellisUserError(f"--resume {paths.root}: its checkpoint was written with {k} = {saved.get(k)!r} but "
