@@ -62,17 +62,18 @@ def test_guard_refuses_what_is_not_ours_and_deletes_nothing(tmp_path):
 
 def test_atomic_dir_replaces_an_owned_directory_only_when_complete(tmp_path):
     out = tmp_path / "out"
+    store, new = '{"format": "trellis-store"}', '{"format": "trellis-store", "new": 1}'
     with atomic_dir(out) as tmp:
-        (tmp / "manifest.json").write_text("{}")
+        (tmp / "manifest.json").write_text(store)
         assert not out.exists()
     assert (out / "manifest.json").is_file()
     with pytest.raises(RuntimeError), atomic_dir(out, overwrite=True) as tmp:
-        (tmp / "manifest.json").write_text('{"new": 1}')
+        (tmp / "manifest.json").write_text(new)
         raise RuntimeError("killed")
-    assert (out / "manifest.json").read_text() == "{}"
+    assert (out / "manifest.json").read_text() == store
     with atomic_dir(out, overwrite=True) as tmp:
-        (tmp / "manifest.json").write_text('{"new": 1}')
-    assert json.loads((out / "manifest.json").read_text()) == {"new": 1}
+        (tmp / "manifest.json").write_text(new)
+    assert json.loads((out / "manifest.json").read_text()) == json.loads(new)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -108,3 +109,20 @@ def test_a_killed_writers_sibling_goes_when_the_output_is_written_again(tmp_path
     with atomic_dir(out, what="sweep directory") as tmp:
         (tmp / "sweep.json").write_text("{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+
+
+def test_overwrite_replaces_a_store_but_not_another_trellis_artefact(tmp_path):
+    """Any directory with a manifest.json was replaceable: an import or `generate --overwrite` with a mistyped --out
+    replaced a pre-propagation cache (or a layout) with a store."""
+    import json
+
+    from trellis.errors import TrellisUserError
+    from trellis.utils.atomic import check_output
+
+    for name, fmt in (("cache", "trellis-pp"), ("layout", "trellis-partition"), ("store", "trellis-store")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"format": fmt}))
+    check_output(tmp_path / "store", overwrite=True)
+    for name in ("cache", "layout"):
+        with pytest.raises(TrellisUserError, match="is not a Trellis store; refusing to overwrite it"):
+            check_output(tmp_path / name, overwrite=True)

@@ -116,8 +116,16 @@ def save_npy_atomic(path: str | os.PathLike[str], array: np.ndarray) -> None:
 
 
 # ---- directories ------------------------------------------------------------------------------------
-def _has_manifest(path: Path) -> bool:
-    return (path / MANIFEST).is_file()
+def _is_store(path: Path) -> bool:
+    """A graph store's directory (its manifest says so): what ``--overwrite`` of a store may replace.
+
+    Why not any ``manifest.json``: a pre-propagation cache and a partition layout have one too, and an import or
+    ``generate`` with ``--overwrite`` and a mistyped ``--out`` replaced them with a store.
+    """
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == "trellis-store"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_output(out: str | os.PathLike[str], *, overwrite: bool = False,
@@ -128,8 +136,8 @@ def check_output(out: str | os.PathLike[str], *, overwrite: bool = False,
         out: The output path (``--out``).
         overwrite: Whether ``--overwrite`` was given.
         owned: Whether an existing directory is this command's kind of output and may be replaced
-            (default: it has a ``manifest.json``, i.e. it is a Trellis artefact). An empty directory is
-            always replaceable.
+            (default: a graph store's, its manifest's format ``trellis-store``). An empty directory is always
+            replaceable.
         what: What ``out`` should be, for the message (default: ``Trellis store``).
 
     Raises:
@@ -141,7 +149,7 @@ def check_output(out: str | os.PathLike[str], *, overwrite: bool = False,
         return
     if not overwrite:
         raise TrellisUserError(f"{out}: output already exists; choose another --out, remove it, or pass --overwrite")
-    is_ours = owned or _has_manifest
+    is_ours = owned or _is_store
     if out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or is_ours(out)):
         return
     raise TrellisUserError(f"{out}: exists and is not a {what}; refusing to overwrite it (choose another --out)")
