@@ -99,3 +99,17 @@ def test_from_arrays_symmetrizes_by_default_like_the_cli(tmp_path):
     assert s.num_edges == 6  # every edge in both directions
     kept = open_store(from_arrays([0, 1, 2], [1, 2, 0], 3, out=tmp_path / "k", symmetrize=False))
     assert kept.num_edges == 3
+
+
+@pytest.mark.parametrize("train, message", [
+    (np.array([1, 0, 1, 0, 0, 0], dtype=np.uint8), "node 0 appears 4 times in the split; it looks like a 0/1 mask"),
+    (np.array([2, 2, 3]), r"node 2 appears 2 times in the split; give each node once"),
+    (np.zeros((6, 2), dtype=bool), r"split mask has shape \[6, 2\]"),
+])
+def test_split_ids_that_would_train_on_the_wrong_nodes_are_refused(tmp_path, train, message):
+    """A uint8 mask (older PyG and DGL) was read as node ids, duplicates trained a node several times, and a 2-D mask
+    was flattened into positions that are not node ids."""
+    with pytest.raises(TrellisUserError, match=message):
+        from_arrays([0, 1, 2], [1, 2, 3], out=tmp_path / "s", num_nodes=6, x=np.ones((6, 2), np.float32),
+                    y=np.array([0, 1, 0, 1, 0, 1]), splits={"train": train})
+    assert not (tmp_path / "s").exists()

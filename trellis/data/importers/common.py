@@ -140,13 +140,25 @@ def check_split(ids: np.ndarray, num_nodes: int | None, where: str) -> np.ndarra
     """Split ids as int64: a boolean mask of length N or integer node ids in ``[0, N)``."""
     ids = np.asarray(ids)
     if ids.dtype == np.bool_:
+        if ids.ndim != 1:  # flat positions of an [N, k] mask are not node ids
+            raise TrellisUserError(f"{where}: split mask has shape {list(ids.shape)}; give one split's mask, one "
+                                   "entry per node (e.g. the column mask[:, 0] of a multi-split mask)")
         if num_nodes is not None and ids.shape[0] != num_nodes:
             raise TrellisUserError(f"{where}: split mask has {ids.shape[0]} entries but the graph has {num_nodes} "
                                    "nodes; give one entry per node or a list of node ids")
         return np.flatnonzero(ids).astype(np.int64)
     if ids.ndim != 1:
         ids = ids.reshape(-1)
-    return as_node_ids(ids, where, num_nodes)
+    out = as_node_ids(ids, where, num_nodes)
+    uniq, counts = np.unique(out, return_counts=True)
+    if uniq.shape[0] != out.shape[0]:  # a node counted several times in the loss (or a 0/1 mask read as ids)
+        node = int(uniq[np.argmax(counts)])
+        mask = out.shape[0] > 2 and uniq.shape[0] <= 2 and set(uniq.tolist()) <= {0, 1}
+        raise TrellisUserError(
+            f"{where}: node {node} appears {int(counts.max())} times in the split"
+            + ("; it looks like a 0/1 mask (older PyG and DGL save them as uint8): save it as bool, or give the "
+               "node ids" if mask else "; give each node once"))
+    return out
 
 
 # ---- largest connected component -----------------------------------------------------------------
