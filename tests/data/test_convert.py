@@ -113,3 +113,11 @@ def test_split_ids_that_would_train_on_the_wrong_nodes_are_refused(tmp_path, tra
         from_arrays([0, 1, 2], [1, 2, 3], out=tmp_path / "s", num_nodes=6, x=np.ones((6, 2), np.float32),
                     y=np.array([0, 1, 0, 1, 0, 1]), splits={"train": train})
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("kw", [{"x": np.full((4, 2), 1e300)}, {"edge_weight": [1e300, 1.0, 1.0]}])
+def test_values_beyond_float32_are_refused_before_they_become_inf(tmp_path, kw):
+    """1e300 features imported with exit 0 as Inf, and the store then refused to open ("damaged, re-import")."""
+    with pytest.raises(TrellisUserError, match=r"row 0 holds 1e\+300, beyond float32"):
+        from_arrays([0, 1, 2], [1, 2, 3], out=tmp_path / "s", num_nodes=4, **kw)
+    assert not (tmp_path / "s").exists()

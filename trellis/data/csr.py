@@ -206,12 +206,20 @@ def check_finite(arr: np.ndarray, label: str, *, chunk_rows: int = 1_000_000) ->
         if not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
             raise TrellisUserError(f"{label}: dtype {arr.dtype} is not numeric; save it as float32")
         return
+    wide = arr.dtype.itemsize > 4  # stored as float32: a finite float64 beyond its range would become Inf
+    top = float(np.finfo(np.float32).max)
     for start in range(0, arr.shape[0], chunk_rows):
         block = np.asarray(arr[start:start + chunk_rows])
         finite = np.isfinite(block)
         if not finite.all():
             row = start + int(np.argwhere(~finite)[0][0])
             raise TrellisUserError(f"{label}: row {row} contains NaN or Inf; clean or impute it")
+        if wide:
+            big = np.abs(block) > top
+            if big.any():
+                at = np.argwhere(big)[0]
+                raise TrellisUserError(f"{label}: row {start + int(at[0])} holds {float(block[tuple(at)]):g}, beyond "
+                                       f"float32 (at most {top:.3g} in magnitude), which a store holds; rescale it")
 
 
 # ---- sorting ------------------------------------------------------------------------------------
