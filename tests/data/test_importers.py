@@ -97,6 +97,23 @@ def test_planetoid_refuses_tampered_pickle(dataset, tmp_path):
     assert_nothing_written(out)
 
 
+def test_planetoid_damaged_sparse_matrix_is_an_error_not_a_segfault(dataset, tmp_path):
+    """400 flipped bytes inside ind.cora.allx unpickled into a CSR with a non-monotone indptr, whose toarray
+    crashed the importer with a segmentation fault (exit 139)."""
+    src = tmp_path / "cora"
+    shutil.copytree(dataset("cora"), src)
+    path = src / "ind.cora.allx"
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    for i in range(1000, 1400):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(TrellisUserError, match=r"ind.cora.allx: the sparse matrix is damaged \(indptr must be"):
+        import_graph(src, out, format="planetoid")
+    assert_nothing_written(out)
+
+
 # ---- Shchur et al. npz (real data) --------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "nodes", "edges", "features", "classes"),

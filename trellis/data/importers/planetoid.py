@@ -78,9 +78,23 @@ def detect_name(folder: Path) -> str:
     return names[0]
 
 
+def _checked(m: Any, path: Path) -> Any:
+    """A sparse matrix whose structure is sound.
+
+    A damaged pickle's (a non-monotone ``indptr``) crashed ``toarray`` with a segmentation fault.
+    """
+    if hasattr(m, "check_format"):
+        try:
+            m.check_format(full_check=True)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise TrellisUserError(f"{path}: the sparse matrix is damaged ({exc}); copy the file again from its "
+                                   "source") from None
+    return m
+
+
 def _dense(m: Any, path: Path) -> np.ndarray:
     if hasattr(m, "toarray"):
-        return np.asarray(m.toarray(), dtype=np.float32)
+        return np.asarray(_checked(m, path).toarray(), dtype=np.float32)
     arr = np.asarray(m)
     if arr.ndim != 2:
         raise TrellisUserError(f"{path}: expected a matrix but found shape {arr.shape}")
@@ -88,7 +102,7 @@ def _dense(m: Any, path: Path) -> np.ndarray:
 
 
 def _labels(onehot: Any, path: Path) -> np.ndarray:
-    m = np.asarray(onehot.toarray() if hasattr(onehot, "toarray") else onehot)
+    m = np.asarray(_checked(onehot, path).toarray() if hasattr(onehot, "toarray") else onehot)
     if m.ndim != 2:
         raise TrellisUserError(f"{path}: expected one-hot labels [rows, classes] but found shape {m.shape}")
     y = m.argmax(axis=1).astype(np.int64)
