@@ -217,3 +217,22 @@ def test_an_out_the_file_system_refuses_is_one_line(tmp_path, capsys):
     rc = main(["train", str(store), "--epochs", "1", "--out", str(tmp_path / "afile" / "run")])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "afile" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_full_disk_while_predicting_is_one_line_and_leaves_no_half_pair(capsys, tmp_path, store, monkeypatch):
+    """numpy's short write (OSError without an errno) was a traceback, and predict left the predictions without
+    their embeddings (a re-run then refused: the file exists)."""
+    from trellis.train import predict as predict_mod
+
+    assert run(capsys, "train", store, "--out", str(tmp_path / "run"), "--epochs", "2", "--no-progress")[0] == 0
+    save = predict_mod._save_npy_atomic
+
+    def fill_up(path, array):
+        if path.name == "p.npy":
+            raise OSError("43328 requested and 19424 written")
+        save(path, array)
+
+    monkeypatch.setattr(predict_mod, "_save_npy_atomic", fill_up)
+    rc, _, err = run(capsys, "predict", str(tmp_path / "run"), store, "--out", str(tmp_path / "p.npy"))
+    assert rc == 2 and "the file system is full" in err and "Traceback" not in err
+    assert not (tmp_path / "p.npy").exists() and not (tmp_path / "p_emb.npy").exists()

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -161,6 +162,11 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
     except OSError as exc:
         # The file system refused a path or ran out of space (an unwritable --out, a missing parent, a full disk):
         # one line naming the path, as for any bad input; TRELLIS_TRACEBACK=1 shows where.
+        short = exc.errno is None and re.search(r"\d+ requested and \d+ written", str(exc))
+        if short:  # numpy's short write (ndarray.tofile): the file system filled up, without an errno
+            print(f"error: a write stopped short ({exc}): the file system is full; free space or choose another "
+                  "--out", file=sys.stderr)
+            return 2
         if os.environ.get("TRELLIS_TRACEBACK") or exc.errno is None:
             raise
         where = f"{exc.filename}: " if exc.filename else ""

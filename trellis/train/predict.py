@@ -163,11 +163,15 @@ def _write(out_path: Path, logits: Tensor, emb: Tensor | None, emb_source: str, 
            model: str, run_dir: Path, emb_dim: int = 0) -> dict[str, Any]:
     """Write the predictions (or probabilities) and the embeddings (unless already written); return what was."""
     pred, prob = task.predict(logits)
-    _save_npy_atomic(out_path, (prob.float() if proba else pred).cpu().numpy())
     emb_path = embedding_path(out_path)
     if emb is not None:
         _save_npy_atomic(emb_path, emb.float().cpu().numpy())
         emb_dim = int(emb.shape[1])
+    try:  # the pair or neither: predictions without their embeddings made a re-run refuse "exists"
+        _save_npy_atomic(out_path, (prob.float() if proba else pred).cpu().numpy())
+    except BaseException:
+        emb_path.unlink(missing_ok=True)
+        raise
     return {"predictions": str(out_path), "kind": "probabilities" if proba else task.prediction_kind,
             "task": task.name,
             "embeddings": str(emb_path), "embedding_source": emb_source, "embedding_dim": emb_dim,
