@@ -121,3 +121,11 @@ def test_values_beyond_float32_are_refused_before_they_become_inf(tmp_path, kw):
     with pytest.raises(TrellisUserError, match=r"row 0 holds 1e\+300, beyond float32"):
         from_arrays([0, 1, 2], [1, 2, 3], out=tmp_path / "s", num_nodes=4, **kw)
     assert not (tmp_path / "s").exists()
+
+
+def test_a_stray_huge_class_id_is_refused_at_import(tmp_path):
+    """A label of 1e9 imported as 1,000,000,001 classes; training then died allocating 64 GB."""
+    with pytest.raises(TrellisUserError, match=r"label row 2 is class 1000000000, so the store would have "
+                                               r"1,000,000,001 classes for 4 nodes"):
+        from_arrays([0, 1, 2], [1, 2, 3], out=tmp_path / "s", num_nodes=4, y=np.array([0, 1, 10**9, 1]))
+    assert not (tmp_path / "s").exists()

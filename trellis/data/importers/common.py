@@ -99,6 +99,10 @@ def check_multilabel(y: np.ndarray, where: str) -> np.ndarray:
     return yf
 
 
+#: Class ids beyond both this and twice the node count are refused as a stray id (see :func:`check_labels`).
+MAX_SPARSE_CLASSES = 100_000
+
+
 def check_labels(y: np.ndarray, num_nodes: int | None, where: str) -> np.ndarray:
     """Check labels: ``int [N]`` classes (-1 = unlabelled; integral floats accepted) or ``[N, C]`` 0/1.
 
@@ -133,6 +137,14 @@ def check_labels(y: np.ndarray, num_nodes: int | None, where: str) -> np.ndarray
     if bad.size:
         raise TrellisUserError(f"{where}: label row {int(bad[0])} is {int(y[bad[0]])}; class ids must be >= 0 "
                                "(-1 = unlabelled)")
+    if y.size:
+        top = int(y.max())
+        # the classes are 0..max: a stray huge id (1e9) made a model of a billion outputs that training could not
+        # allocate (64 GB); ids are 0..C-1, and a graph has no use for more classes than its nodes
+        if top >= max(MAX_SPARSE_CLASSES, 2 * y.shape[0]):
+            row = int(np.argmax(y))
+            raise TrellisUserError(f"{where}: label row {row} is class {top}, so the store would have {top + 1:,} "
+                                   f"classes for {y.shape[0]:,} nodes; number the classes 0..C-1")
     return y
 
 
