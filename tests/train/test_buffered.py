@@ -104,6 +104,33 @@ def test_resume_is_exact(sbm_store, p4, tmp_path):
 
 
 
+def test_resume_keeps_the_interrupted_processs_residency(sbm_store, p4, tmp_path, monkeypatch):
+    """A budget's plan depends on the process's measured baseline: a resuming process planned another cache
+    (4,547 rows against 4,940) and its epochs sampled other neighbourhoods than the uninterrupted run's."""
+    import dataclasses
+
+    from trellis.train.strategies.buffered import BufferedMini
+
+    kw = dict(parts_dir=str(p4), buffer_parts=2, memory_budget="2G", epochs=4)
+    ref = trainer.train(_cfg(sbm_store, tmp_path / "ref", **kw))
+    assert 0 < ref["cache_rows"]
+    c = _cfg(sbm_store, tmp_path / "run", checkpoint_every=1, **kw)
+
+    def stop_at(t, rec):
+        if rec["epoch"] == 1:
+            t.request_stop()
+
+    with pytest.raises(trainer.TrainingInterrupted):
+        trainer.Trainer(c, callbacks=[stop_at]).fit()
+    plan = BufferedMini._plan
+    monkeypatch.setattr(BufferedMini, "_plan", lambda self, *a: dataclasses.replace(
+        plan(self, *a), cache_rows=plan(self, *a).cache_rows // 2))  # as a larger baseline would plan it
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    got = trainer.train(TrainConfig.from_dict({**saved, "resume": c.out, "progress": False}))
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "ref")
+    assert got["cache_rows"] == ref["cache_rows"]
+
+
 def test_resume_refuses_a_layout_repartitioned_in_place(sbm_store, tmp_path):
     """A PART_DIR re-partitioned in place (same store, same part count, another method) between a kill and its
     --resume trained the rest of the run on the other parts, silently."""

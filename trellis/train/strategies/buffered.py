@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -316,11 +317,24 @@ class BufferedMini(BatchStrategy):
         self.loader.reset()
 
     def state_dict(self) -> dict[str, Any]:
-        """The buffer's last state (the next epoch starts from it)."""
-        return {"buffer": self.loader.state_dict()}
+        """The buffer's last state (the next epoch starts from it) and the residency it was planned with."""
+        return {"buffer": self.loader.state_dict(),
+                "plan": {"capacity": self.plan.capacity, "cache_rows": self.plan.cache_rows}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`, with the interrupted process's residency.
+
+        Why the residency too: a budget's plan depends on the process's baseline, which a resuming process
+        measures anew (its cache came out about 400 rows smaller), and another cache samples other
+        neighbourhoods: the resumed epochs were not the uninterrupted run's.
+        """
+        saved = state.get("plan")
+        if saved and (saved["capacity"], saved["cache_rows"]) != (self.plan.capacity, self.plan.cache_rows):
+            collapse = self.loader.collapse
+            self.loader.close()
+            self.plan = replace(self.plan, capacity=int(saved["capacity"]), cache_rows=int(saved["cache_rows"]))
+            self.loader = self.make_loader()
+            self.loader.collapse = collapse
         self.loader.load_state_dict(state.get("buffer", {}))
 
     def epoch_info(self) -> dict[str, Any]:
