@@ -226,3 +226,33 @@ def test_a_pp_sweep_under_a_memory_budget_and_its_configs_replay_from_anywhere(s
     monkeypatch.chdir(tmp_path.parent)
     assert main(["train", "--config", str(tmp_path / "sw" / "configs" / "c00" / "config.json"), "--out",
                  str(tmp_path / "replay"), "--no-progress"]) == 0
+
+
+def test_a_pp_resume_on_a_fuller_machine_keeps_the_runs_reshuffling(store, pp_dir, tmp_path, monkeypatch):
+    """Without --memory-budget the placement is planned in 80% of the memory free; a resume on a fuller machine
+    chose storage and chunk reshuffling where the run had exact reshuffling in memory, and trained other epochs."""
+    import trellis.loader.pp as pp_loader
+
+    ref = tmp_path / "ref"
+    train(pp_cfg(store, pp_dir, ref, epochs=4))
+    cut = pp_cfg(store, pp_dir, tmp_path / "cut", epochs=4, checkpoint_every=1)
+
+    def stop(t, rec):
+        if rec["epoch"] == 1:
+            t.request_stop(signal.SIGTERM)
+
+    with pytest.raises(TrainingInterrupted):
+        Trainer(cut, callbacks=[stop]).fit()
+    again = TrainConfig.from_dict({**read_json(tmp_path / "cut" / "config.json"), "resume": cut.out, "progress": False})
+    row = 3 * 8 * 4  # hops x features x float32 of the store above
+    with monkeypatch.context() as m:  # the run's rows no longer fit: refused by name, not trained on otherwise
+        m.setattr(pp_loader, "default_budget", lambda: (2 * 33 * row + 1, "little free memory"))
+        with pytest.raises(TrellisUserError, match=r"--resume: the run trained with --pp-loader prefetch \(chunk "
+                                                   r"size 1\), which does not fit now"):
+            train(again)
+    with monkeypatch.context() as m:  # a budget that plans another loader where the run's fits: the run's is kept
+        m.setattr(pp_loader, "default_budget", lambda: (10**9, "lots"))
+        m.setattr(pp_loader, "spare_compute", lambda device: (False, "no spare core"))  # index, not prefetch
+        resumed = train(again)
+    assert metrics_without_timing(tmp_path / "cut") == metrics_without_timing(ref)
+    assert resumed["placement"]["loader"] == "prefetch"

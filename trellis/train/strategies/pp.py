@@ -266,6 +266,34 @@ class PrePropagation(Strategy):
                 f"(preprocessing took {cache.manifest.get('build', {}).get('seconds', float('nan')):.2f} s)\n"
                 + self.placement.describe())
 
+    def state_dict(self) -> dict[str, Any]:
+        """The loader the run trains with: a resume keeps it (see :meth:`load_state_dict`)."""
+        return {"loader": self.placement.loader, "chunk_size": self.placement.chunk_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Train on with the interrupted process's loader and chunk size.
+
+        Why: without ``--memory-budget`` the placement is planned in 80% of the memory free now, so a resume on
+        a fuller machine chose storage and chunk reshuffling where the run had memory and exact reshuffling,
+        and its epochs were not the uninterrupted run's. A loader that no longer fits is refused by name.
+        """
+        loader, c = state.get("loader"), int(state.get("chunk_size") or 1)
+        if loader is None or (loader, c) == (self.placement.loader, self.placement.chunk_size):
+            return
+        cfg = self.cfg
+        try:
+            placement = plan_placement(self.cache, self.hops, cfg.batch_size, loader=str(loader), chunk_size=c,
+                                       memory_budget=cfg.memory_budget, device=self.device)
+        except TrellisUserError as exc:
+            raise TrellisUserError(f"--resume: the run trained with --pp-loader {loader} (chunk size {c}), which "
+                                   f"does not fit now ({exc}); free memory and resume again, or start a new run"
+                                   ) from None
+        seed = self.data.train.seed
+        self.data.close()
+        self.placement = placement
+        self.data = self._make_data(self.cache, placement, cfg.seed)
+        self.data.train.seed = seed
+
     def derived_inputs(self) -> dict[str, Any]:
         """The cache's settings: a PP_DIR rebuilt with another operator or hop count is not the run's input."""
         return {"pp_settings": dict(self.cache.manifest["settings"])}
