@@ -47,7 +47,8 @@ def open_checked_cache(pp_dir: str, store: GraphStore) -> PPCache:
 
 
 @torch.no_grad()
-def predict_pp(record: dict[str, Any], store: GraphStore, device: torch.device, batch_rows: int = 65536) -> Tensor:
+def predict_pp(record: dict[str, Any], store: GraphStore, device: torch.device,
+               batch_bytes: int = 64 * 2**20) -> Tensor:
     """Logits ``[N, C]`` of every node of ``store`` from a saved pre-propagation model and its cache.
 
     Raises:
@@ -73,6 +74,8 @@ def predict_pp(record: dict[str, Any], store: GraphStore, device: torch.device, 
     model.to(device).eval()
     arrays = [cache.hop(r) for r in hops_used(record["model"], cache.hops)]
     rows = cache.rows
+    # rows per batch by bytes: 65,536 rows of every hop of Coauthor CS (6,805 features) were 5 GB at once
+    batch_rows = max(1, batch_bytes // (4 * len(arrays) * max(1, cache.num_features)))
     out = torch.empty((store.num_nodes, record["out_dim"]), dtype=torch.float32, device=device)
     for a in range(0, cache.num_rows, batch_rows):
         b = min(a + batch_rows, cache.num_rows)
