@@ -147,3 +147,24 @@ def test_rmat_edge_features_follow_both_directions(tmp_path):
     for key in np.unique(pair):
         rows = ef[pair == key]
         np.testing.assert_allclose(rows, np.broadcast_to(rows[0], rows.shape), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"feature_noise": float("nan")}, "--feature-noise must be a finite number"),  # an unreadable store
+    ({"feature_noise": float("inf")}, "--feature-noise must be a finite number"),
+    ({"avg_degree": float("nan")}, "--avg-degree must be a finite number"),  # a traceback
+    ({"edge_features": 2, "edge_feature_noise": float("nan")}, "--edge-feature-noise must be a finite number"),
+])
+def test_non_finite_generator_settings_are_refused(tmp_path, kw, message):
+    with pytest.raises(TrellisUserError, match=message):
+        generate_sbm(tmp_path / "g", nodes=100, progress=False, **kw)
+    assert not (tmp_path / "g").exists()
+
+
+def test_rmat_that_cannot_draw_the_edges_asked_for_says_so(tmp_path):
+    """a=0.97 wrote 6,206 of 10,000 edges (a=1: none) with exit 0; a=nan was accepted."""
+    with pytest.raises(TrellisUserError, match=r"drew only [\d,]+ distinct undirected pairs of the 5,000 asked for"):
+        generate_rmat(tmp_path / "g", nodes=1000, avg_degree=10, a=0.97, b=0.01, c=0.01, progress=False)
+    with pytest.raises(TrellisUserError, match="R-MAT probabilities"):
+        generate_rmat(tmp_path / "h", nodes=100, a=float("nan"), progress=False)
+    assert not (tmp_path / "g").exists() and not (tmp_path / "h").exists()

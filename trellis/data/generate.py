@@ -57,6 +57,10 @@ def _check_common(nodes: int, avg_degree: float, features: int, classes: int, fe
                   node_features: str = "signal") -> None:
     if nodes < 1:
         raise TrellisUserError(f"--nodes must be >= 1 (got {nodes})")
+    for flag, value in (("--avg-degree", avg_degree), ("--feature-noise", feature_noise),
+                        ("--edge-feature-noise", edge_feature_noise)):
+        if value is not None and not math.isfinite(value):  # NaN passes `< 0` and wrote an unreadable store
+            raise TrellisUserError(f"{flag} must be a finite number (got {value})")
     if avg_degree < 0:
         raise TrellisUserError(f"--avg-degree must be >= 0 (got {avg_degree})")
     if nodes > 1 and avg_degree > 0.5 * (nodes - 1):
@@ -411,7 +415,7 @@ def generate_rmat(
     _check_task(task, labels, classes)
     check_output(out, overwrite=overwrite)
     d = 1.0 - a - b - c
-    if min(a, b, c, d) < 0:
+    if not all(math.isfinite(v) for v in (a, b, c)) or min(a, b, c, d) < 0:
         raise TrellisUserError(f"R-MAT probabilities a={a} b={b} c={c} must be >= 0 and sum to at most 1")
     rng = _streams(seed)
     splits = random_split(nodes, train_frac, val_frac, seed=int(rng["splits"].integers(2**63 - 1)))
@@ -436,6 +440,10 @@ def generate_rmat(
             keys = merged[first[:target]]
             bar.update(keys.size - bar.n)
             inflation = min(64.0, max(1.2, m / max(gained, 1)))
+    if keys.size < target:  # a skewed a/b/c concentrates the draws on a few pairs: say so, do not write a sparser graph
+        raise TrellisUserError(f"R-MAT with a={a} b={b} c={c} drew only {keys.size:,} distinct undirected pairs of the "
+                               f"{target:,} asked for ({nodes:,} nodes, --avg-degree {avg_degree}) in 64 rounds; "
+                               "use less skewed probabilities (the default 0.57 0.19 0.19) or a lower --avg-degree")
     lo, hi = keys // nodes, keys % nodes
     del keys
     y_raw = (np.arange(nodes, dtype=np.int64) * classes) // nodes  # community = id range before permuting
