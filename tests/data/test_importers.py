@@ -619,3 +619,31 @@ def test_from_arrays_refuses_a_huge_id_too(tmp_path):
     with pytest.raises(TrellisUserError, match=r"dst: row 1 has node id 99,999,999,999"):
         from_arrays(src=np.array([0, 1]), dst=np.array([1, 99_999_999_999]), out=tmp_path / "s")
     assert not (tmp_path / "s").exists()
+
+
+def test_npz_with_a_damaged_member_is_one_error(dataset, tmp_path):
+    """2,000 flipped bytes inside amazon_electronics_computers.npz: a BadZipFile traceback (bad CRC-32 of a member,
+    read lazily after the file opened)."""
+    src = tmp_path / "computers.npz"
+    data = bytearray((dataset("amazon-computers") / "amazon_electronics_computers.npz").read_bytes())
+    mid = len(data) // 2
+    for i in range(mid, mid + 2000):
+        data[i] ^= 0xFF
+    src.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    with pytest.raises(TrellisUserError, match=r"computers.npz: (a member of the .npz file is damaged|not a readable)"):
+        import_graph(src, out, format="npz")
+    assert_nothing_written(out)
+
+
+def test_from_networkx_names_the_node_without_the_attribute(tmp_path):
+    import networkx as nx
+
+    from trellis.data.convert import from_networkx
+
+    g = nx.Graph()
+    g.add_node("a", feat=[1.0, 2.0])
+    g.add_node("b")
+    g.add_edge("a", "b")
+    with pytest.raises(TrellisUserError, match=r"node 'b' has no attribute 'feat'"):
+        from_networkx(g, out=tmp_path / "s", feature_attr="feat")

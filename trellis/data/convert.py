@@ -186,10 +186,11 @@ def from_networkx(
     dst = np.fromiter((index[e[1]] for e in edges), dtype=np.int64, count=len(edges))
     weight = np.fromiter((float(e[2]) for e in edges), dtype=np.float64, count=len(edges)) if weight_attr else None
     if feature_attr is not None:
-        try:
-            x = np.stack([np.asarray(graph.nodes[v][feature_attr], dtype=np.float32) for v in nodes])
-        except KeyError as exc:
-            raise TrellisUserError(f"node {exc.args[0]!r} has no attribute {feature_attr!r}") from None
+        missing = next((v for v in nodes if feature_attr not in graph.nodes[v]), None)
+        if missing is not None:  # (the KeyError names the attribute, not the node)
+            raise TrellisUserError(f"node {missing!r} has no attribute {feature_attr!r}; give every node its "
+                                   "features")
+        x = np.stack([np.asarray(graph.nodes[v][feature_attr], dtype=np.float32) for v in nodes])
     if label_attr is not None:
         try:
             y = np.asarray([graph.nodes[v][label_attr] for v in nodes])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,15 @@ def load_npz(path: str | os.PathLike[str]) -> dict[str, Any]:
         keys = set(z.files)
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
         raise TrellisUserError(f"{path}: not a readable .npz file ({exc})") from exc
+    try:  # members are read lazily below: a damaged one (a bad CRC) surfaces there
+        return _read_npz(z, keys, path)
+    except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
+        raise TrellisUserError(f"{path}: a member of the .npz file is damaged ({exc}); copy the file again from its "
+                               "source") from None
+
+
+def _read_npz(z: Any, keys: set[str], path: Path) -> dict[str, Any]:
+    """:func:`load_npz` of an opened file."""
     if "node_features" in keys or "train_masks" in keys:
         missing = [k for k in FIXED_SPLIT_KEYS if k not in keys]
         if missing:
