@@ -550,6 +550,18 @@ def test_edgelist_random_fractional_split(tmp_path):
         import_graph(tmp_path / "h", tmp_path / "w", split="0.5,0.25,0.25", progress=False)
 
 
+def test_edgelist_random_split_of_multilabel_labels_skips_unlabelled_rows(tmp_path):
+    """A multilabel store's --split put its unlabelled rows (all -1) into the splits; training then refused it."""
+    src = tmp_path / "g"
+    src.mkdir()
+    (src / "edges.txt").write_text("".join(f"{i} {i + 1}\n" for i in range(9)))
+    y = np.array([[0, 1], [1, 1], [-1, -1], [-1, -1], [0, 0], [1, 0], [-1, -1], [1, 1], [0, 1], [-1, -1]])
+    np.save(src / "labels.npy", y)
+    store = open_store(import_graph(src, tmp_path / "s", split="0.4,0.3,0.3", progress=False))
+    ids = np.concatenate([store.split(k) for k in ("train", "val", "test")])
+    assert sorted(ids.tolist()) == [0, 1, 4, 5, 7, 8]
+
+
 def test_edgelist_short_labels_are_named_as_the_cause(tmp_path):
     src = tmp_path / "g"
     src.mkdir()

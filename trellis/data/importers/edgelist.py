@@ -166,7 +166,7 @@ def import_edgelist(
         if n is None:
             raise TrellisUserError("--split needs the node count: add features.npy or labels.npy, or pass --num-nodes")
         labelled = np.arange(n, dtype=np.int64) if y is None else np.flatnonzero(
-            (y >= 0) if y.ndim == 1 else np.ones(n, dtype=bool)).astype(np.int64)
+            (y >= 0) if y.ndim == 1 else (y >= 0).all(axis=1)).astype(np.int64)  # multilabel: -1 rows unlabelled
         parts = random_split(labelled.shape[0], fractions[0], fractions[1], seed=split_seed or 0)
         splits = {k: labelled[v] for k, v in parts.items()}
         where = {k: f"--split {k}" for k in splits}
