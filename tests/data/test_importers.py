@@ -15,6 +15,13 @@ from trellis.data.store import open_store
 from trellis.errors import TrellisUserError
 
 
+def _flip_bytes(src: Path, dst: Path, start: int, count: int) -> None:
+    """``dst`` = ``src`` with ``count`` bytes from ``start`` inverted (bit rot, a bad copy)."""
+    data = bytearray(src.read_bytes())
+    data[start: start + count] = bytes(b ^ 0xFF for b in data[start: start + count])
+    dst.write_bytes(bytes(data))
+
+
 def assert_nothing_written(out: Path) -> None:
     assert not out.exists(), f"{out} should not exist"
     leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
@@ -104,10 +111,7 @@ def test_planetoid_damaged_sparse_matrix_is_an_error_not_a_segfault(dataset, tmp
     shutil.copytree(dataset("cora"), src)
     path = src / "ind.cora.allx"
     path.chmod(0o644)
-    data = bytearray(path.read_bytes())
-    for i in range(1000, 1400):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
+    _flip_bytes(path, path, 1000, 400)
     out = tmp_path / "out"
     with pytest.raises(TrellisUserError, match=r"ind.cora.allx: the sparse matrix is damaged \(indptr must be"):
         import_graph(src, out, format="planetoid")
@@ -637,11 +641,8 @@ def test_npz_with_a_damaged_member_is_one_error(dataset, tmp_path):
     """2,000 flipped bytes inside amazon_electronics_computers.npz: a BadZipFile traceback (bad CRC-32 of a member,
     read lazily after the file opened)."""
     src = tmp_path / "computers.npz"
-    data = bytearray((dataset("amazon-computers") / "amazon_electronics_computers.npz").read_bytes())
-    mid = len(data) // 2
-    for i in range(mid, mid + 2000):
-        data[i] ^= 0xFF
-    src.write_bytes(bytes(data))
+    original = dataset("amazon-computers") / "amazon_electronics_computers.npz"
+    _flip_bytes(original, src, original.stat().st_size // 2, 2000)
     out = tmp_path / "out"
     with pytest.raises(TrellisUserError, match=r"computers.npz: (a member of the .npz file is damaged|not a readable)"):
         import_graph(src, out, format="npz")

@@ -38,6 +38,17 @@ def _cfg(store, out, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
+def _interrupt_after_epoch_1(cfg: TrainConfig) -> None:
+    """Train ``cfg`` until a stop after epoch 1 (its checkpoint written), as a SIGTERM would."""
+
+    def stop_at(t, rec):
+        if rec["epoch"] == 1:
+            t.request_stop()
+
+    with pytest.raises(trainer.TrainingInterrupted):
+        trainer.Trainer(cfg, callbacks=[stop_at]).fit()
+
+
 def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in metrics_without_timing(run)]
 
@@ -90,13 +101,7 @@ def test_trains_from_the_layout_alone(sbm_store, p4, tmp_path):
 
 def test_resume_is_exact(sbm_store, p4, tmp_path):
     c = _cfg(sbm_store, tmp_path / "run", parts_dir=str(p4), buffer_parts=2, epochs=4, checkpoint_every=1)
-
-    def stop_at(t, rec):
-        if rec["epoch"] == 1:
-            t.request_stop()
-
-    with pytest.raises(trainer.TrainingInterrupted):
-        trainer.Trainer(c, callbacks=[stop_at]).fit()
+    _interrupt_after_epoch_1(c)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     trainer.train(TrainConfig.from_dict({**saved, "resume": c.out, "progress": False}))
     trainer.train(_cfg(sbm_store, tmp_path / "ref", parts_dir=str(p4), buffer_parts=2, epochs=4))
@@ -115,13 +120,7 @@ def test_resume_keeps_the_interrupted_processs_residency(sbm_store, p4, tmp_path
     ref = trainer.train(_cfg(sbm_store, tmp_path / "ref", **kw))
     assert 0 < ref["cache_rows"]
     c = _cfg(sbm_store, tmp_path / "run", checkpoint_every=1, **kw)
-
-    def stop_at(t, rec):
-        if rec["epoch"] == 1:
-            t.request_stop()
-
-    with pytest.raises(trainer.TrainingInterrupted):
-        trainer.Trainer(c, callbacks=[stop_at]).fit()
+    _interrupt_after_epoch_1(c)
     plan = BufferedMini._plan
     monkeypatch.setattr(BufferedMini, "_plan", lambda self, *a: dataclasses.replace(
         plan(self, *a), cache_rows=plan(self, *a).cache_rows // 2))  # as a larger baseline would plan it
@@ -136,13 +135,7 @@ def test_resume_refuses_a_layout_repartitioned_in_place(sbm_store, tmp_path):
     --resume trained the rest of the run on the other parts, silently."""
     parts = _layout(sbm_store, tmp_path / "p4", 4, "metis")
     c = _cfg(sbm_store, tmp_path / "run", parts_dir=str(parts), buffer_parts=2, epochs=4, checkpoint_every=1)
-
-    def stop_at(t, rec):
-        if rec["epoch"] == 1:
-            t.request_stop()
-
-    with pytest.raises(trainer.TrainingInterrupted):
-        trainer.Trainer(c, callbacks=[stop_at]).fit()
+    _interrupt_after_epoch_1(c)
     shutil.rmtree(parts)
     _layout(sbm_store, parts, 4, "random")
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
