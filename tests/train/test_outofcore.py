@@ -193,17 +193,16 @@ def test_predict_keeps_the_runs_budget_and_equals_the_in_memory_prediction(store
     assert not (tmp_path / "ooc" / "spill").exists() and not list(tmp_path.glob("*.tmp.npy"))
 
 
-def test_a_node_listed_twice_in_the_train_split_counts_twice_as_in_memory(tmp_path):
-    import trellis
+def test_a_node_listed_twice_in_a_split_is_refused_before_either_strategy_trains_on_it(tmp_path):
+    """Out of core once counted a repeated training node once where memory counted it twice (fixed to agree);
+    a repeated id is now refused when the store is made, so neither trains on it."""
     from trellis.data import from_arrays
+    from trellis.errors import TrellisUserError
 
     rng = np.random.default_rng(0)
     n = 60
-    store = from_arrays(rng.integers(0, n, 300), rng.integers(0, n, 300), n, out=tmp_path / "s",
-                        x=rng.normal(size=(n, 6)).astype(np.float32), y=rng.integers(0, 3, n),
-                        remove_self_loops=True,
-                        splits={"train": np.array([0, 1, 2, 3, 4, 5, 5, 5, 6, 7]), "val": np.arange(10, 20),
-                                "test": np.arange(20, 30)})
-    mem = trellis.train(store, epochs=5, hidden=8)
-    ooc = trellis.train(store, epochs=5, hidden=8, memory_budget="2G")  # the repeats add up in any tiling
-    np.testing.assert_allclose([r["loss"] for r in ooc.history], [r["loss"] for r in mem.history], atol=1e-6)
+    with pytest.raises(TrellisUserError, match="node 5 appears 3 times in the split"):
+        from_arrays(rng.integers(0, n, 300), rng.integers(0, n, 300), n, out=tmp_path / "s",
+                    x=rng.normal(size=(n, 6)).astype(np.float32), y=rng.integers(0, 3, n), remove_self_loops=True,
+                    splits={"train": np.array([0, 1, 2, 3, 4, 5, 5, 5, 6, 7]), "val": np.arange(10, 20),
+                            "test": np.arange(20, 30)})
