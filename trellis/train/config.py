@@ -115,6 +115,9 @@ def _opt(name: str) -> Any:
     return field(default=f.default, metadata=f.metadata)
 
 
+#: Options naming a directory: recorded absolute (:meth:`TrainConfig.replay_dict`).
+PATH_FIELDS = ("parts_dir", "pp_dir", "spill_dir")
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs; the CLI's flags are these fields (``_`` spelled ``-``).
@@ -360,6 +363,18 @@ class TrainConfig:
     def options(self) -> StrategyOptions:
         """The typed options of :attr:`strategy` (e.g. :class:`~trellis.train.options.MiniOptions`)."""
         return options_class(self.strategy).of(self)
+
+    def replay_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` with the store and every path option absolute.
+
+        What a run's or a sweep's ``config.json`` records, so ``--resume`` and ``trellis train --config`` work
+        from any directory.
+        """
+        d = self.to_dict()
+        for key in ("store", *PATH_FIELDS):
+            if d.get(key):
+                d[key] = str(Path(str(d[key])).resolve())
+        return d
 
     def to_dict(self, *, session: bool = False) -> dict[str, Any]:
         """JSON-ready values; ``session=False`` leaves out per-invocation fields (:data:`SESSION_FIELDS`)."""

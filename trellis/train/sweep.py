@@ -53,7 +53,7 @@ from trellis.nn.models import JKS, NORMS
 from trellis.plan.batching import balanced_batches, default_budget_bytes
 from trellis.plan.rewrites import DEFAULT_REWRITES
 from trellis.train.build import ModelFactory, build_run_optimizer, default_model_factory
-from trellis.train.config import TrainConfig, typed_values
+from trellis.train.config import PATH_FIELDS, TrainConfig, typed_values
 from trellis.train.convergence import summarize_time_to_accuracy
 from trellis.train.data import resolve_device
 from trellis.train.early_stopping import EarlyStopping
@@ -246,11 +246,6 @@ class SweepConfig:
                 raise TrellisUserError(f"--set {key} and --grid {name}: give the values in one place")
 
 
-def replay_config(cfg: TrainConfig) -> dict[str, Any]:
-    """A configuration as its ``config.json`` (``trellis train --config`` replays it from any directory)."""
-    return {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())}
-
-
 def typed_base(base: dict[str, Any]) -> dict[str, Any]:
     """``--set``'s values typed: its strings and a Python caller's numbers make one record (and one resume).
 
@@ -261,7 +256,7 @@ def typed_base(base: dict[str, Any]) -> dict[str, Any]:
         typed = typed_values(base, "--set")
     except TrellisUserError as exc:
         raise TrellisUserError(f"--set: {exc}") from None
-    for key in ("pp_dir", "parts_dir", "spill_dir"):  # every config.json replays from any directory
+    for key in PATH_FIELDS:  # sweep.json too names them absolute
         if typed.get(key):
             typed[key] = str(Path(typed[key]).resolve())
     return typed
@@ -428,7 +423,7 @@ def open_state(entry: SweepEntry, strategy: Strategy, metric: str, device: torch
     cfg = entry.cfg
     d = root / "configs" / entry.id
     (d / "models").mkdir(parents=True, exist_ok=True)
-    write_json_atomic(d / "config.json", replay_config(cfg))
+    write_json_atomic(d / "config.json", cfg.replay_dict())
     stopper = EarlyStopping(metric, cfg.patience, strategy.task.higher_is_better.get(metric, True))
     return ConfigState(cfg, model, build_run_optimizer(cfg, model), stopper, MetricsLog(d / "metrics.jsonl"), gen,
                        fields={"run": 0, "seed": cfg.seed}, weight=strategy.epoch_weight(model), entry=entry)

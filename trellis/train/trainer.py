@@ -38,7 +38,7 @@ import trellis
 from trellis.errors import TrellisUserError
 from trellis.plan.price import Price, run_value
 from trellis.train.build import ModelFactory, build_run_optimizer, default_model_factory
-from trellis.train.config import TrainConfig
+from trellis.train.config import PATH_FIELDS, TrainConfig
 from trellis.train.convergence import summarize_time_to_accuracy
 from trellis.train.data import resolve_device
 from trellis.train.early_stopping import EarlyStopping
@@ -110,7 +110,7 @@ def _record_for_resume(cfg: TrainConfig, world_size: int) -> None:
     trainer count: a mini- or cluster-batch config without ``--nproc`` means one process training every part
     through its buffer, so the resume of a 2-rank torchrun job trained on silently as another strategy.
     """
-    for key in ("parts_dir", "pp_dir", "spill_dir"):
+    for key in PATH_FIELDS:
         value = getattr(cfg, key, None)
         if value:
             setattr(cfg, key, str(Path(value).resolve()))
@@ -317,7 +317,7 @@ class Trainer:
             cfg.out = str(paths.root)
             _record_for_resume(cfg, strategy.world.world_size)
             # the store recorded absolute: `--resume RUN_DIR` from another directory finds it
-            write_json_atomic(paths.config, {**cfg.to_dict(), "store": str(Path(str(cfg.store)).resolve())})
+            write_json_atomic(paths.config, cfg.replay_dict())
         strategy.world.barrier("after the run directory")
         self.paths = paths
         banner = strategy.banner()

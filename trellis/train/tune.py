@@ -72,7 +72,6 @@ from trellis.train.sweep import (
     make_entries,
     open_state,
     parse_grid,
-    replay_config,
     typed_base,
 )
 from trellis.utils.atomic import check_output
@@ -783,7 +782,7 @@ def run_tune(tc: TuneConfig, err: IO[str] | None = None, model_factory: ModelFac
     (tune.root / "leaderboard.csv").write_text(leaderboard_csv(board))
     (tune.root / "best").mkdir(exist_ok=True)
     best_cfg = replace(best.cfg, split_seed=tune.split_seeds[0])
-    write_json_atomic(tune.root / "best" / "config.json", replay_config(best_cfg))
+    write_json_atomic(tune.root / "best" / "config.json", best_cfg.replay_dict())
     (tune.root / "report.md").write_text(report_text(board) + "\n")
     plot_tune(tune.root, board)
     return board
