@@ -314,6 +314,26 @@ def test_missing_marker_or_damage_is_redone(store_path, tmp_path) -> None:
     assert inspect_pp(out) == "incomplete"
 
 
+@pytest.mark.parametrize("damage", ["no labels", "truncated rows", "short labels"])
+def test_a_cache_missing_or_damaging_its_rows_or_labels_is_incomplete(store_path, tmp_path, damage) -> None:
+    """A cache without ``y.npy`` was called complete (and trained as unlabelled); a truncated ``rows.npy``
+    passed too, and predict crashed on it with a traceback."""
+    out = tmp_path / "pp"
+    ensure_pp(store_path, out, settings(), progress=False, log=None)
+    if damage == "no labels":
+        (out / "y.npy").unlink()
+    elif damage == "truncated rows":
+        raw = (out / "rows.npy").read_bytes()
+        (out / "rows.npy").write_bytes(raw[: len(raw) // 2])
+    else:
+        np.save(out / "y.npy", np.load(out / "y.npy")[:-1])
+    assert inspect_pp(out) == "incomplete"
+    with pytest.raises(TrellisUserError, match="incomplete"):
+        open_pp(out)
+    _, action = ensure_pp(store_path, out, settings(), progress=False, log=None)
+    assert action == "rebuilt" and inspect_pp(out) == "complete"
+
+
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import trellis.loader.ppcache as ppc

@@ -136,3 +136,11 @@ def test_seeds_beyond_64_bits_are_refused_by_name():
     with pytest.raises(TrellisUserError, match="--seed must be at most 9223372036854775806 with --runs 2"):
         TrainConfig(store="s", seed=2**63 - 1, runs=2)
     TrainConfig(store="s", seed=2**63 - 1)
+
+
+@pytest.mark.parametrize("option", [{"hidden": 64}, {"layers": 3}, {"dropout": 0.2}])
+def test_sgc_refuses_the_options_it_would_ignore(option):
+    """SGC is one linear layer over the cache's last hop: --hidden 64 trained the same model as without it."""
+    with pytest.raises(TrellisUserError, match=f"--{next(iter(option))} does nothing for --model sgc"):
+        TrainConfig(store="s", strategy="pp", pp_dir="p", model="sgc", **option)
+    TrainConfig(store="s", strategy="pp", pp_dir="p", model="sgc", hidden=256)  # its own default, given: fine

@@ -321,3 +321,47 @@ def test_the_rank_target_check_reads_the_split_the_ranks_train_on(data_dir, tmp_
     check_ranks(cfg(layouts["redrawn-in-both"]), store, 2)  # its part 1 holds redrawn training nodes
     with pytest.raises(TrellisUserError, match="rank 1 of 2 would train no target"):
         check_ranks(cfg(layouts["store-in-both"]), store, 2)
+
+
+def test_a_resumed_buffered_rank_keeps_the_interrupted_ranks_residency(sbm_store, layouts, tmp_path, monkeypatch):
+    """A rank's buffer plan under --memory-budget depends on the baseline it measures; a resuming rank planned
+    its cache anew and its epochs sampled other neighbourhoods than the uninterrupted run's. Here the resumed
+    rank plans half the cache (as a larger baseline would): the checkpoint's residency must win."""
+    import dataclasses
+    import io
+
+    import torch
+
+    from trellis.distributed.comm import free_port
+    from trellis.train import trainer
+    from trellis.train.strategies import dist_mini
+
+    kw = dict(store=str(sbm_store), strategy="mini", model="sage", epochs=4, hidden=16, dropout=0.5, batch_size=8,
+              fanouts="5,5", progress=False, device="cpu", parts_dir=str(layouts[3]), buffer_parts=1,
+              memory_budget="2G")
+    threads = torch.get_num_threads()
+
+    def fit(cfg: TrainConfig, **extra) -> dict:
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        return trainer.Trainer(cfg, err=io.StringIO(), **extra).fit()
+
+    def stop_at(t, rec):
+        if rec["epoch"] == 1:
+            t.request_stop()
+
+    try:
+        for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+            monkeypatch.setenv(k, v)
+        ref = fit(TrainConfig(**kw, out=str(tmp_path / "ref")))
+        assert ref["rank_cache_rows"] > 1
+        cut = TrainConfig(**kw, checkpoint_every=1, out=str(tmp_path / "cut"))
+        with pytest.raises(trainer.TrainingInterrupted):
+            fit(cut, callbacks=[stop_at])
+        plan = dist_mini.plan_residency
+        monkeypatch.setattr(dist_mini, "plan_residency", lambda *a, **k: dataclasses.replace(
+            plan(*a, **k), cache_rows=plan(*a, **k).cache_rows // 2))
+        got = fit(TrainConfig.from_dict({**cut.to_dict(session=True), "resume": str(tmp_path / "cut")}))
+    finally:
+        torch.set_num_threads(threads)
+    assert got["rank_cache_rows"] == ref["rank_cache_rows"]
+    assert [r["loss"] for r in _records(tmp_path / "cut")] == [r["loss"] for r in _records(tmp_path / "ref")]

@@ -319,9 +319,11 @@ def _sha256_bytes(b: bytes) -> str:
 def inspect_pp(path: str | os.PathLike[str]) -> str:
     """Classify ``path``: ``missing``, ``complete``, ``incomplete``, ``store`` or ``foreign``.
 
-    ``complete`` requires the marker to hold the manifest's sha256 and every hop file to have the size
-    the manifest says; anything else with a cache manifest is ``incomplete`` (an interrupted or
-    damaged build). An empty directory counts as ``missing``.
+    ``complete`` requires the marker to hold the manifest's sha256, every hop file to have the size the
+    manifest says, and ``rows.npy`` (and a labelled store's ``y.npy``) to be readable with one entry per
+    row (a cache missing its labels trained as if it had none; a damaged ``rows.npy`` crashed predict).
+    Anything else with a cache manifest is ``incomplete`` (an interrupted or damaged build).
+    An empty directory counts as ``missing``.
     """
     p = Path(path)
     if not p.exists():
@@ -351,9 +353,14 @@ def inspect_pp(path: str | os.PathLike[str]) -> str:
             want = int(hf["offset"]) + int(manifest["num_rows"]) * int(manifest["num_features"]) * itemsize
             if (p / hf["file"]).stat().st_size != want:
                 return "incomplete"
-        if not (p / "rows.npy").is_file():
+        rows = np.load(p / "rows.npy", mmap_mode="r")  # a missing or damaged file raises: incomplete
+        if rows.shape != (int(manifest["num_rows"]),) or rows.dtype.kind not in "iu":
             return "incomplete"
-    except (OSError, KeyError, ValueError, json.JSONDecodeError):
+        if manifest["store"].get("task") is not None:  # a labelled store's cache holds its rows' labels
+            y = np.load(p / "y.npy", mmap_mode="r")
+            if y.ndim < 1 or y.shape[0] != rows.shape[0]:
+                return "incomplete"
+    except (OSError, KeyError, ValueError, EOFError, json.JSONDecodeError):
         return "incomplete"
     return "complete"
 

@@ -277,6 +277,15 @@ class TrainConfig:
                                    f"--{flags[0].replace('_', '-')} (a Python caller: {flags[0]}=...) instead")
         if self.heads != 1 and self.model in ("gcn", "sage", "gin", "mlp", "sgc", "sign"):
             raise TrellisUserError(f"--heads applies to attention models (gat, gate, hoga), not --model {self.model}")
+        if self.model == "sgc":  # one linear layer over the cache's last hop: these would be ignored
+            sgc = {**BASE_DEFAULTS, **MODEL_DEFAULTS["sgc"], "layers": 2}
+            for name in ("hidden", "layers", "dropout"):
+                if getattr(self, name) != sgc[name]:
+                    raise TrellisUserError(
+                        f"--{name} does nothing for --model sgc (one linear layer over the cache's last hop; its "
+                        f"hops come from `trellis preprocess --hops`); drop it, or use --model sign for a "
+                        f"{'deeper or wider' if name != 'dropout' else 'regularized'} MLP (input dropout of "
+                        f"sgc: --model-args '{{\"input_dropout\": P}}')")
         if self.mlp_hidden and self.model != "gin":
             raise TrellisUserError(f"--mlp-hidden is GIN's MLP width; --model {self.model} has no such MLP")
         if self.edge_weight and self.model not in ("gcn", "sage"):

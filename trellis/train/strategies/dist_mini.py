@@ -33,6 +33,7 @@ nothing while it trains. Not built yet (docs/distributed.md): mini-batch groupin
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -434,8 +435,9 @@ class DistributedMini(BatchStrategy):
         cfg, d, layout = self.cfg, self.data, self.layout
         batch_bytes = neighbour_batch_bytes(cfg, layout, self.spec.in_dim, np.diff(self.indptr),
                                             min(self.rank_batch, max(1, len(self.targets))))
-        self.plan = plan_residency(cfg, layout, self.spec, d.splits, self.budget[0], self.budget[1], (batch_bytes, 0),
-                                   parts=self.my_parts)
+        if getattr(self, "plan", None) is None:  # a resumed rank keeps the interrupted one's (load_state_dict)
+            self.plan = plan_residency(cfg, layout, self.spec, d.splits, self.budget[0], self.budget[1],
+                                       (batch_bytes, 0), parts=self.my_parts)
         degree = np.diff(self.indptr).astype(np.float32)
         return PartitionBuffer(layout, self.plan.capacity, parse_fanouts(cfg.fanouts, cfg.layers), self.targets,
                                self.rank_batch, y=d.y, degree=degree, feature_norm=self.feature_norm,
@@ -534,14 +536,35 @@ class DistributedMini(BatchStrategy):
             return {}
         assert self.comm is not None
         carry = torch.tensor(list(self.loader.carry or ()), dtype=torch.int64)
-        return {"rank_carry": [t.clone() for t in self.comm.all_gather_rows(carry)]}
+        plan = torch.tensor([self.plan.capacity, self.plan.cache_rows], dtype=torch.int64)
+        return {"rank_carry": [t.clone() for t in self.comm.all_gather_rows(carry)],
+                "rank_plan": [t.clone() for t in self.comm.all_gather_rows(plan)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's buffer state from the checkpoint."""
+        """Restore this rank's buffer state and residency from the checkpoint.
+
+        Why the residency too: a budget's plan depends on the rank's measured baseline, which a resuming rank
+        measures anew, and another cache samples other neighbourhoods (as :class:`BufferedMini` found for one
+        process): the resumed epochs would not be the uninterrupted run's. Every rank takes this path (the
+        batch counts are gathered again), so a changed plan never leaves the ranks' step counts apart.
+        """
+        if not self.buffered:
+            return
+        assert self.comm is not None
+        rank = self.comm.rank
+        plans = state.get("rank_plan")
+        if plans:
+            capacity, cache_rows = (int(v) for v in plans[rank].tolist())
+            if (capacity, cache_rows) != (self.plan.capacity, self.plan.cache_rows):
+                self.loader.close()
+                self.plan = replace(self.plan, capacity=capacity, cache_rows=cache_rows)
+                self.loader = self._buffer()
+            counts = torch.cat(self.comm.all_gather_rows(torch.tensor([len(self.loader)])))
+            self.rank_batches = [int(v) for v in counts]
+            self.steps = max(self.rank_batches)
         saved = state.get("rank_carry")
-        if self.buffered and saved:
-            assert self.comm is not None
-            self.loader.load_state_dict({"carry": saved[self.comm.rank].tolist(), "pool": {}})
+        if saved:
+            self.loader.load_state_dict({"carry": saved[rank].tolist(), "pool": {}})
 
     def _job_fetch(self) -> dict[str, Any]:
         """The epoch's fetched rows and bytes summed over the ranks, and each rank's bytes."""
