@@ -57,6 +57,18 @@ def test_from_scipy(tmp_path):
         from_scipy(sp.csr_matrix((2, 3)), out=tmp_path / "t")
 
 
+def test_from_scipy_sums_a_coos_repeated_entries_as_scipy_does(tmp_path):
+    """A COO's repeated entries are one matrix entry, their sum; the importer kept the first (weight 1 for an
+    entry scipy reads as 3) and an entry summing to zero stayed an edge."""
+    adj = sp.coo_matrix((np.array([1.0, 2.0, 4.0, -4.0, 5.0]), (np.array([0, 0, 1, 1, 2]), np.array([1, 1, 2, 2, 0]))),
+                        shape=(3, 3))
+    s = open_store(from_scipy(adj, out=tmp_path / "s", weighted=True))
+    np.testing.assert_array_equal(s.indptr, [0, 1, 2, 2])  # 1 -> 2 summed to zero: no edge
+    np.testing.assert_array_equal(s.indices, [2, 0])
+    np.testing.assert_array_equal(s.edge_weight, [5, 3])
+    assert adj.tocsr()[0, 1] == 3
+
+
 def test_from_networkx(tmp_path):
     g = nx.Graph()
     g.add_node("a", feat=[1.0, 0.0], label=0)

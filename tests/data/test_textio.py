@@ -22,6 +22,18 @@ def test_separators_comments_blank_lines(tmp_path, sep):
     assert src.tolist() == [0, 1, 2, 3] and dst.tolist() == [1, 2, 0, 3]
 
 
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_a_utf8_byte_order_mark_is_not_part_of_the_first_id(tmp_path, chunk):
+    """Excel's "CSV UTF-8" starts with a byte-order mark: the import refused line 1 ('\\ufeff0' not an integer)."""
+    p = tmp_path / "edges.csv"
+    p.write_bytes(b"\xef\xbb\xbf0,1\n1,2\n2,0\n")
+    src, dst = _edges(p) if chunk is None else _edges(p, chunk=chunk)
+    assert src.tolist() == [0, 1, 2] and dst.tolist() == [1, 2, 0]
+    q = tmp_path / "x.csv"
+    q.write_bytes(b"\xef\xbb\xbf1.5,2\n3,4\n")
+    np.testing.assert_array_equal(read_table(q, ncols=2), [[1.5, 2], [3, 4]])
+
+
 def test_gzip_and_tiny_blocks_keep_line_numbers(tmp_path):
     lines = [f"{i} {i + 1}" for i in range(100)] + ["5 x"] + ["1 2"] * 10
     p = tmp_path / "edges.txt.gz"

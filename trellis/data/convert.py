@@ -116,6 +116,9 @@ def from_scipy(
 ) -> Path:
     """Write a store from a scipy sparse adjacency: ``adj[i, j] != 0`` is an edge ``i -> j``.
 
+    The matrix is scipy's: a COO input's repeated entries are summed first (so ``dedup`` finds none), and an
+    entry that sums to zero is no edge.
+
     Args:
         adj: Square scipy sparse matrix (or array) ``[N, N]``.
         x: Node features ``[N, F]``.
@@ -134,9 +137,12 @@ def from_scipy(
     """
     import scipy.sparse as sp
 
-    coo = sp.coo_matrix(adj)
+    coo = sp.coo_matrix(adj, copy=True)
     if coo.shape[0] != coo.shape[1]:
         raise TrellisUserError(f"adjacency has shape {coo.shape}; it must be square [N, N]")
+    # scipy's matrix holds the sum of a COO's repeated entries (what ``adj[i, j]`` and ``tocsr`` give): keeping
+    # the first of them imported another weight than the matrix the caller passed
+    coo.sum_duplicates()
     nz = coo.data != 0
     return from_arrays(coo.row[nz], coo.col[nz], int(coo.shape[0]), out=out, x=x, y=y, splits=splits,
                        edge_weight=coo.data[nz] if weighted else None, symmetrize=symmetrize, dedup=dedup,

@@ -26,6 +26,10 @@ DEFAULT_BLOCK_BYTES = 32 * 1024 * 1024
 COMMENT = "#"
 
 
+#: The byte-order mark some editors write at the start of a UTF-8 text file; not part of the first value.
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
     """Open ``path`` for binary reading, decompressing ``.gz`` transparently."""
     path = Path(path)
@@ -52,6 +56,8 @@ def iter_blocks(path: str | os.PathLike[str], block_bytes: int = DEFAULT_BLOCK_B
                     yield rest, line
                 return
             buf = rest + data
+            if line == 1 and buf.startswith(UTF8_BOM):  # Excel's and Notepad's "UTF-8" CSVs start with one
+                buf = buf[len(UTF8_BOM):]
             cut = buf.rfind(b"\n")
             if cut < 0:
                 rest = buf
