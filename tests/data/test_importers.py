@@ -143,6 +143,12 @@ def test_npz_without_lcc_and_split_seed(dataset, tmp_path):
     np.testing.assert_array_equal(a.split("train"), b.split("train"))
     assert not np.array_equal(a.split("train"), c.split("train"))
     assert a.checksum == b.checksum
+    assert not full.has("node_ids")  # nothing dropped, nothing to map
+    # --lcc (the default for these files) renumbers: node_ids maps each node back to the file's id
+    ids = np.asarray(a.get("node_ids"))
+    assert ids.shape == (13381,) and np.all(np.diff(ids) > 0) and ids[-1] < 13752
+    np.testing.assert_array_equal(np.asarray(a.x), np.asarray(full.x)[ids])
+    np.testing.assert_array_equal(np.asarray(a.y), np.asarray(full.y)[ids])
 
 
 def test_npz_small_classes_give_what_they_have(tmp_path):

@@ -168,7 +168,7 @@ def test_pp_strategy_reports_the_same_fields(small_store, tmp_path):
     torch.set_num_threads(1)
     try:
         cfg = TrainConfig(store=str(small_store), strategy="pp", pp_dir=str(tmp_path / "pp"), model="sgc",
-                          epochs=15, runs=2, hidden=16, batch_size=64, target_acc=0.5, out=str(tmp_path / "run"),
+                          epochs=15, runs=2, batch_size=64, target_acc=0.5, out=str(tmp_path / "run"),
                           device="cpu", progress=False)
         s = train(cfg)
     finally:

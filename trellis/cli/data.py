@@ -134,8 +134,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--train-per-class", type=int, default=None, help="npz: training nodes per class (default 20)")
     p.add_argument("--val-per-class", type=int, default=None, help="npz: validation nodes per class (default 30)")
     p.add_argument("--lcc", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep only the largest connected component (default: on for Shchur et al.'s npz files, off "
-                        "otherwise)")
+                   help="keep only the largest connected component, renumbered; the store's node_ids.npy holds "
+                        "each node's id in the input (default: on for Shchur et al.'s npz files, off otherwise)")
     p.add_argument("--symmetrize", action=argparse.BooleanOptionalAction, default=None,
                    help="make the graph undirected (default: on); self loops and duplicate edges are dropped "
                         "either way")

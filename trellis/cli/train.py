@@ -244,7 +244,8 @@ def register(subparsers: Any) -> None:
         "predict", help=help_of("predict"),
         description="Rebuild the model of RUN_DIR (its best-validation run unless --run) and write predictions "
                     "(class ids; 0/1 labels for binary; a 0/1 matrix for multilabel) or --proba probabilities to "
-                    "FILE and node embeddings to FILE_emb.npy.")
+                    "FILE and node embeddings to FILE_emb.npy. Row i is the store's node i (a store imported "
+                    "with --lcc renumbers: its node_ids.npy holds each row's id in the input).")
     q.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `trellis train`")
     q.add_argument("store", metavar="STORE", help="graph store to predict on (same feature width)")
     q.add_argument("--out", required=True, metavar="FILE.npy", help="predictions file; must end in .npy")

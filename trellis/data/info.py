@@ -132,7 +132,9 @@ def format_info(info: dict[str, Any]) -> str:
     rows = [
         ("store", info["path"]),
         ("name", info["name"]),
-        ("nodes", f"{n:,}"),
+        ("nodes", f"{n:,}" + (f" (renumbered from the imported {dropped + n:,}: node_ids.npy maps them back)"
+                              if "node_ids" in info["arrays"] and (dropped := info["source"].get("lcc_nodes_dropped"))
+                              else "")),
         ("edges", f"{info['num_edges']:,} (directed; {'symmetric' if info['symmetric'] else 'not symmetric'})"),
         ("features", str(info["num_features"])),
         ("classes", f"{info['num_classes']} ({info['task']})" if info["task"] else "none"),

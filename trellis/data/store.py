@@ -14,6 +14,8 @@ Layout (all arrays are plain ``.npy`` files so numpy can memory-map them)::
       x.npy              float32 [N,F] optional node features
       y.npy              int64 [N] (multiclass/binary) or float32/uint8 [N,C] (multilabel), optional
       train_idx.npy / val_idx.npy / test_idx.npy   int64 node ids, optional
+      node_ids.npy       int64 [N]     optional: node i's id in the imported data, where the import dropped
+                                       nodes (``--lcc``); predictions are in the store's order, this maps them back
 
 Why this shape: the backward pass of every aggregation runs on the reverse graph (Dorylus, GraphTheta),
 so the reverse CSR is built once at write time and cached with the store; it is a pure function of the
@@ -156,6 +158,7 @@ def write_store(
     task: str | None = None,
     num_classes: int | None = None,
     source: dict[str, Any] | None = None,
+    node_ids: np.ndarray | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Validate and write a store from in-memory arrays (CSR of in-edges: row = destination).
@@ -175,6 +178,8 @@ def write_store(
         task: ``multiclass|binary|multilabel``; inferred from ``y`` when None.
         num_classes: Number of classes (inferred from ``y`` when None).
         source: Provenance recorded in the manifest (importer, file, options).
+        node_ids: ``int [N]``: each node's id in the data it was imported from, where the import renumbered
+            (``--lcc``); written as ``node_ids.npy``.
         overwrite: Replace an existing store (default: False).
     """
     indptr = np.ascontiguousarray(indptr, dtype=np.int64)
@@ -183,6 +188,8 @@ def write_store(
     e = int(indices.shape[0])
     validate_arrays(n, indptr, indices, x=x, y=y, splits=splits, split_sets=split_sets, edge_weight=edge_weight,
                     edge_feat=edge_feat)
+    if node_ids is not None and np.asarray(node_ids).shape != (n,):
+        raise TrellisUserError(f"node_ids has shape {np.asarray(node_ids).shape}; it must hold one id per node ({n})")
     inferred_task, inferred_classes = label_meta(y)
     task = task or inferred_task
     num_classes = inferred_classes if num_classes is None else num_classes
@@ -202,6 +209,8 @@ def write_store(
             w.add(f"{split}_idx", np.asarray(ids, dtype=np.int64))
         if split_sets is not None:
             w.add("split_sets", np.asarray(split_sets, dtype=np.int8))
+        if node_ids is not None:
+            w.add("node_ids", np.asarray(node_ids, dtype=np.int64))
         return w.commit(num_nodes=n, num_edges=e, name=name, task=task, num_classes=num_classes,
                         source=source or {})
 
@@ -436,7 +445,7 @@ class GraphStore:
                 raise self._damaged(f"manifest.json has no valid {key!r}")
         n, e = int(m["num_nodes"]), int(m["num_edges"])
         rows = {"indptr": n + 1, "rev_indptr": n + 1, "indices": e, "rev_indices": e, "rev_perm": e, "x": n,
-                "y": n, "edge_weight": e, "edge_feat": e}
+                "y": n, "edge_weight": e, "edge_feat": e, "node_ids": n}
         arrays = m["arrays"]
         for name in ("indptr", "indices"):
             if name not in arrays:

@@ -284,6 +284,7 @@ def write_graph(
     y = inp.y
     splits = {k: check_split(v, n, inp.where.get(k, f"{k} split")) for k, v in (inp.splits or {}).items()}
     sets = inp.split_sets
+    node_ids = None
     if lcc:
         keep = largest_component(csr)
         source["lcc_nodes_dropped"] = int(n - keep.size)
@@ -294,13 +295,14 @@ def write_graph(
             sets = None if sets is None else sets[:, keep]
             splits = _remap_splits(splits, keep, n)
             n = csr.num_nodes
+            node_ids = keep  # the imported data's id of each kept node: predictions map back through it
     if sets is not None:
         splits = split_set_ids(sets[0])
     elif inp.splits is None and make_splits is not None:
         splits = make_splits(y, n) or {}
     return write_store(out, indptr=csr.indptr, indices=csr.indices, x=x, y=y, splits=splits or None,
                        split_sets=sets, edge_weight=csr.edge_weight, edge_feat=csr.edge_feat, name=inp.name,
-                       source=source, overwrite=overwrite)
+                       source=source, node_ids=node_ids, overwrite=overwrite)
 
 
 def _write_streaming(inp: GraphInput, out: str | os.PathLike[str], *, symmetrize: bool, dedup: bool,
