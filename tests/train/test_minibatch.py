@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 import trellis.train.trainer as trainer
 from trellis.cli.main import main
 from trellis.data.generate import generate_sbm
+from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.train.config import TrainConfig
 
@@ -146,7 +148,11 @@ def test_explain_describes_the_batches_and_the_model_plan(sbm_store, capsys, str
     assert main(["train", str(sbm_store), "--strategy", strategy, "--model", "gcn", "--explain", "--device",
                  "cpu"]) == 0
     out = capsys.readouterr().out
-    assert f"{strategy}: " in out and "batches per epoch" in out and "gcn: pushdown=" in out
+    assert f"{strategy}: " in out and re.search(r"\d+ batch(es)? per epoch", out) and "gcn: pushdown=" in out
+    # the plan is one step's: the first batch's rows, not every node of the graph (as it printed before)
+    rows = [int(m) for m in re.findall(r"linear +\d+->\d+ on (\d+) rows", out)]
+    assert rows and max(rows) < GraphStore(sbm_store).num_nodes
+    assert "the plan below is of the first batch" in out
 
 
 def test_waited_batches_tells_a_starving_trial_while_the_trainer_still_waits():
