@@ -175,6 +175,12 @@ def test_config_records_the_store_absolute(capsys, tmp_path, store, monkeypatch)
     (["train", "STORE", "--hiden", "8"], "trellis train: unrecognized argument --hiden; did you mean --hidden? "
                                           "(see `trellis train --help`)"),
     (["partition", "STORE", "--parts", "2", "--metod", "grem"], "did you mean --method? (see `trellis partition"),
+    # sweep and tune take training options through --set: `--strategy pp` was only "unrecognized"
+    (["sweep", "STORE", "--strategy", "pp", "--grid", "lr=0.1"],
+     "trellis sweep: --strategy is a `trellis train` option; pass it as --set strategy=pp"),
+    (["tune", "STORE", "--pp-dir=cache"], "--pp-dir is a `trellis train` option; pass it as --set pp_dir=cache"),
+    (["sweep", "STORE", "--stratgy", "pp"], "unrecognized argument --stratgy; training options go through --set: "
+                                            "did you mean --set strategy=pp?"),
 ])
 def test_unknown_flags_get_a_did_you_mean(capsys, store, argv, message):
     rc, _, err = run(capsys, *[store if a == "STORE" else a for a in argv])

@@ -60,7 +60,24 @@ def _unrecognized(args: argparse.Namespace, extra: list[str]) -> TrellisUserErro
     if sub is None:
         return TrellisUserError(f"trellis: unrecognized arguments: {' '.join(extra)} (see `trellis --help`)")
     flags = [o for a in sub._actions for o in a.option_strings]
-    hint = difflib.get_close_matches(first.split("=")[0], flags, n=1, cutoff=0.7)
+    name = first.split("=")[0]
+    hint = difflib.get_close_matches(name, flags, n=1, cutoff=0.7)
+    if not hint and "--set" in flags and name.startswith("--"):
+        # sweep and tune take every `trellis train` option through --set (`--strategy pp` was "unrecognized")
+        from trellis.train.config import TrainConfig
+
+        fields = list(TrainConfig.__dataclass_fields__)
+        key = name[2:].replace("-", "_")
+        close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
+        if key in fields or close:
+            exact, key = key in fields, key if key in fields else close[0]
+            at = extra.index(first)
+            value = first.split("=", 1)[1] if "=" in first else \
+                extra[at + 1] if at + 1 < len(extra) and not extra[at + 1].startswith("-") else "VALUE"
+            said = (f"{name} is a `trellis train` option; pass it as" if exact else
+                    f"unrecognized argument {name}; training options go through --set: did you mean")
+            return TrellisUserError(f"trellis {command}: {said} --set {key}={value}{'' if exact else '?'} "
+                                    f"(see `trellis {command} --help`)")
     return TrellisUserError(f"trellis {command}: unrecognized argument {first}"
                             + (f"; did you mean {hint[0]}?" if hint else "")
                             + f" (see `trellis {command} --help`)")
