@@ -67,6 +67,31 @@ def test_spill_dir_flag_and_explain(store, tmp_path, capsys):
     assert "out-of-core plan: budget" in out and "row tiles" in out and "spilled" in out and "recomputed" in out
 
 
+@pytest.mark.parametrize("model", ["gcn", "sage", "gin"])
+@pytest.mark.parametrize(("dropout", "layers"), [(0.0, 2), (0.5, 2), (0.5, 3)])
+def test_explain_prices_the_spill_traffic_the_epoch_measures(store, tmp_path, capsys, model, dropout, layers):
+    """``--explain`` printed 2 MiB of reads for a Cora epoch that read 45 (the features' reads were left out)
+    and counted a cached first aggregation as written every epoch; its rule now follows the engine's passes."""
+    import trellis
+    from trellis.data.store import GraphStore
+    from trellis.nn.tiled import epoch_traffic
+    from trellis.plan.cost import GraphStats
+    from trellis.utils.sizes import format_size
+
+    run = trellis.train(str(store), model=model, dropout=dropout, layers=layers, hidden=16, epochs=3,
+                        memory_budget="2G", feature_norm="row" if model == "gin" else "none", device="cpu",
+                        out=tmp_path / "run")
+    g = GraphStore(store)
+    io = epoch_traffic(run.model, GraphStats(g.num_nodes, g.num_nodes, g.num_edges), int(g.split("train").shape[0]))
+    for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]:  # after the first epoch's one-off writes
+        assert (r["spill_written_bytes"], r["spill_read_bytes"]) == (io.written, io.read)
+    assert main(["train", str(store), "--model", model, "--dropout", str(dropout), "--layers", str(layers),
+                 "--hidden", "16", "--memory-budget", "2G", "--feature-norm", "row" if model == "gin" else "none",
+                 "--device", "cpu", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert f"spill writes {format_size(io.written, digits=1)}, reads {format_size(io.read, digits=1)}" in out
+
+
 def _whole_and_cut(store, tmp_path, **kw) -> None:
     """Train ``whole`` uninterrupted, and ``cut`` stopped by SIGTERM after its epoch 2 (a checkpoint written)."""
     train(_cfg(store, tmp_path / "whole", **kw))

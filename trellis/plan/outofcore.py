@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from trellis.utils.sizes import format_size
+
 #: Bytes per float32 element.
 F32 = 4
 #: Bytes per edge a tile allocates (one float32 coefficient; the CSR itself is a memory map).
@@ -164,8 +166,8 @@ class OutOfCorePlan:
             note = f"  ({p.note})" if p.note else ""
             lines.append(f"  {p.name:<14} [{p.shape[0]} x {p.shape[1]}]  {p.where:<10} "
                          f"{p.nbytes / mib:>9.1f} MiB{note}")
-        io = (f"per epoch: spill writes {self.written_per_epoch / mib:.0f} MiB, reads {self.read_per_epoch / mib:.0f}"
-              f" MiB (peak disk {self.spill_bytes / mib:.0f} MiB)")
+        io = (f"per epoch: spill writes {format_size(self.written_per_epoch, digits=1)}, reads "
+              f"{format_size(self.read_per_epoch, digits=1)} (peak disk {self.spill_bytes / mib:.0f} MiB)")
         if bandwidth:
             io += (f"; {self.read_per_epoch / bandwidth:.1f} s of reads at the storage's "
                    f"{bandwidth / mib:.0f} MiB/s when the page cache does not hold them")
@@ -209,7 +211,11 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
         last = i == len(layers) - 1
         if not layer.aggregate_first:
             placements.append(Placement(f"z{i}", (n, layer.w_out), "spilled", "transformed input (transform first)"))
-        placements.append(Placement(f"a{i}", (n, layer.w_agg), "spilled", "aggregation, read by backward"))
+        if i == 0 and layer.aggregate_first and not dropout:  # a constant input's aggregation: made once
+            placements.append(Placement("a0c", (n, layer.w_agg), "spilled",
+                                        "aggregation of the constant input, written in the first epoch"))
+        else:
+            placements.append(Placement(f"a{i}", (n, layer.w_agg), "spilled", "aggregation, read by backward"))
         if not last:
             placements.append(Placement(f"h{i + 1}", (n, layer.w_out), "spilled", "layer output after ReLU/dropout"))
         placements.append(Placement(f"epilogue{i}", (n, layer.w_out), "recomputed", "per tile in backward"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -27,7 +28,7 @@ from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import check_tileable
 from trellis.nn.models import GNN
-from trellis.nn.tiled import EpochIO, Gather, TiledGNN, layer_shapes
+from trellis.nn.tiled import EpochIO, Gather, TiledGNN, epoch_traffic, layer_shapes
 from trellis.nn.tiled_batch import BatchedTiledGNN
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
@@ -340,7 +341,10 @@ class OutOfCoreFull(Strategy):
         assert self.plan is not None
         rows = np.diff(self.bounds)
         edges = max((self.graph.tile(a, b).num_edges for a, b in iter_tiles(self.bounds)), default=0)
-        return self.plan.format(len(rows), (int(rows.min()), int(rows.max())), edges)
+        g = self.graph
+        io = epoch_traffic(model, GraphStats(g.num_nodes, g.num_nodes, g.num_edges), len(self.train_rows))
+        plan = replace(self.plan, written_per_epoch=io.written, read_per_epoch=io.read)
+        return plan.format(len(rows), (int(rows.min()), int(rows.max())), edges)
 
     def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
         """Widths, task and inputs ``trellis predict`` rebuilds the model from."""
