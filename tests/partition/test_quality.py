@@ -46,6 +46,22 @@ def test_report_matches_definitions(make_store, method):
     assert "edge cut" in q.table() and "RssAnon" in q.table()
 
 
+def test_report_counts_training_nodes_per_part(make_store):
+    """``--balance train`` evens out the parts' training nodes, but the report did not show them."""
+    rng = np.random.default_rng(5)
+    n = 80
+    src, dst = rng.integers(0, n, 400), rng.integers(0, n, 400)
+    train = rng.choice(n, 30, replace=False)
+    store = make_store(n, src, dst, y=rng.integers(0, 3, n), splits={"train": train})
+    book = partition_graph(store, "metis", 4, measure=False)
+    q = evaluate(store, book)
+    want = np.bincount(book.node_parts[train], minlength=4)
+    assert q.part_train == want.tolist() and q.train_balance == pytest.approx(want.max() * 4 / 30)
+    assert "training nodes" in q.table() and f"{want[0]:>10,}" in q.table().splitlines()[-4]
+    bare = evaluate(make_store(n, src, dst), book)
+    assert bare.part_train == [] and bare.train_balance is None and "training nodes" not in bare.table()
+
+
 def test_exchange_formulas():
     assert exchange_bytes("dst", 2, 10, 0) == (80, 80)
     assert exchange_bytes("src", 2, 0, 10) == (80, 80)  # gradients summed per node: one row per (dst, part)

@@ -122,6 +122,11 @@ class PartitionQuality:
     part_halo: list[int] = field(default_factory=list)
     part_edges: list[int] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
+    #: Training nodes of each part (empty for a store without a training split): the work and batch count of
+    #: the rank that trains the part, which ``--balance train`` evens out.
+    part_train: list[int] = field(default_factory=list)
+    #: Largest part's training nodes over the mean (None without a training split).
+    train_balance: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as a JSON-ready dict (written to the partition report and the layout manifest)."""
@@ -136,7 +141,8 @@ class PartitionQuality:
             f"method             {self.method} (edges owned by: {self.ownership})",
             f"parts              {self.num_parts}   nodes {self.num_nodes:,}   edges {self.num_edges:,}",
             f"edge cut           {self.edge_cut:,} ({100 * self.edge_cut_frac:.2f}%)",
-            f"balance            {self.balance:.3f} nodes, {self.edge_balance:.3f} edges (max / mean)",
+            f"balance            {self.balance:.3f} nodes, {self.edge_balance:.3f} edges"
+            + ("" if self.train_balance is None else f", {self.train_balance:.3f} training nodes") + " (max / mean)",
             f"replication factor {self.replication_factor:.3f}",
             f"exchange (F={self.width})  forward {self.exchange_fwd_bytes / 2**20:,.1f} MiB, "
             f"backward {self.exchange_bwd_bytes / 2**20:,.1f} MiB per layer"
@@ -145,10 +151,11 @@ class PartitionQuality:
             f"time               {'-' if self.time_s is None else f'{self.time_s:.2f} s'}",
             f"peak memory        RSS {mb(self.peak_rss_mb)}, RssAnon {mb(self.peak_rss_anon_mb)}",
             "",
-            f"{'part':>6} {'local':>12} {'halo':>12} {'edges':>14}",
+            f"{'part':>6} {'local':>12} {'halo':>12} {'edges':>14}" + (f" {'train':>10}" if self.part_train else ""),
         ]
         for p in range(min(self.num_parts, max_rows)):
-            lines.append(f"{p:>6} {self.part_nodes[p]:>12,} {self.part_halo[p]:>12,} {self.part_edges[p]:>14,}")
+            lines.append(f"{p:>6} {self.part_nodes[p]:>12,} {self.part_halo[p]:>12,} {self.part_edges[p]:>14,}"
+                         + (f" {self.part_train[p]:>10,}" if self.part_train else ""))
         if self.num_parts > max_rows:
             lines.append(f"   ... {self.num_parts - max_rows} more parts")
         return "\n".join(lines)
@@ -199,6 +206,8 @@ def evaluate(store: GraphStore, book: PartitionBook, *, width: int = 256,
     per_edge = FLOAT_BYTES * int(width) * cut if own in ("src", "reverse") else None
     e = store.num_edges
     mean_edges = part_edges.sum() / num_parts
+    train = np.asarray(store.split("train")) if store.has("train_idx") else None
+    part_train = np.bincount(parts[train], minlength=num_parts) if train is not None and train.size else None
     return PartitionQuality(
         method=book.method, num_parts=num_parts, num_nodes=n, num_edges=e, ownership=own,
         edge_cut=cut, edge_cut_frac=cut / e if e else 0.0,
@@ -210,4 +219,6 @@ def evaluate(store: GraphStore, book: PartitionBook, *, width: int = 256,
         peak_rss_anon_mb=book.stats.get("peak_rss_anon_mb"),
         part_nodes=sizes.tolist(), part_halo=halo.tolist(), part_edges=part_edges.tolist(),
         params=dict(book.params),
+        part_train=[] if part_train is None else part_train.tolist(),
+        train_balance=None if part_train is None else float(part_train.max() * num_parts / part_train.sum()),
     )
