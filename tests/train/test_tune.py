@@ -406,6 +406,8 @@ def test_a_budget_that_cuts_before_some_candidates_trained_reports_the_rest(stor
     assert len(board["rows"]) < 9 and board["cut"] is not None
     report = (tmp_path / "t" / "report.md").read_text()
     assert "test acc" in report and "one split: --splits 1, or the store has no other" in report
+    # a 20-s tune ran 53 s without saying why: its final runs alone outlast the budget
+    assert board["final_time_s"] > 0.05 and "The final runs alone took longer than the whole budget" in report
 
 
 def test_a_budget_left_after_the_schedule_buys_more_brackets(store, tmp_path):

@@ -949,6 +949,9 @@ def report_text(board: dict[str, Any]) -> str:
         f"Wall time {board['wall_time_s']:.0f} s{budget} (search {board['search_time_s']:.0f} s"
         + (f", playoff {board['playoff_time_s']:.0f} s" if playoff else "") + ", final runs "
         f"{board['final_time_s']:.0f} s) on {board['device']}. "
+        + (f"The final runs alone took longer than the whole budget: a budget of at least "
+           f"{2 * board['final_time_s']:.0f} s would leave the search as much time as them. "
+           if b_s and board["final_time_s"] > b_s else "") +
         f"`trellis train --config {board['out']}/best/config.json` replays run s0-r0."
     )
 
