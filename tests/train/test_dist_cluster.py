@@ -37,17 +37,24 @@ def _records(run: Path) -> list[dict]:
 
 def _ranks_equal_one_process(store: str, layout: Path, ranks: int, args: list[str], tmp_path: Path,
                              capsys) -> list[dict]:
-    """Train ``args`` in one process, then on ``ranks`` ranks over ``layout``: every epoch's losses and metrics
-    within 1e-5. Returns the ranks' records."""
+    """Train ``args`` in one process, then on ``ranks`` ranks over ``layout``: every epoch's losses within 1e-5,
+    its accuracies within one node of a split. Returns the ranks' records.
+
+    Why one node: the ranks sum in another order, and a node whose two best logits tie within that rounding
+    (1e-7) may take the other class: on one machine's kernels Cora's test accuracy of epoch 1 read 0.203 against
+    0.202 with losses 1.2e-7 apart.
+    """
     assert main(["train", store, *args, "--out", str(tmp_path / "one")]) == 0, capsys.readouterr().err
     code = main(["train", store, *args, "--parts-dir", str(layout), "--nproc", str(ranks), "--out",
                  str(tmp_path / "ranks")])
     assert code == 0, capsys.readouterr().err
     got, want = _records(tmp_path / "ranks"), _records(tmp_path / "one")
     assert len(got) == len(want) == 3
+    sizes = {f"{s}_acc": int(GraphStore(store).split(s).shape[0]) for s in ("train", "val", "test")}
     for g, w in zip(got, want):
         for k in KEYS:
-            assert g[k] == pytest.approx(w[k], abs=1e-5), (k, g, w)
+            tol = 1e-5 if k not in sizes else 1.0 / sizes[k] + 1e-9
+            assert g[k] == pytest.approx(w[k], abs=tol), (k, g, w)
     return got
 
 
