@@ -99,6 +99,16 @@ class EpochIO:
     gathered: int = 0
 
 
+def root_reads(root: str | None, aggregate_first: bool) -> tuple[bool, bool]:
+    """Whether a layer's epilogue reads its input rows, and whether it reads its transformed rows.
+
+    SAGE's root reads the input rows, as does GIN aggregating first; GIN transforming first reads the
+    transformed rows instead.
+    """
+    uses_z = root == "eps" and not aggregate_first
+    return root in ("linear", "eps") and not uses_z, uses_z
+
+
 def _t(a: np.ndarray) -> Tensor:
     """A tensor over a tile's rows of a memory map, copied (the map may be read-only; tiles are small)."""
     return torch.from_numpy(np.array(a, dtype=np.float32))
@@ -154,13 +164,8 @@ class TiledGNN:
         return self._plans[training]
 
     def _reads(self, i: int, aggregate_first: bool) -> tuple[bool, bool]:
-        """Whether layer ``i``'s epilogue reads its input rows, and whether it reads the transformed rows.
-
-        SAGE's root reads the input rows, as does GIN aggregating first; GIN transforming first reads the
-        transformed rows instead.
-        """
-        uses_z = self.roots[i] == "eps" and not aggregate_first
-        return self.roots[i] in ("linear", "eps") and not uses_z, uses_z
+        """Whether layer ``i``'s epilogue reads its input rows, and whether it reads the transformed rows."""
+        return root_reads(self.roots[i], aggregate_first)
 
     # ---- tiles and spills --------------------------------------------------------------------------
     def _pass(self, arrays: Sequence[np.ndarray | None], bounds: np.ndarray | None = None
@@ -407,9 +412,8 @@ def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int) -> Epoch
     n, L, p = stats.num_dst, len(decls), float(gnn.dropout)
     io = EpochIO()
 
-    def reads(i: int, af: bool) -> tuple[bool, bool]:  # as TiledGNN._reads
-        uses_z = decls[i].root == "eps" and not af
-        return decls[i].root in ("linear", "eps") and not uses_z, uses_z
+    def reads(i: int, af: bool) -> tuple[bool, bool]:
+        return root_reads(decls[i].root, af)
 
     plans = {t: plan_model([model_decl(model)], stats, training=t, input_grad=False) for t in (True, False)}
     for training in (True, False):
