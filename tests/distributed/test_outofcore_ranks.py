@@ -98,3 +98,22 @@ def test_out_of_core_ranks_refuse_what_they_cannot_run(dist_store, layouts, tmp_
             Trainer(_cfg(dist_store, model, tmp_path / method, parts_dir=str(layouts[(method, parts)]), nproc=parts,
                          **args)).fit()
         assert not (tmp_path / method).exists()
+
+
+def test_explain_prices_every_ranks_part_out_of_core(dist_store, layouts, capsys):
+    """``--explain`` with ``--parts-dir`` and ``--memory-budget`` printed only the in-memory operator plan; each
+    rank's part is now priced as the rank plans it: its rows, its smallest budget, whether the budget holds it."""
+    from trellis.cli.main import main
+    from trellis.partition.layout import PartitionedGraph
+
+    layout = layouts[("metis", 2)]
+    parts = PartitionedGraph(layout)
+    for budget, verdict in (("3G", "(fits)"), ("10M", "(TOO SMALL: raise it to")):
+        assert main(["train", str(dist_store), "--parts-dir", str(layout), "--memory-budget", budget,
+                     "--explain", "--device", "cpu"]) == 0
+        out = capsys.readouterr().out
+        assert f"out of core per rank (--memory-budget {budget}" in out
+        for r in range(2):
+            part = parts.part(r)
+            line = next(x for x in out.splitlines() if x.strip().startswith(f"rank {r}: part {r},"))
+            assert f"{part.num_local:,} + {part.num_nodes - part.num_local:,} halo rows" in line and verdict in line

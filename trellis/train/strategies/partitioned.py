@@ -37,10 +37,12 @@ from trellis.distributed.ownership import OWNERSHIPS, PullExchange, RankGraph, b
 from trellis.distributed.schedule import StaleBuffers
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of
+from trellis.nn.tiled import layer_shapes
 from trellis.ops.dropout import keyed_rows
 from trellis.ops.graph import CSRGraph
 from trellis.partition.layout import LocalGraph, PartitionedGraph, open_layout_of
 from trellis.plan.cost import GraphStats
+from trellis.plan.outofcore import OutOfCorePlan, plan_out_of_core
 from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import SPLITS, load_labels, normalize_features
@@ -85,6 +87,34 @@ def check_layout(cfg: TrainConfig, store: GraphStore, world_size: int | None) ->
     return layout
 
 
+def rank_plan(model: nn.Module, stats: GraphStats, in_dim: int, part: LocalGraph, world: int, budget: int,
+              baseline: int, dropout: bool, chunk_rows: int | None = None, label_width: int = 1,
+              ) -> tuple[OutOfCorePlan, int]:
+    """The tile plan of one rank's part under ``budget``, and the rows per peer of its halo exchange rounds.
+
+    A function of the part's sizes alone, so ``--explain`` prices every rank's part without joining a job.
+    ``label_width``: values per label row (a multilabel store's classes).
+    """
+    n = int(part.num_nodes)
+    params = sum(p.numel() for p in model.parameters())
+    shapes = layer_shapes(model, stats)
+    widest = max([in_dim] + [s.w_out for s in shapes])
+    # halo exchanges in rounds: sent and received rows of one round within an eighth of the budget (the same
+    # on every rank: the budget, the model and the world size are)
+    per_row = 2 * world * widest * 4
+    rows = chunk_rows or max(1024, budget // 8 // per_row)
+    labels = 8 * sum(int(np.asarray(a).shape[0]) for a in part.splits.values()) + 8 * part.num_local * label_width
+    degree = np.asarray(part.in_degree)
+    out_degree = np.bincount(np.asarray(part.indices), minlength=n)
+    max_degree = max(int(degree.max()) if degree.size else 0, int(out_degree.max()) if n else 0)
+    del out_degree
+    plan = plan_out_of_core(
+        num_nodes=n, max_degree=max_degree, layers=shapes, params=params, budget=budget, baseline=baseline,
+        resident_vectors=16 * n + rows * per_row + labels + 16 * part.num_local, input_spilled=True,
+        dropout=dropout, recompute_dropout=False)
+    return plan, rows
+
+
 def explain_distributed(cfg: TrainConfig, factory: ModelFactory | None = None) -> str:
     """``--explain`` with ``--parts-dir``: the layout, its exchange per layer, and the plan every rank runs.
 
@@ -116,7 +146,41 @@ def explain_distributed(cfg: TrainConfig, factory: ModelFactory | None = None) -
         b = BatchedGNN([model])
         b.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
         lines += ["", b.explain(CSRGraph.from_numpy(np.zeros(1, np.int64), np.zeros(0, np.int64)))]
+    if cfg.memory_budget is not None and cfg.strategy == "full":
+        lines += ["", *_explain_ranks_out_of_core(cfg, store, layout, model, spec.in_dim)]
     return "\n".join(lines)
+
+
+def _explain_ranks_out_of_core(cfg: TrainConfig, store: GraphStore, layout: PartitionedGraph, model: nn.Module,
+                               in_dim: int) -> list[str]:
+    """Each rank's tile plan under ``--memory-budget``, from its part's sizes (as the rank plans it at start).
+
+    Why: with ``--memory-budget`` every rank trains its part out of core, and ``--explain`` printed only the
+    in-memory operator plan. The baseline is this process's; each rank measures its own, about the same.
+    """
+    from trellis.nn.batched import check_tileable
+    from trellis.utils.memory import proc_status
+    from trellis.utils.sizes import format_size, parse_size
+
+    try:
+        check_tileable(model)
+    except TrellisUserError as exc:
+        return [f"out of core per rank: --model {cfg.model} cannot be tiled ({exc})"]
+    budget = parse_size(str(cfg.memory_budget), flag="--memory-budget")
+    baseline = int(proc_status().get("RssAnon", 0))
+    stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
+    width = 1 if store.y is None or np.asarray(store.y).ndim == 1 else int(np.asarray(store.y).shape[1])
+    lines = [f"out of core per rank (--memory-budget {cfg.memory_budget} = {format_size(budget)} each; baseline "
+             f"{format_size(baseline)} measured here):"]
+    for r in range(layout.num_parts):
+        part = layout.part(r)
+        plan, _ = rank_plan(model, stats, in_dim, part, layout.num_parts, budget, baseline,
+                            float(cfg.dropout) > 0.0, label_width=width)
+        fits = "fits" if budget >= plan.min_budget else f"TOO SMALL: raise it to {format_size(plan.min_budget)}"
+        lines.append(f"  rank {r}: part {r}, {part.num_local:,} + {part.num_nodes - part.num_local:,} halo rows; "
+                     f"smallest budget {format_size(plan.min_budget)} ({fits}); tile {format_size(plan.tile_bytes)}, "
+                     f"spills up to {format_size(plan.spill_bytes)} on disk")
+    return lines
 
 
 class PartitionedFull(Strategy):

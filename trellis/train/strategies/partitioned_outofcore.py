@@ -32,17 +32,17 @@ from trellis.distributed.halo import MappedHalo, Route, Traffic
 from trellis.distributed.ownership import dst_methods
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import check_tileable
-from trellis.nn.tiled import Gather, TiledGNN, layer_shapes
+from trellis.nn.tiled import Gather, TiledGNN
 from trellis.ops.tiled import MappedCSR
 from trellis.partition.layout import LocalGraph, PartitionedGraph
-from trellis.plan.outofcore import OutOfCorePlan, plan_out_of_core
+from trellis.plan.outofcore import OutOfCorePlan
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig
 from trellis.train.data import normalize_features
 from trellis.train.features import parse_features
 from trellis.train.runs import default_run_dir
 from trellis.train.strategies.outofcore import COLD_ENV, budget_and_baseline
-from trellis.train.strategies.partitioned import PartitionedFull
+from trellis.train.strategies.partitioned import PartitionedFull, rank_plan
 from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task
 from trellis.utils.csr import build_reverse_csr
@@ -170,25 +170,11 @@ class PartitionedOutOfCore(PartitionedFull):
     def _plan(self, model: nn.Module) -> None:
         """Plan the tiles under the budget from the part's sizes (writes nothing: the run may not exist yet)."""
         cfg, part = self.cfg, self._part
-        n = int(self.node_ids.shape[0])
-        params = sum(p.numel() for p in model.parameters())
-        shapes = layer_shapes(model, self.stats)
-        widest = max([self.spec.in_dim] + [s.w_out for s in shapes])
         assert self.comm is not None
-        # halo exchanges in rounds: sent and received rows of one round within an eighth of the budget (the same
-        # on every rank: the budget, the model and the world size are)
-        per_row = 2 * self.comm.world_size * widest * 4
-        self.halo.set_chunk_rows(self.halo_chunk_rows or max(1024, self.budget // 8 // per_row))
-        halo_buffers = self.halo.chunk_rows * per_row
-        labels = sum(int(t.numel()) * 8 for t in self.local_splits.values()) + self.y_local.numel() * 8
-        degree = np.asarray(part.in_degree)
-        out_degree = np.bincount(np.asarray(part.indices), minlength=n)
-        max_degree = max(int(degree.max()) if degree.size else 0, int(out_degree.max()) if n else 0)
-        del out_degree
-        plan = plan_out_of_core(
-            num_nodes=n, max_degree=max_degree, layers=shapes, params=params, budget=self.budget,
-            baseline=self.baseline, resident_vectors=16 * n + halo_buffers + labels + 16 * self.num_local,
-            input_spilled=True, dropout=float(cfg.dropout) > 0.0, recompute_dropout=False)
+        plan, chunk_rows = rank_plan(model, self.stats, self.spec.in_dim, part, self.comm.world_size, self.budget,
+                                     self.baseline, float(cfg.dropout) > 0.0, self.halo_chunk_rows,
+                                     self.y_local.numel() // max(1, self.num_local))
+        self.halo.set_chunk_rows(chunk_rows)
         if self.budget < plan.min_budget:
             raise TrellisUserError(f"--memory-budget {cfg.memory_budget} ({format_size(self.budget)}) per rank is "
                                    f"below the smallest budget that trains this model on part {part.part}, "
