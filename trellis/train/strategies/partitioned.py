@@ -36,7 +36,7 @@ from trellis.distributed.comm import Comm, Link, RankEnv, free_port, rank_thread
 from trellis.distributed.ownership import OWNERSHIPS, PullExchange, RankGraph, build_rank_graph, dst_methods
 from trellis.distributed.schedule import StaleBuffers
 from trellis.errors import TrellisUserError
-from trellis.nn.batched import BatchedGNN, family_of
+from trellis.nn.batched import BatchedGNN, check_tileable, family_of
 from trellis.nn.tiled import layer_shapes
 from trellis.ops.dropout import keyed_rows
 from trellis.ops.graph import CSRGraph
@@ -49,8 +49,9 @@ from trellis.train.data import SPLITS, load_labels, normalize_features
 from trellis.train.features import parse_features
 from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task, evaluate_logits
-from trellis.utils.memory import PeakMemory, trim_heap
+from trellis.utils.memory import PeakMemory, proc_status, trim_heap
 from trellis.utils.numba import set_threads
+from trellis.utils.sizes import format_size, parse_size
 
 #: Models that aggregate by themselves (attention): on the pull graph under destination ownership, through
 #: the exchange's two-phase softmax elsewhere (:mod:`trellis.distributed.attention`).
@@ -158,10 +159,6 @@ def _explain_ranks_out_of_core(cfg: TrainConfig, store: GraphStore, layout: Part
     Why: with ``--memory-budget`` every rank trains its part out of core, and ``--explain`` printed only the
     in-memory operator plan. The baseline is this process's; each rank measures its own, about the same.
     """
-    from trellis.nn.batched import check_tileable
-    from trellis.utils.memory import proc_status
-    from trellis.utils.sizes import format_size, parse_size
-
     try:
         check_tileable(model)
     except TrellisUserError as exc:
