@@ -147,7 +147,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(dist_store, lay
     assert "cannot read the latency" in _bad([*base, "--parts-dir", parts, "--emulate-link", "1GB/s,soon"], capsys)
     assert "below what a rank process itself takes" in _bad([*base, "--parts-dir", parts, "--memory-budget", "20M"],
                                                             capsys)
-    # refused by every rank after the job started (the line printed once per rank, then "rank 1 died")
+    # refused before the ranks start (each rank had refused it, the line printed once per rank, then "rank 1 died")
     assert "--model gat cannot train under --memory-budget" in _bad(
         [*base, "--parts-dir", parts, "--memory-budget", "2G", "--model", "gat"], capsys)
     hashed = str(layouts[("hash", 2)])

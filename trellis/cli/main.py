@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from trellis.cli.commands import COMMANDS
-from trellis.errors import ProcessFailure, TrellisUserError
+from trellis.errors import ProcessFailure, RankRefused, TrellisUserError, report_to_launcher
 
 
 class _Parser(argparse.ArgumentParser):
@@ -159,8 +159,11 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
                 signal.signal(signal.SIGTERM, previous)
         rc = args.func(args)
         return int(rc or 0)
+    except RankRefused:  # another rank of the job printed why
+        return 2
     except TrellisUserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if not report_to_launcher(exc):  # a launched rank's launcher says it, once
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     except ProcessFailure as exc:
         if os.environ.get("TRELLIS_TRACEBACK"):

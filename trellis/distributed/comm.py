@@ -12,14 +12,18 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from trellis.errors import TrellisUserError
+from trellis.errors import RankRefused, TrellisUserError
 from trellis.utils.sizes import parse_size
+
+T = TypeVar("T")
 
 #: Environment variables every PyTorch launcher sets (``torchrun``, and ``trellis train --nproc``).
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -270,6 +274,37 @@ class Comm:
         out = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(out, padded, group=self.control)
         return [o[: int(c)] for o, c in zip(out, counts)]
+
+    def refuse_together(self, check: Callable[[], T]) -> T:
+        """``check()`` on every rank; if it refuses bad input on any, every rank raises and one prints why.
+
+        Why: a check of a rank's own share (its parts under the per-rank budget) refused on some ranks, or on
+        all with different numbers; each printed its own line and the launcher added "rank r died". Now the
+        ranks exchange whether they refused and how much they need (:class:`~trellis.errors.BudgetTooSmall`):
+        the rank that needs the most (else the lowest that refused) raises its error, which names what
+        satisfies every rank, and the others raise :class:`~trellis.errors.RankRefused` (exit 2, silently).
+        Every rank must call it at the same point (it is a collective on the control group).
+        """
+        error: TrellisUserError | None = None
+        try:
+            result = check()
+        except TrellisUserError as exc:
+            error = exc
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return result
+        mine = torch.tensor([[1.0 if error is not None else 0.0, float(getattr(error, "need", 0))]],
+                            dtype=torch.float64)
+        votes = torch.cat(self.all_gather_rows(mine))
+        refused = torch.nonzero(votes[:, 0] > 0).flatten().tolist()
+        if not refused:
+            return result
+        speaker = max(refused, key=lambda r: (float(votes[r, 1]), -r))
+        if self.rank == speaker:
+            assert error is not None
+            raise error
+        raise RankRefused(f"rank {speaker} refused the input (it printed why)")
 
     def close(self) -> None:
         """Destroy this rank's groups (and the default group when this object created it)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trellis.errors import TrellisUserError
+from trellis.errors import BudgetTooSmall, TrellisUserError
 from trellis.utils.sizes import format_size
 
 #: Bytes of ``O(N)`` state the buffer keeps per node (maps, degrees, labels, masks, two state CSRs' row
@@ -124,18 +124,18 @@ def plan_buffer(costs: BufferCosts, budget: int | None, *, buffer_parts: int | N
         return BufferPlan(k, int(min(rows, costs.num_nodes)), None, costs)
     smallest = costs.fixed_bytes + min(2, p) * costs.slot_bytes
     if budget < smallest:
-        raise TrellisUserError(f"--memory-budget {format_size(budget)} holds less than one partition and the rest of "
-                               f"the run (the largest part needs {format_size(costs.slot_bytes)} per slot, two slots, "
-                               f"plus {format_size(costs.fixed_bytes)}); the smallest budget that works is "
-                               f"{format_size(smallest)} (--memory-budget {-(-smallest // 2**20)}MiB) -- or partition "
-                               "into more parts")
+        raise BudgetTooSmall(f"--memory-budget {format_size(budget)} holds less than one partition and the rest of "
+                             f"the run (the largest part needs {format_size(costs.slot_bytes)} per slot, two slots, "
+                             f"plus {format_size(costs.fixed_bytes)}); the smallest budget that works is "
+                             f"{format_size(smallest)} (--memory-budget {-(-smallest // 2**20)}MiB) -- or partition "
+                             "into more parts", smallest)
     free = budget - costs.fixed_bytes
     fit = min(p, int(free // costs.slot_bytes) - 1) if p > 1 else 1
     if buffer_parts is not None:
         need = costs.fixed_bytes + min(buffer_parts + 1, p) * costs.slot_bytes
         if need > budget:
-            raise TrellisUserError(f"--buffer-parts {buffer_parts} needs {format_size(need)} but --memory-budget is "
-                                   f"{format_size(budget)}; use --buffer-parts {max(1, fit)} or a larger budget")
+            raise BudgetTooSmall(f"--buffer-parts {buffer_parts} needs {format_size(need)} but --memory-budget is "
+                                 f"{format_size(budget)}; use --buffer-parts {max(1, fit)} or a larger budget", need)
         k = buffer_parts
     else:
         k = max(1, fit)

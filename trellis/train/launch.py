@@ -10,7 +10,9 @@ cluster (``python -m trellis.cli train ...`` with ``RANK``, ``WORLD_SIZE``, ``MA
 * rendezvouses on 127.0.0.1 at a free port (bind port 0), or at ``MASTER_PORT`` when it is set;
 * watches its children: on the first rank that dies it prints ``rank r (pid ...) died: ...``, stops the
   others (SIGTERM, then SIGKILL after a grace period) and exits non-zero — a dead rank never leaves the
-  job hanging. SIGINT/SIGTERM to the launcher are passed on (the ranks checkpoint and stop together).
+  job hanging. SIGINT/SIGTERM to the launcher are passed on (the ranks checkpoint and stop together). A rank
+  that refuses its share of the input (exit code 2, e.g. its part under ``--memory-budget``) has printed why;
+  the ranks refuse together, so the launcher waits for them and adds no line of its own.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from trellis.data.store import GraphStore
 from trellis.distributed.comm import RankEnv, free_port, rank_threads
-from trellis.errors import TrellisUserError
+from trellis.errors import REFUSAL_DIR_ENV, TrellisUserError, launcher_refusal
 from trellis.train.config import TrainConfig
 from trellis.train.runs import JOB_ENV, PEER_PREFIX, default_run_dir
 from trellis.train.strategies import strategy_class
@@ -47,6 +49,9 @@ from trellis.utils.tempdirs import OwnedTempDir
 
 #: Seconds the launcher waits for ranks to stop after SIGTERM before it kills them.
 GRACE_S = 10.0
+#: Seconds the other ranks get to exit by themselves once one has refused bad input (exit code 2): ranks that
+#: refuse together (:meth:`~trellis.distributed.comm.Comm.refuse_together`) do, and one line says why.
+REFUSE_WAIT_S = 10.0
 #: Seconds the other ranks get to stop once one has exited after a forwarded Ctrl-C/SIGTERM.
 STOP_WAIT_S = 60.0
 
@@ -268,8 +273,10 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
     # die with this process, and a stop of the whole process reaches them through _die_with_parent).
     forwarding = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if forwarding else {}
-    # owned: a launcher killed with -9 leaves it only until the next launch (utils/tempdirs.py)
+    # the ranks' config and refusals; owned: a launcher killed with -9 leaves it only until the next launch
+    # (utils/tempdirs.py)
     cfg_dir = OwnedTempDir("trellis-ranks-")
+    base[REFUSAL_DIR_ENV] = cfg_dir.name
     cfg_file = Path(cfg_dir.name) / "config.json"
     try:
         cfg_file.write_text(json.dumps(values))
@@ -280,7 +287,11 @@ def launch(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> int:
             procs.append(subprocess.Popen([sys.executable, "-m", "trellis.cli", "train", "--config", str(cfg_file)],
                                           env=env, start_new_session=True, preexec_fn=_die_with_parent,
                                           stdout=subprocess.DEVNULL if quiet else None))
-        return _watch(procs, err, stopping)
+        code = _watch(procs, err, stopping, Path(cfg_dir.name))
+        refusal = launcher_refusal(cfg_dir.name) if code == 2 else None
+        if refusal is not None:
+            raise refusal
+        return code
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -329,8 +340,11 @@ def train_ranks(cfg: TrainConfig, err: Any = None, *, quiet: bool = False) -> di
     return dict(json.loads(Path(str(cfg.out), "summary.json").read_text()))
 
 
-def _watch(procs: list[subprocess.Popen[bytes]], err: Any, stopping: list[int]) -> int:
+def _watch(procs: list[subprocess.Popen[bytes]], err: Any, stopping: list[int], refusals: Path | None = None) -> int:
     """Wait for every rank; on the first failure name it, stop the rest and return non-zero.
+
+    A rank that refused bad input (exit code 2) is not named when it handed its refusal to the launcher
+    (a ``refused-<rank>.txt`` in ``refusals``, which the caller raises) or when every rank refused.
 
     After the launcher passed on SIGINT/SIGTERM (``stopping``), ranks exit 128 + signal once they have
     checkpointed together: that is waited for, not treated as a death. But once one rank has exited, the rest
@@ -355,6 +369,14 @@ def _watch(procs: list[subprocess.Popen[bytes]], err: Any, stopping: list[int]) 
             r = failed[0]
             code = codes[r]
             assert code is not None
+            if code == 2:  # bad input, printed by the rank(s): the others refuse it too and exit by themselves
+                first_exit = first_exit if first_exit is not None else time.monotonic()
+                if any(c is None for c in codes) and time.monotonic() - first_exit < REFUSE_WAIT_S:
+                    time.sleep(0.05)
+                    continue
+                if all(c in (0, 2) for c in codes) or (refusals is not None and launcher_refusal(refusals)):
+                    _stop(procs)
+                    return 2
             print(f"rank {r} (pid {procs[r].pid}) died: {_describe(code)}; stopping the other ranks",
                   file=err, flush=True)
             _stop(procs)

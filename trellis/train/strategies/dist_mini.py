@@ -436,8 +436,10 @@ class DistributedMini(BatchStrategy):
         batch_bytes = neighbour_batch_bytes(cfg, layout, self.spec.in_dim, np.diff(self.indptr),
                                             min(self.rank_batch, max(1, len(self.targets))))
         if getattr(self, "plan", None) is None:  # a resumed rank keeps the interrupted one's (load_state_dict)
-            self.plan = plan_residency(cfg, layout, self.spec, d.splits, self.budget[0], self.budget[1],
-                                       (batch_bytes, 0), parts=self.my_parts)
+            # every rank plans its own parts; one that does not fit refuses for all, in one line
+            self.plan = self.comm.refuse_together(lambda: plan_residency(
+                cfg, layout, self.spec, d.splits, self.budget[0], self.budget[1], (batch_bytes, 0),
+                parts=self.my_parts))
         degree = np.diff(self.indptr).astype(np.float32)
         return PartitionBuffer(layout, self.plan.capacity, parse_fanouts(cfg.fanouts, cfg.layers), self.targets,
                                self.rank_batch, y=d.y, degree=degree, feature_norm=self.feature_norm,

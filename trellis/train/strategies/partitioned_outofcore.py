@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from trellis.data.store import GraphStore
 from trellis.distributed.halo import MappedHalo, Route, Traffic
 from trellis.distributed.ownership import dst_methods
-from trellis.errors import TrellisUserError
+from trellis.errors import BudgetTooSmall, TrellisUserError
 from trellis.nn.batched import check_tileable
 from trellis.nn.tiled import Gather, TiledGNN
 from trellis.ops.tiled import MappedCSR
@@ -175,14 +175,18 @@ class PartitionedOutOfCore(PartitionedFull):
                                      self.baseline, float(cfg.dropout) > 0.0, self.halo_chunk_rows,
                                      self.y_local.numel() // max(1, self.num_local))
         self.halo.set_chunk_rows(chunk_rows)
-        if self.budget < plan.min_budget:
-            raise TrellisUserError(f"--memory-budget {cfg.memory_budget} ({format_size(self.budget)}) per rank is "
-                                   f"below the smallest budget that trains this model on part {part.part}, "
-                                   f"{format_size(plan.min_budget)} (the rank itself takes "
-                                   f"{format_size(self.baseline)}); raise it to at least "
-                                   f"{format_size(plan.min_budget)}")
-        check_spill_root(self._spill_root(), plan.spill_bytes, flag="--spill-dir" if cfg.spill_dir else
-                         "spill directory")
+
+        def check() -> None:  # every rank checks its part; the one needing the most says so (one line)
+            if self.budget < plan.min_budget:
+                raise BudgetTooSmall(f"--memory-budget {cfg.memory_budget} ({format_size(self.budget)}) per rank "
+                                     f"is below the smallest budget that trains this model on part {part.part} "
+                                     f"(the most any rank needs), {format_size(plan.min_budget)} (the rank itself "
+                                     f"takes {format_size(self.baseline)}); raise it to at least "
+                                     f"{format_size(plan.min_budget)}", plan.min_budget)
+            check_spill_root(self._spill_root(), plan.spill_bytes, flag="--spill-dir" if cfg.spill_dir else
+                             "spill directory")
+
+        self.comm.refuse_together(check)
         self.plan = plan
 
     def _tiles(self) -> None:
