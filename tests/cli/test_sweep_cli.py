@@ -51,6 +51,19 @@ def test_explain_prints_the_choice_of_k_and_the_batched_plan(store, capsys):
     assert rc == 0 and "K = 1 (--batch-models 1)" in out
 
 
+def test_explain_out_of_core_prints_the_batchs_tile_plan(store, capsys):
+    """Under --memory-budget the sweep's --explain printed K and the batches, not the tiles K configurations share;
+    the features are one array (the plan listed them K times wide), and the traffic is said to be measured."""
+    from trellis.data.store import GraphStore
+
+    g = GraphStore(store)
+    rc, out, _ = run(capsys, "sweep", store, "--grid", "hidden=8,16", "dropout=0,0.5", "--memory-budget", "2G",
+                     "--set", "feature_norm=row", "--explain")  # row-normalized: the features are spilled once
+    assert rc == 0 and "plan of batch 0:" in out and "out-of-core plan: budget" in out and "row tiles" in out
+    assert f"x              [{g.num_nodes} x {g.num_features}]" in out
+    assert "spill traffic measured, not priced, for 4 configurations together" in out
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--grid"], "expected at least one argument"),
     ([], "--grid is empty"),

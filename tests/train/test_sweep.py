@@ -327,10 +327,11 @@ def test_out_of_core_batch_tiles_hold_one_configurations_dense_work_at_a_time():
     solo = LayerShape(256, 16, aggregate_first=False, root=False)
     joint = joint_shape([solo] * 4, first=True)
     assert (joint.w_in, joint.w_out, joint.w_agg) == (1024, 64, 64) and not joint.aggregate_first
+    assert joint.input_width == 256  # one feature array, read by all four
     assert joint.row_floats == solo.row_floats + 2 * 4 * (16 + 16) + 256
     assert solo.row_floats < joint.row_floats < 3 * solo.row_floats
     later = joint_shape([LayerShape(16, 10, aggregate_first=True, root=True)] * 4, first=False)
-    assert later.w_agg == 64 and later.root and later.row_floats == later.busiest
+    assert later.w_agg == 64 and later.root and later.row_floats == later.busiest and later.input_width == 64
     # one configuration aggregating its features first: their dropped-out copy is a spill, not recomputed
     mixed = joint_shape([solo, LayerShape(256, 512, aggregate_first=True, root=False)], first=True)
     assert not mixed.aggregate_first and mixed.reads_whole_input and not solo.reads_whole_input

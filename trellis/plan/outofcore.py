@@ -65,6 +65,11 @@ class LayerShape:
         return 2 * leaves + 4 * self.w_out + self.w_in
 
     @property
+    def input_width(self) -> int:
+        """Columns of the first layer's input array (the features): one array, however many read it."""
+        return self.w_in
+
+    @property
     def reads_whole_input(self) -> bool:
         """Whether the layer's input is read whole, not only tile by tile (it aggregates it).
 
@@ -80,6 +85,13 @@ class JointShape(LayerShape):
     agg: int = 0
     busiest: int = 0
     any_aggregate_first: bool = False
+    #: The first layer's: the features' width, read by every configuration from one array (0: not first).
+    features: int = 0
+
+    @property
+    def input_width(self) -> int:
+        """The features' width in the first layer (shared, not side by side), else the inputs' side by side."""
+        return self.features or self.w_in
 
     @property
     def reads_whole_input(self) -> bool:
@@ -112,7 +124,8 @@ def joint_shape(group: Sequence[LayerShape], first: bool) -> JointShape:
     return JointShape(sum(s.w_in for s in group), sum(s.w_out for s in group),
                       all(s.aggregate_first for s in group), any(s.root for s in group),
                       agg=sum(s.w_agg for s in group), busiest=busiest,
-                      any_aggregate_first=any(s.aggregate_first for s in group))
+                      any_aggregate_first=any(s.aggregate_first for s in group),
+                      features=max(s.w_in for s in group) if first else 0)
 
 
 @dataclass(frozen=True)
@@ -151,8 +164,9 @@ class OutOfCorePlan:
         """What one tile may allocate."""
         return max(0, self.budget - self.baseline - self.resident - self.margin)
 
-    def format(self, tiles: int, rows: tuple[int, int], edges: int, bandwidth: float | None = None) -> str:
-        """The plan as ``--explain`` prints it."""
+    def format(self, tiles: int, rows: tuple[int, int], edges: int, bandwidth: float | None = None,
+               traffic: bool = True) -> str:
+        """The plan as ``--explain`` prints it (``traffic``: with the per-epoch spill traffic line)."""
         mib = 2.0**20
         lines = [
             f"out-of-core plan: budget {self.budget / mib:.0f} MiB = baseline {self.baseline / mib:.0f} "
@@ -166,6 +180,8 @@ class OutOfCorePlan:
             note = f"  ({p.note})" if p.note else ""
             lines.append(f"  {p.name:<14} [{p.shape[0]} x {p.shape[1]}]  {p.where:<10} "
                          f"{p.nbytes / mib:>9.1f} MiB{note}")
+        if not traffic:
+            return "\n".join(lines)
         io = (f"per epoch: spill writes {format_size(self.written_per_epoch, digits=1)}, reads "
               f"{format_size(self.read_per_epoch, digits=1)} (peak disk {self.spill_bytes / mib:.0f} MiB)")
         if bandwidth:
@@ -202,11 +218,11 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
     min_budget = int(min_budget / (1 - MARGIN_FRACTION)) + 1
     placements: list[Placement] = []
     if input_spilled:
-        placements.append(Placement("x", (n, layers[0].w_in), "spilled", "normalized features, written once"))
+        placements.append(Placement("x", (n, layers[0].input_width), "spilled", "normalized features, written once"))
     if dropout and (layers[0].reads_whole_input or not recompute_dropout):
         placements.append(Placement("h0", (n, layers[0].w_in), "spilled", "dropped-out input, every epoch"))
     elif dropout:  # transform first: only tiles of it are read, each recomputed from its counter-based mask
-        placements.append(Placement("h0", (n, layers[0].w_in), "recomputed", "dropped-out input, per tile"))
+        placements.append(Placement("h0", (n, layers[0].input_width), "recomputed", "dropped-out input, per tile"))
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
         if not layer.aggregate_first:

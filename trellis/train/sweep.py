@@ -357,10 +357,11 @@ def plan_sweep(sc: SweepConfig, entries: list[SweepEntry], strategy: Strategy, d
         k, text, rows = strategy.batch_size_for(models, budget, None if pre_norm else sc.batch_models)
         batches = [[group[i] for i in r] for r in balanced_batches(len(group), k)]
         plan_text = ""
+        first_models = [models[group.index(e)] for e in batches[0]]
         if explain and isinstance(strategy, FullBatch) and rows:
-            first = batches[0]
-            bm = BatchedGNN([models[group.index(e)] for e in first], rewrites=sc.rewrites)
-            plan_text = bm.explain(strategy.explain_graph())
+            plan_text = BatchedGNN(first_models, rewrites=sc.rewrites).explain(strategy.explain_graph())
+        elif explain and isinstance(strategy, OutOfCoreFull):
+            plan_text = strategy.explain_batch(first_models, any(float(e.cfg.dropout) > 0.0 for e in batches[0]))
         groups.append(SweepGroup(layers, group, k, batches, text, rows, plan_text, pre_norm))
     return groups
 

@@ -346,6 +346,21 @@ class OutOfCoreFull(Strategy):
         plan = replace(self.plan, written_per_epoch=io.written, read_per_epoch=io.read)
         return plan.format(len(rows), (int(rows.min()), int(rows.max())), edges)
 
+    def explain_batch(self, models: Sequence[nn.Module], dropout: bool) -> str:
+        """The tiles and placements of ``models`` trained together (a sweep's batch), as they would be planned.
+
+        The spill traffic is not priced: K configurations share the features' reads and a cached first
+        aggregation, which the one-model rule (:func:`~trellis.nn.tiled.epoch_traffic`) does not follow; the
+        measured bytes are in every configuration's ``metrics.jsonl``.
+        """
+        plan = self._plan(models, dropout=dropout)
+        bounds = self.graph.tile_bounds(plan.row_bytes, plan.edge_bytes, plan.tile_bytes, max_rows=self.max_tile_rows)
+        rows = np.diff(bounds)
+        edges = max((self.graph.tile(a, b).num_edges for a, b in iter_tiles(bounds)), default=0)
+        text = plan.format(len(rows), (int(rows.min()), int(rows.max())), edges, traffic=False)
+        return (f"{text}\nper epoch: spill traffic measured, not priced, for {len(models)} configurations "
+                "together (spill_written_bytes, spill_read_bytes in each configuration's metrics.jsonl)")
+
     def model_record(self, cfg: TrainConfig) -> dict[str, Any]:
         """Widths, task and inputs ``trellis predict`` rebuilds the model from."""
         return {"in_dim": self.spec.in_dim, "out_dim": self.task.num_outputs, "edge_dim": self.spec.edge_dim,
