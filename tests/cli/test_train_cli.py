@@ -132,6 +132,23 @@ def test_predict(capsys, tmp_path, store):
     assert rc == 0 and np.load(tmp_path / "p.npy").shape == (300,)
 
 
+def test_predict_defaults_to_the_store_the_run_trained_on(capsys, tmp_path, store):
+    """STORE was required, though the run records its store: the usual prediction named it twice."""
+    import shutil
+
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    assert run(capsys, "train", str(copy), "--out", str(tmp_path / "run"), "--epochs", "3", "--no-progress")[0] == 0
+    rc, _, err = run(capsys, "predict", str(tmp_path / "run"), "--out", str(tmp_path / "a.npy"))
+    assert rc == 0, err
+    assert run(capsys, "predict", str(tmp_path / "run"), str(copy), "--out", str(tmp_path / "b.npy"))[0] == 0
+    assert np.array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    shutil.rmtree(copy)
+    rc, _, err = run(capsys, "predict", str(tmp_path / "run"), "--out", str(tmp_path / "c.npy"))
+    assert rc == 2 and f"the store it trained on, {copy}, is gone; give the STORE" in err
+    assert not (tmp_path / "c.npy").exists()
+
+
 def test_help_lists_generated_flags(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "--help"])

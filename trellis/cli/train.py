@@ -247,7 +247,8 @@ def register(subparsers: Any) -> None:
                     "FILE and node embeddings to FILE_emb.npy. Row i is the store's node i (a store imported "
                     "with --lcc renumbers: its node_ids.npy holds each row's id in the input).")
     q.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `trellis train`")
-    q.add_argument("store", metavar="STORE", help="graph store to predict on (same feature width)")
+    q.add_argument("store", metavar="STORE", nargs="?", default=None,
+                   help="graph store to predict on (same feature width; default: the store the run trained on)")
     q.add_argument("--out", required=True, metavar="FILE.npy", help="predictions file; must end in .npy")
     q.add_argument("--run", type=_nonneg_int, default=None, metavar="R",
                    help="use run R's weights (default: the best validation run; of a run directory whose "

@@ -69,7 +69,7 @@ def choose_run(run_dir: Path, run: int | None) -> int:
 
 @torch.no_grad()
 @keeps_caller_state
-def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out: str | os.PathLike[str], *,
+def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str] | None, out: str | os.PathLike[str], *,
             run: int | None = None, proba: bool = False, device: str = "auto",
             model_factory: ModelFactory | None = None, memory_budget: str | None = None,
             spill_dir: str | None = None, overwrite: bool = False) -> dict[str, Any]:
@@ -77,7 +77,8 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
 
     Args:
         run_dir: A ``trellis train`` run directory.
-        store: Graph store to predict on (features of the same width as in training).
+        store: Graph store to predict on (features of the same width as in training); None: the store the run
+            trained on (its ``config.json``'s).
         out: Output path ending in ``.npy``; embeddings go to ``<out stem>_emb.npy`` beside it.
         run: Which run's weights (default: the best-validation run).
         proba: Write probabilities instead of predictions (default: False). Multiclass: class ids ``[N]``
@@ -100,6 +101,8 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
         raise TrellisUserError(f"--out {out_path}: directory {out_path.parent} does not exist")
     run_dir = Path(run_dir)
     r = choose_run(run_dir, run)
+    if store is None:
+        store = trained_store(run_dir)
     if not overwrite:
         for existing in (out_path, embedding_path(out_path)):
             if existing.exists():
@@ -116,6 +119,18 @@ def predict(run_dir: str | os.PathLike[str], store: str | os.PathLike[str], out:
     task = TASKS[saved.get("task", "multiclass")](saved.get("out_dim", saved.get("num_classes")))
     return _write(out_path, result.logits, result.embeddings, result.embedding_source, task, proba, r,
                   saved["model"], run_dir, emb_dim=result.embedding_dim)
+
+
+def trained_store(run_dir: Path) -> str:
+    """The store a run trained on, as its ``config.json`` records it (absolute), refused by name when gone."""
+    paths = open_run_dir(run_dir)
+    cfg = read_json(paths.config)
+    store = cfg.get("store") if isinstance(cfg, dict) else None
+    if not store:
+        raise TrellisUserError(f"{paths.config} names no store; give the STORE to predict on")
+    if not (Path(str(store)) / "manifest.json").is_file():
+        raise TrellisUserError(f"{run_dir}: the store it trained on, {store}, is gone; give the STORE to predict on")
+    return str(store)
 
 
 def predict_saved(saved: dict[str, Any], run_dir: Path, run_cfg: dict[str, Any], store: str | os.PathLike[str], *,
