@@ -218,6 +218,11 @@ def test_a_starved_trainer_is_told_about_samplers(capsys, tmp_path, store):
                 {**starved, "threads": 2},  # no cores to spare for sampler processes
                 {**starved, "config": {**s["config"], "samplers": 2}}):  # already there
         assert "--samplers" not in format_summary(fed)
+    # one run has no spread: "± 0.0000 over 1 run(s)" read as a measured zero
+    first = format_summary(s).splitlines()[0]
+    assert first.startswith(f"test acc {s['test_acc_mean']:.4f} (one run, seed 0); val acc") and "±" not in first
+    three = format_summary({**s, "seeds": [0, 1, 2], "test_acc_std": 0.0123}).splitlines()[0]
+    assert "± 0.0123 over 3 runs (seeds 0..2)" in three
 
 
 def test_omp_num_threads_holds_for_the_whole_run(sbm_store, tmp_path):

@@ -61,6 +61,7 @@ def test_fast_epochs_win_on_time_slow_epochs_on_epochs(tmp_path):
     text = format_table(result)
     assert "first to val acc 0.75: fast in 0.90 s" in text and "slow 4.00 s" in text
     assert "fewest epochs to the target: slow" in text
+    assert "0.8000 ± 0.0200" in text.splitlines()[2] and "0.8000 ±" not in text.splitlines()[3]  # one run: no spread
     png = plot_compare(result, rds, tmp_path / "sub" / "c.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(result)  # JSON-ready

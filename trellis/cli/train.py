@@ -121,9 +121,12 @@ STARVED_SHARE = 0.25
 def format_summary(s: dict[str, Any]) -> str:
     """Human-readable lines for a summary."""
     m = s["metric"]
+    seeds = s["seeds"]
+    test = (f"test {m} {s[f'test_{m}_mean']:.4f} (one run, seed {seeds[0]})" if len(seeds) == 1 else
+            f"test {m} {s[f'test_{m}_mean']:.4f} ± {s[f'test_{m}_std']:.4f} over {len(seeds)} runs "
+            f"(seeds {seeds[0]}..{seeds[-1]})")
     lines = [
-        f"test {m} {s[f'test_{m}_mean']:.4f} ± {s[f'test_{m}_std']:.4f} over {len(s['seeds'])} run(s) "
-        f"(seeds {s['seeds'][0]}..{s['seeds'][-1]}); val {m} {s[f'val_{m}_mean']:.4f}",
+        f"{test}; val {m} {s[f'val_{m}_mean']:.4f}",
         f"training step {s['epoch_time_s_median'] * 1000:.1f} ms (median of {s['steps_timed']}); "
         f"peak RSS {s['peak_rss_mb']:.0f} MiB, anonymous {s['peak_rss_anon_mb']:.0f} MiB"
         + (f", CUDA {s['peak_cuda_mb']:.0f} MiB" if "peak_cuda_mb" in s else "") + f" on {s['device']}",
