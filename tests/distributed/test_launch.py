@@ -141,6 +141,12 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(dist_store, lay
     assert "--model mlp is not available for cluster-batch across ranks" in _bad(
         [*base, "--parts-dir", parts, "--strategy", "cluster", "--model", "mlp", "--nproc", "2"], capsys)
     assert "--nproc needs --parts-dir" in _bad([*base, "--nproc", "2"], capsys)
+    taken = tmp_path / "taken"  # a run directory: rank 0 refused it after the job had started (and rank 1 said so)
+    (taken / "models").mkdir(parents=True)
+    (taken / "config.json").write_text("{}")
+    taken_argv = ["train", str(dist_store), "--out", str(taken), "--no-progress", "--parts-dir", parts]
+    assert "run directory already exists" in _bad(taken_argv, capsys)
+    assert "run directory already exists" in _bad([*taken_argv, "--strategy", "mini", "--nproc", "2"], capsys)
     assert "--staleness must be 0" in _bad([*base, "--parts-dir", parts, "--staleness", "-1"], capsys)
     for flag in (["--overlap"], ["--staleness", "1"], ["--emulate-link", "100MB/s"]):
         assert f"{flag[0]} applies to distributed runs only" in _bad([*base, *flag], capsys)

@@ -19,7 +19,7 @@ from typing import Any
 
 from trellis.cli.args import int_at_least
 from trellis.cli.commands import help_of
-from trellis.errors import TrellisUserError
+from trellis.errors import REFUSAL_DIR_ENV, TrellisUserError, launcher_refusal
 from trellis.train.build import check_registered
 from trellis.train.config import SESSION_FIELDS, TrainConfig, base_type, check_keys, flag, load_config_file
 from trellis.train.options import OPTIONS
@@ -196,8 +196,11 @@ def run_train(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         if rank is None or os.environ.get("TRELLIS_TRACEBACK"):
             raise
-        # a peer died or timed out: one line per rank (the launcher names the rank that died)
-        print(f"rank {rank} stopped: {str(exc).strip().splitlines()[0][:300]}", file=sys.stderr)
+        # a peer died or timed out: one line per rank (the launcher names the rank that died), none when the
+        # peer refused bad input, which the launcher says
+        refusals = os.environ.get(REFUSAL_DIR_ENV)
+        if not (refusals and launcher_refusal(refusals)):
+            print(f"rank {rank} stopped: {str(exc).strip().splitlines()[0][:300]}", file=sys.stderr)
         return 1
     except TrainingInterrupted as exc:
         if rank:  # a distributed run's peers: rank 0 says where the checkpoint is

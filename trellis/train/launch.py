@@ -37,7 +37,7 @@ from trellis.data.store import GraphStore
 from trellis.distributed.comm import RankEnv, free_port, rank_threads
 from trellis.errors import REFUSAL_DIR_ENV, TrellisUserError, launcher_refusal
 from trellis.train.config import TrainConfig
-from trellis.train.runs import JOB_ENV, PEER_PREFIX, default_run_dir
+from trellis.train.runs import JOB_ENV, PEER_PREFIX, check_run_dir, default_run_dir
 from trellis.train.strategies import strategy_class
 from trellis.train.strategies.dist_mini import check_ranks
 from trellis.train.strategies.dist_pp import check_pp_ranks
@@ -69,6 +69,8 @@ def preflight(cfg: TrainConfig) -> int:
     """Refuse bad input before any rank starts; returns the number of ranks to start."""
     cls = strategy_class(cfg.strategy).for_config(cfg)
     cls.check_options(cfg)
+    if cfg.resume is None and cfg.out is not None:  # rank 0 refused it after the job had started
+        check_run_dir(Path(str(cfg.out)), overwrite=bool(cfg.overwrite))
     store = GraphStore(str(cfg.store))
     if cfg.strategy in ("mini", "cluster"):  # batch training: --nproc ranks share the layout's parts
         nproc = int(cfg.nproc or 1)

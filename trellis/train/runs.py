@@ -136,6 +136,24 @@ def prepare_run_dir(path: str | os.PathLike[str], *, overwrite: bool = False) ->
         TrellisUserError: ``path`` exists and is not empty, unless ``overwrite``.
     """
     root = Path(path)
+    check_run_dir(root, overwrite=overwrite)
+    if root.is_dir() and overwrite:
+        for p in (RunPaths(root).summary, RunPaths(root).metrics, RunPaths(root).checkpoint, RunPaths(root).curves):
+            p.unlink(missing_ok=True)
+        for p in RunPaths(root).models.glob("run-*.pt"):
+            p.unlink()
+    paths = RunPaths(root)
+    paths.checkpoints.mkdir(parents=True, exist_ok=True)
+    paths.models.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def check_run_dir(root: Path, *, overwrite: bool = False) -> None:
+    """Refuse a ``--out`` that :func:`prepare_run_dir` would refuse, writing nothing (a launcher's preflight).
+
+    Raises:
+        TrellisUserError: ``root`` is a file, holds files that are not a run's, or is a run without ``overwrite``.
+    """
     if root.exists() and not root.is_dir():
         raise TrellisUserError(f"--out {root}: exists and is not a directory; choose another --out")
     if root.is_dir() and any(p.name != LOCK_FILE for p in root.iterdir()):
@@ -147,14 +165,6 @@ def prepare_run_dir(path: str | os.PathLike[str], *, overwrite: bool = False) ->
             raise TrellisUserError(
                 f"--out {root}: run directory already exists; choose another --out, continue it with "
                 f"`trellis train --resume {root}`, or pass --overwrite")
-        for p in (RunPaths(root).summary, RunPaths(root).metrics, RunPaths(root).checkpoint, RunPaths(root).curves):
-            p.unlink(missing_ok=True)
-        for p in RunPaths(root).models.glob("run-*.pt"):
-            p.unlink()
-    paths = RunPaths(root)
-    paths.checkpoints.mkdir(parents=True, exist_ok=True)
-    paths.models.mkdir(parents=True, exist_ok=True)
-    return paths
 
 
 def open_run_dir(path: str | os.PathLike[str]) -> RunPaths:
