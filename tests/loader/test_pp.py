@@ -15,8 +15,9 @@ import scipy.sparse as sp
 import torch
 
 from trellis.data.store import open_store, write_store
-from trellis.errors import TrellisUserError
+from trellis.errors import BudgetTooSmall, TrellisUserError
 from trellis.loader.pp import (
+    PP_MARGIN_BYTES,
     MemorySource,
     NaiveLoader,
     PPData,
@@ -249,6 +250,27 @@ def test_placement_rules(cache) -> None:
     assert parse_size("2G") == 2 * 10**9 and parse_size("1.5MiB") == 3 * 2**19
     with pytest.raises(TrellisUserError):
         parse_size("lots")
+
+
+def test_a_given_budget_caps_the_whole_process(cache) -> None:
+    """``--memory-budget`` gave the rows the whole budget, as if the process took nothing itself (Cora: 250M asked,
+    261 MiB peak RssAnon); the rows now get what the process's own memory and head-room leave, and the smallest
+    budget that trains is named. Storage evaluation's buffers fit beside the training loader's."""
+    hops, base = (0, 1, 2, 3), 100 * 2**20
+    row = len(hops) * F * 4
+    buffers = 2 * 17 * row  # a batch of 16 rows holds 17 (a last batch of one row joins the one before)
+    need = base + PP_MARGIN_BYTES + buffers
+    with pytest.raises(BudgetTooSmall, match="too small for one batch beside the process itself") as exc:
+        plan_placement(cache, hops, 16, memory_budget=need - 1, baseline=base)
+    assert exc.value.need == need and "the smallest budget is" in str(exc.value)
+    pl = plan_placement(cache, hops, 16, memory_budget=need + 3 * row, baseline=base)
+    assert pl.budget == buffers + 3 * row and pl.placement == "storage" and "less" in pl.budget_source
+    data = PPData(cache, hops, pl, 16)
+    try:
+        assert data.eval_batch_size == 1  # 3 rows left: two eval buffers of one row each, beside training's
+    finally:
+        data.close()
+    assert plan_placement(cache, hops, 16, memory_budget=need + 10 * 280 * row, baseline=base).placement == "memory"
 
 
 # ---------------------------------------------------------------------------------------------------

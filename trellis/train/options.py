@@ -53,8 +53,9 @@ NO_RANKS_CACHE = "--feature-cache caches other ranks' rows: it applies with --np
 
 _BUDGET_HELP = ("full: cap on the process's peak memory (RssAnon), e.g. 3G; the graph is trained out of core in row "
                 "tiles with spill files, exactly as in memory (default: none, all in memory). mini/cluster with "
-                "--parts-dir: what the partition buffer plans its parts and cache in. pp: memory for the data "
-                "placement (default: 80%% of available RAM)")
+                "--parts-dir: what the partition buffer plans its parts and cache in. pp: cap on the process's "
+                "peak memory too; its rows and batch buffers get what the process itself and 48 MiB of head-room "
+                "leave (default: 80%% of available RAM for them)")
 _BATCH_SIZE_HELP = "mini/pp: target nodes (mini) or rows (pp) per batch (default: 1024; pp 8192)"
 
 

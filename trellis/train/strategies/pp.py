@@ -33,7 +33,7 @@ from trellis.train.data import resolve_device
 from trellis.train.loop import Lane, ModelBatch
 from trellis.train.strategy import Prediction, PredictRequest, Strategy, register_strategy
 from trellis.train.tasks import Task, resolve_task
-from trellis.utils.memory import proc_io
+from trellis.utils.memory import proc_io, proc_status
 
 #: Tasks a pre-propagated cache can train (its labels are one value per row).
 PP_TASKS = ("multiclass", "binary")
@@ -107,9 +107,11 @@ class PrePropagation(Strategy):
                                    f"classification; this store's task is {self.task.name!r}")
         self.spec = ModelSpec(cache.num_features, self.task.num_outputs)
         self.hops = hops_used(cfg.model, cache.hops)
+        # --memory-budget caps the process's peak RssAnon (as for every strategy): the rows get what it leaves
+        self.baseline = int(proc_status().get("RssAnon", 0)) if cfg.memory_budget is not None else 0
         self.placement = plan_placement(cache, self.hops, cfg.batch_size, loader=cfg.pp_loader,
                                         chunk_size=cfg.chunk_size, memory_budget=cfg.memory_budget,
-                                        device=self.device)
+                                        device=self.device, baseline=self.baseline)
         self._io0 = proc_io()
         t0 = time.perf_counter()
         self.data = self._make_data(cache, self.placement, cfg.seed)
@@ -286,7 +288,7 @@ class PrePropagation(Strategy):
         cfg = self.cfg
         try:
             placement = plan_placement(self.cache, self.hops, cfg.batch_size, loader=str(loader), chunk_size=c,
-                                       memory_budget=cfg.memory_budget, device=self.device)
+                                       memory_budget=cfg.memory_budget, device=self.device, baseline=self.baseline)
         except TrellisUserError as exc:
             raise TrellisUserError(f"--resume: the run trained with --pp-loader {loader} (chunk size {c}), which "
                                    f"does not fit now ({exc}); free memory and resume again, or start a new run"
