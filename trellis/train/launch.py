@@ -11,8 +11,9 @@ cluster (``python -m trellis.cli train ...`` with ``RANK``, ``WORLD_SIZE``, ``MA
 * watches its children: on the first rank that dies it prints ``rank r (pid ...) died: ...``, stops the
   others (SIGTERM, then SIGKILL after a grace period) and exits non-zero — a dead rank never leaves the
   job hanging. SIGINT/SIGTERM to the launcher are passed on (the ranks checkpoint and stop together). A rank
-  that refuses its share of the input (exit code 2, e.g. its part under ``--memory-budget``) has printed why;
-  the ranks refuse together, so the launcher waits for them and adds no line of its own.
+  that refuses its share of the input (exit code 2, e.g. its part under ``--memory-budget``) hands its error
+  to the launcher (:func:`~trellis.errors.report_to_launcher`), which raises it once, as bad input refused
+  before the start is (the ranks refuse together: :meth:`~trellis.distributed.comm.Comm.refuse_together`).
 """
 
 from __future__ import annotations
