@@ -53,7 +53,7 @@ def test_the_rank_needing_most_speaks_and_the_others_refuse_silently(tmp_path):
     assert got[("none", 0)] == {"value": 0} and got[("none", 1)] == {"value": 1}
     # a rank whose own check passed refuses too: the job cannot run without its peer
     assert got[("one", 1)] == {"speaks": "rank 1 needs 5"}
-    assert got[("one", 0)] == {"silent": "rank 1 refused the input (it printed why)"}
+    assert got[("one", 0)] == {"silent": "rank 1 refused the input (its error says why)"}
     assert got[("both", 0)] == {"speaks": "rank 0 needs 20"} and "silent" in got[("both", 1)]
     assert got[("plain", 0)] == {"speaks": "plain refusal on rank 0"} and "silent" in got[("plain", 1)]
 

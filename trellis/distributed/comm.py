@@ -304,7 +304,7 @@ class Comm:
         if self.rank == speaker:
             assert error is not None
             raise error
-        raise RankRefused(f"rank {speaker} refused the input (it printed why)")
+        raise RankRefused(f"rank {speaker} refused the input (its error says why)")
 
     def close(self) -> None:
         """Destroy this rank's groups (and the default group when this object created it)."""
