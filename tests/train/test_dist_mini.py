@@ -197,6 +197,18 @@ def test_explain_names_every_rank_and_trains_nothing(sbm_store, layouts, tmp_pat
     out = capsys.readouterr().out
     assert code == 0 and "rank 0: parts [0, 2]" in out and "rank 1: parts [1]" in out and "sage:" in out
     assert not (tmp_path / "run").exists()
+    # each rank through its partition buffer: the explain asked a partition buffer for a sampled batch and died
+    code = main(["train", str(sbm_store), "--strategy", "mini", "--model", "sage", "--parts-dir", str(layouts[3]),
+                 "--nproc", "2", "--memory-budget", "2G", "--explain", "--device", "cpu", "--out",
+                 str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert code == 0 and "rank 0, its 2 parts" in out and "part slots: 2 resident + 0 reading (of 2 parts)" in out
+    assert "the plan below is of the whole graph" in out and "sage:" in out
+    assert not (tmp_path / "run").exists()
+    # --feature-cache was refused as if the job had one rank (the explaining process is a world of one)
+    code = main(["train", str(sbm_store), "--strategy", "mini", "--parts-dir", str(layouts[3]), "--nproc", "2",
+                 "--feature-cache", "1M", "--explain", "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert code == 0 and "a cache of 1M per rank" in capsys.readouterr().out
 
 
 def test_batches_from_the_trainer_sampler_processes_or_sampler_ranks_give_the_same_losses(sbm_store, layouts,

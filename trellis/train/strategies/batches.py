@@ -304,8 +304,11 @@ class BatchStrategy(GraphStrategy):
         return split_metrics(task, lambda s: logits.index_select(0, where[s]), d.y, splits)
 
     def _explain_batch(self) -> Any:
-        """The first batch of an epoch, built in this thread (None when the epoch has none)."""
-        if len(self.loader) == 0:
+        """The first batch of an epoch, built in this thread (None: the epoch has none, or the loader has none yet).
+
+        A partition buffer's batches exist only once their parts are read: the plan is then the graph's.
+        """
+        if len(self.loader) == 0 or not hasattr(self.loader, "get"):
             return None
         return self.loader.get(self.loader.plan(0), 0)
 
@@ -334,6 +337,8 @@ class BatchStrategy(GraphStrategy):
             blocks = batch.graph
             head += (f"; the plan below is of the first batch: {blocks[-1].num_dst:,} targets, "
                      f"{blocks[0].num_src:,} input rows, {sum(b.num_edges for b in blocks):,} sampled edges")
+        elif n:
+            head += "; the plan below is of the whole graph (a step computes on a batch's share of it)"
         return head + "\n" + super().explain(model)
 
     @torch.no_grad()

@@ -345,7 +345,8 @@ class DistributedMini(BatchStrategy):
         if self.sampler_ranks > trainers:
             raise TrellisUserError(f"--sampler-ranks {self.sampler_ranks} of a job of {env.world_size} ranks leaves "
                                    f"{trainers} trainer(s); each sampler rank serves at least one trainer")
-        layout = check_ranks(cfg, store, trainers)
+        # --explain describes the job of --nproc ranks from one process: its checks are that job's
+        layout = check_ranks(cfg, store, trainers if RankEnv.from_environ() is not None else int(cfg.nproc or 1))
         #: A partition buffer per rank: its parts rotate through memory, its batches sample the resident parts
         #: and a cache (--buffer-parts, --buffer-cache, --memory-budget); else every part stays in memory.
         self.buffered = rank_buffered(cfg)
@@ -637,6 +638,13 @@ class DistributedMini(BatchStrategy):
                     "trainers t with t mod K = s" if k else "")]
         lines += [f"  rank {r}: parts {np.flatnonzero(part_rank == r).tolist()}, {c:,} targets, {b} per step"
                   for r, (c, b) in enumerate(zip(counts, shares))]
+        if self.buffered:  # each rank plans its own parts' residency against its budget: rank 0's
+            parts0 = np.flatnonzero(part_rank == 0)
+            batch_bytes = neighbour_batch_bytes(self.cfg, self.layout, self.spec.in_dim, np.diff(self.indptr),
+                                                min(shares[0], max(1, counts[0])))
+            plan = plan_residency(self.cfg, self.layout, self.spec, self.data.splits, self.budget[0],
+                                  self.budget[1], (batch_bytes, 0), parts=parts0)
+            lines += [f"rank 0, its {len(parts0)} parts (the baseline measured here):", plan.table()]
         return "\n".join(lines) + "\n" + super().explain(model)
 
     # ---- reporting and teardown -----------------------------------------------------------------
