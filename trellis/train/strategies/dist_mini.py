@@ -639,7 +639,7 @@ class DistributedMini(BatchStrategy):
         lines += [f"  rank {r}: parts {np.flatnonzero(part_rank == r).tolist()}, {c:,} targets, {b} per step"
                   for r, (c, b) in enumerate(zip(counts, shares))]
         if self.buffered:  # each rank plans its own parts' residency against its budget: rank 0's
-            parts0 = np.flatnonzero(part_rank == 0)
+            parts0 = [int(p) for p in np.flatnonzero(part_rank == 0)]
             batch_bytes = neighbour_batch_bytes(self.cfg, self.layout, self.spec.in_dim, np.diff(self.indptr),
                                                 min(shares[0], max(1, counts[0])))
             plan = plan_residency(self.cfg, self.layout, self.spec, self.data.splits, self.budget[0],
