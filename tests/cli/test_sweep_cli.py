@@ -77,6 +77,8 @@ def test_explain_out_of_core_prints_the_batchs_tile_plan(store, capsys):
     (["--grid", "lr=0.1", "--epochs", "0"], "--epochs must be an integer >= 1"),
     (["--grid", "lr=0.1", "--set", "lr=0.2"], "--set lr and --grid lr"),
     (["--grid", "lr=0.1", "--set", "layers"], "expected KEY=VALUE"),
+    # accepted and ignored (a tune with --set explain=true ran whole)
+    (["--grid", "lr=0.1", "--set", "explain=true"], "--set explain: not an option of a configuration"),
     (["--grid", "lr=0.1", "--model", "gat", "--batch-models", "2"], "cannot be model-batched"),
     (["--grid", "lr=0.1", "--model", "nosuch"], "--model 'nosuch' is not one of"),
     (["--grid", "lr=0.1,0.2", "--memory-budget", "abc"], "error: --memory-budget: cannot read the size 'abc'"),

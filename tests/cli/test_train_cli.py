@@ -198,6 +198,8 @@ def test_config_records_the_store_absolute(capsys, tmp_path, store, monkeypatch)
     (["tune", "STORE", "--pp-dir=cache"], "--pp-dir is a `trellis train` option; pass it as --set pp_dir=cache"),
     (["sweep", "STORE", "--stratgy", "pp"], "unrecognized argument --stratgy; training options go through --set: "
                                             "did you mean --set strategy=pp?"),
+    # an invocation's own flag is no configuration's: `--set explain=VALUE` was advised, and ignored
+    (["tune", "STORE", "--explain"], "trellis tune: unrecognized argument --explain (see `trellis tune --help`)"),
 ])
 def test_unknown_flags_get_a_did_you_mean(capsys, store, argv, message):
     rc, _, err = run(capsys, *[store if a == "STORE" else a for a in argv])

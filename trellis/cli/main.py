@@ -64,9 +64,9 @@ def _unrecognized(args: argparse.Namespace, extra: list[str]) -> TrellisUserErro
     hint = difflib.get_close_matches(name, flags, n=1, cutoff=0.7)
     if not hint and "--set" in flags and name.startswith("--"):
         # sweep and tune take every `trellis train` option through --set (`--strategy pp` was "unrecognized")
-        from trellis.train.config import TrainConfig
+        from trellis.train.config import SESSION_FIELDS, TrainConfig
 
-        fields = list(TrainConfig.__dataclass_fields__)
+        fields = [f for f in TrainConfig.__dataclass_fields__ if f not in SESSION_FIELDS]  # an invocation's own
         key = name[2:].replace("-", "_")
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.8)
         if key in fields or close:

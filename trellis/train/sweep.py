@@ -238,6 +238,10 @@ class SweepConfig:
             if name in fixed:
                 raise TrellisUserError(f"--set {key}: set by the sweep itself; use the sweep's own flag instead"
                                        + (f" (--{name})" if name in ("device", "epochs", "patience") else ""))
+            if name in ("explain", "json", "overwrite"):  # accepted and ignored: a tune ran whole under explain
+                raise TrellisUserError(f"--set {key}: not an option of a configuration (it is one of a `trellis "
+                                       f"train` invocation); use the command's own --{name} where it has one "
+                                       "(see its --help)")
             if name == "strategy" and self.base[key] not in SWEEP_STRATEGIES:
                 raise TrellisUserError(f"--set {key}={self.base[key]}: a sweep trains --strategy "
                                        f"{' or '.join(SWEEP_STRATEGIES)} (in memory or with --set memory_budget=SIZE); "
