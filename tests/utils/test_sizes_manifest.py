@@ -56,6 +56,26 @@ def test_manifest_round_trip_and_errors(tmp_path):
         fmt.read(tmp_path)
 
 
+def test_an_artefact_given_in_anothers_place_is_named(tmp_path):
+    """A layout passed as STORE was told "format 'trellis-partition' v1 is not trellis-store v1; re-import the
+    store", and a layout given as --pp-dir "choose another --out"; each now says what it is and where it goes."""
+    from trellis.loader.ppcache import inspect_pp, open_pp
+    from trellis.utils.manifest import LAYOUT_FORMAT, PP_FORMAT, STORE_FORMAT
+
+    LAYOUT_FORMAT.write(tmp_path, {})
+    with pytest.raises(TrellisUserError, match="this is a partitioned layout, not a Trellis store; pass a layout as "
+                                               "--parts-dir PART_DIR"):
+        STORE_FORMAT.read(tmp_path)
+    assert inspect_pp(tmp_path) == "foreign"
+    with pytest.raises(TrellisUserError, match=r"not a pre-propagation cache \(it is a partitioned layout\); give "
+                                               "the --pp-dir of a `trellis preprocess` output"):
+        open_pp(tmp_path)
+    PP_FORMAT.write(tmp_path, {})
+    with pytest.raises(TrellisUserError, match="this is a pre-propagation cache, not a partitioned layout; pass a "
+                                               "cache as --pp-dir PP_DIR"):
+        LAYOUT_FORMAT.read(tmp_path)
+
+
 ALLOWED_BASE = {"numpy", "torch", "numba", "psutil", "trellis"}
 
 

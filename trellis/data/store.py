@@ -42,14 +42,12 @@ from trellis.utils.atomic import check_output as check_output  # re-exported: im
 from trellis.utils.atomic import replace_dir, temp_sibling
 from trellis.utils.csr import build_reverse_csr
 from trellis.utils.diskmap import new_map
-from trellis.utils.manifest import ManifestField, ManifestFormat
+from trellis.utils.manifest import STORE_FORMAT, ManifestField
 
-FORMAT = "trellis-store"
-VERSION = 1
 #: The store's manifest: format, version and the messages of a missing or foreign one.
-STORE_MANIFEST = ManifestFormat(
-    FORMAT, VERSION, what="a Trellis store",
-    create="create one with `trellis data import` or `trellis data generate`", fix="re-import the store")
+STORE_MANIFEST = STORE_FORMAT
+FORMAT = STORE_MANIFEST.name
+VERSION = STORE_MANIFEST.version
 SPLITS = ("train", "val", "test")
 #: Codes of ``split_sets.npy`` (``int8 [S, N]``, a store's fixed splits): 0 = in no split of that set.
 SPLIT_CODES = {"train": 1, "val": 2, "test": 3}

@@ -55,15 +55,13 @@ from trellis.ops.propagate import (
 )
 from trellis.utils.atomic import MANIFEST, replace_dir, temp_sibling
 from trellis.utils.caller import keeps_caller_state
-from trellis.utils.manifest import ManifestField, ManifestFormat
+from trellis.utils.manifest import PP_FORMAT, ManifestField, what_it_is
 from trellis.utils.sizes import format_size
 
-FORMAT = "trellis-ppcache"
-VERSION = 1
 #: The cache's manifest: format, version and the messages of a missing or foreign one.
-PP_MANIFEST = ManifestFormat(
-    FORMAT, VERSION, what="a pre-propagation cache",
-    create="create it with `trellis preprocess STORE --out DIR`", fix="run `trellis preprocess` again")
+PP_MANIFEST = PP_FORMAT
+FORMAT = PP_MANIFEST.name
+VERSION = PP_MANIFEST.version
 MARKER = "COMPLETE"
 #: Byte alignment of every hop file's data (page size: chunk reads start on page boundaries).
 ALIGN = 4096
@@ -371,8 +369,10 @@ def _state_message(path: Path, state: str) -> str:
         "incomplete": f"{path}: the cache is incomplete (an interrupted `trellis preprocess`?); run "
                       "`trellis preprocess` again with the same --out to redo it",
         "store": f"{path} is a Trellis graph store, not a pre-propagation cache; give another --pp-dir/--out",
-        "foreign": f"{path} exists and is not a pre-propagation cache; choose another --out",
+        "foreign": f"{path} exists and is not a pre-propagation cache{what_it_is(path)}; give the --pp-dir of a "
+                   "`trellis preprocess` output (to build one there, choose another --out)",
     }.get(state, f"{path}: not a complete cache ({state})")
+
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -61,12 +61,11 @@ from trellis.partition.quality import PartitionQuality, mark_parts, new_mask
 from trellis.utils.atomic import MANIFEST
 from trellis.utils.csr import build_reverse_csr
 from trellis.utils.diskmap import new_map
-from trellis.utils.manifest import ManifestField, ManifestFormat, format_of
+from trellis.utils.manifest import LAYOUT_FORMAT, ManifestField, format_of
 from trellis.utils.numba import njit
 
 #: The layout's manifest: format ``trellis-partition`` v1.
-LAYOUT = ManifestFormat("trellis-partition", 1, "a partitioned layout", "create one with `trellis partition`",
-                        "re-run `trellis partition`")
+LAYOUT = LAYOUT_FORMAT
 #: Layouts whose arrays sum to less than this are hashed in full on open (``verify="auto"``).
 AUTO_VERIFY_BYTES = 512 * 1024 * 1024
 DEFAULT_CHUNK_EDGES = 1 << 20

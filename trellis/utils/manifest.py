@@ -18,9 +18,11 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 from trellis.errors import TrellisUserError
 from trellis.utils.atomic import MANIFEST
 
-__all__ = ["MANIFEST", "ManifestField", "ManifestFormat", "format_of"]
+__all__ = ["KNOWN_FORMATS", "LAYOUT_FORMAT", "MANIFEST", "PP_FORMAT", "STORE_FORMAT", "ManifestField",
+           "ManifestFormat", "format_of", "what_it_is"]
 
 T = TypeVar("T")
+
 
 
 class _HasManifest(Protocol):
@@ -53,6 +55,8 @@ class ManifestFormat:
     what: str
     create: str
     fix: str
+    #: How a command takes this artefact (``pass it as STORE``), for a message about it given in another's place.
+    given_as: str = ""
 
     def manifest(self, fields: dict[str, Any]) -> dict[str, Any]:
         """The manifest dict: ``format`` and ``version`` first, then ``fields``."""
@@ -89,6 +93,10 @@ class ManifestFormat:
                 or manifest.get("version") != self.version:
             got = manifest if not isinstance(manifest, dict) else manifest.get("format")
             ver = None if not isinstance(manifest, dict) else manifest.get("version")
+            other = KNOWN_FORMATS.get(got) if isinstance(got, str) and got != self.name else None
+            if other is not None:  # a layout or pp cache where a store goes: "re-import the store" misled
+                raise TrellisUserError(f"{path}: this is {other.what}, not {self.what}"
+                                       + (f"; {other.given_as}" if other.given_as else "") + f" ({self.create})")
             raise TrellisUserError(f"{mpath}: format {got!r} v{ver} is not {self.name} v{self.version}; {self.fix}")
         return manifest
 
@@ -125,3 +133,27 @@ class ManifestField(Generic[T]):
         for key in self.keys:
             value = value[key]
         return self.kind(value)
+
+
+#: The three artefacts, defined here together so that each can name the others when one is given in another's
+#: place (a layout passed as STORE was told to "re-import the store").
+STORE_FORMAT = ManifestFormat(
+    "trellis-store", 1, what="a Trellis store",
+    create="create one with `trellis data import` or `trellis data generate`", fix="re-import the store",
+    given_as="pass a store as STORE")
+LAYOUT_FORMAT = ManifestFormat(
+    "trellis-partition", 1, what="a partitioned layout", create="create one with `trellis partition`",
+    fix="re-run `trellis partition`",
+    given_as="pass a layout as --parts-dir PART_DIR, beside the store it was made from")
+PP_FORMAT = ManifestFormat(
+    "trellis-ppcache", 1, what="a pre-propagation cache",
+    create="create it with `trellis preprocess STORE --out DIR`", fix="run `trellis preprocess` again",
+    given_as="pass a cache as --pp-dir PP_DIR, beside the store it was made from")
+#: Every artefact format by name.
+KNOWN_FORMATS = {f.name: f for f in (STORE_FORMAT, LAYOUT_FORMAT, PP_FORMAT)}
+
+
+def what_it_is(path: str | os.PathLike[str]) -> str:
+    """``" (it is a partitioned layout)"`` when the directory ``path`` is a Trellis artefact, else ``""``."""
+    other = KNOWN_FORMATS.get(format_of(Path(path) / MANIFEST) or "")
+    return f" (it is {other.what})" if other is not None else ""
