@@ -74,6 +74,13 @@ def test_an_artefact_given_in_anothers_place_is_named(tmp_path):
     with pytest.raises(TrellisUserError, match="this is a pre-propagation cache, not a partitioned layout; pass a "
                                                "cache as --pp-dir PP_DIR"):
         LAYOUT_FORMAT.read(tmp_path)
+    run = tmp_path / "run"  # a run directory (no manifest) given as STORE: "not a Trellis store (no manifest.json)"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(TrellisUserError, match="no manifest.json; it is a run directory of `trellis train`, for "
+                                               "`trellis predict` and --resume"):
+        STORE_FORMAT.read(run)
 
 
 ALLOWED_BASE = {"numpy", "torch", "numba", "psutil", "trellis"}

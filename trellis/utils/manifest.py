@@ -84,7 +84,9 @@ class ManifestFormat:
         path = Path(directory)
         mpath = path / MANIFEST
         if not mpath.is_file():
-            raise TrellisUserError(f"{path}: not {self.what} (no {MANIFEST}); {self.create}")
+            kind = _output_kind(path)
+            raise TrellisUserError(f"{path}: not {self.what} (no {MANIFEST}"
+                                   + (f"; it is {kind}" if kind else "") + f"); {self.create}")
         try:
             manifest = json.loads(mpath.read_text())
         except json.JSONDecodeError as exc:
@@ -151,6 +153,17 @@ PP_FORMAT = ManifestFormat(
     given_as="pass a cache as --pp-dir PP_DIR, beside the store it was made from")
 #: Every artefact format by name.
 KNOWN_FORMATS = {f.name: f for f in (STORE_FORMAT, LAYOUT_FORMAT, PP_FORMAT)}
+
+
+def _output_kind(path: Path) -> str:
+    """What a command's output directory without a manifest is (a run, a sweep, a tune), or ``""``."""
+    if (path / "tune.json").is_file():
+        return "the output of `trellis tune`"
+    if (path / "sweep.json").is_file():
+        return "the output of `trellis sweep`"
+    if (path / "config.json").is_file() and (path / "metrics.jsonl").is_file():
+        return "a run directory of `trellis train`, for `trellis predict` and --resume"
+    return ""
 
 
 def what_it_is(path: str | os.PathLike[str]) -> str:
