@@ -143,6 +143,8 @@ def test_predict_defaults_to_the_store_the_run_trained_on(capsys, tmp_path, stor
     assert rc == 0, err
     assert run(capsys, "predict", str(tmp_path / "run"), str(copy), "--out", str(tmp_path / "b.npy"))[0] == 0
     assert np.array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
+    rc, _, err = run(capsys, "predict", str(copy), str(tmp_path / "run"), "--out", str(tmp_path / "c.npy"))
+    assert rc == 2 and "not a run directory (no config.json) (it is a Trellis store)" in err  # the order swapped
     shutil.rmtree(copy)
     rc, _, err = run(capsys, "predict", str(tmp_path / "run"), "--out", str(tmp_path / "c.npy"))
     assert rc == 2 and f"the store it trained on, {copy}, is gone; give the STORE" in err

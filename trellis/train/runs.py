@@ -30,6 +30,7 @@ from trellis.errors import TrellisUserError
 from trellis.utils.atomic import json_default, write_text_atomic
 from trellis.utils.atomic import torch_save_atomic as torch_save_atomic  # re-exported: callers import it from here
 from trellis.utils.atomic import write_json_atomic as write_json_atomic  # re-exported
+from trellis.utils.manifest import what_it_is
 from trellis.utils.svgplot import COLORS, Panel, Series, line_chart
 
 
@@ -171,8 +172,8 @@ def open_run_dir(path: str | os.PathLike[str]) -> RunPaths:
     """An existing run directory (for ``--resume`` and ``trellis predict``)."""
     paths = RunPaths(Path(path))
     if not paths.config.is_file():
-        raise TrellisUserError(f"{paths.root}: not a run directory (no config.json); pass the --out of a "
-                               "`trellis train` run")
+        raise TrellisUserError(f"{paths.root}: not a run directory (no config.json){what_it_is(paths.root)}; pass "
+                               "the --out of a `trellis train` run")
     return paths
 
 
