@@ -604,7 +604,7 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
         raise TrellisUserError(f"--batch-size {batch_size} must be >= 1")
     if chunk_size is not None and chunk_size < 1:
         raise TrellisUserError(f"--chunk-size {chunk_size} must be >= 1 (1 = exact random reshuffling)")
-    given = 0
+    given = taken = 0
     if memory_budget is None:
         budget, source = default_budget()
     else:
@@ -622,7 +622,7 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
     rows = min(batch_size + 1, max(1, largest))
     batch = rows * row
     buffers = 2 * batch
-    if given and budget < buffers:
+    if taken and budget < buffers:  # a process's budget: name the smallest that holds it and one batch
         raise BudgetTooSmall(
             f"--memory-budget {format_size(given)} is too small for one batch beside the process itself and "
             f"head-room ({format_size(taken)}): {rows} rows × {h} hops × {cache.num_features} features × 4 B, "
