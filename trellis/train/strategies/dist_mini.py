@@ -53,6 +53,7 @@ from trellis.loader.inference import ranked_inference
 from trellis.loader.producer import BatchMessage, decode_batch, encode_batch
 from trellis.loader.sampler import NeighborLoader, NeighborSampler, mix64
 from trellis.partition.layout import PartitionedGraph, part_dir_name
+from trellis.plan.residency import BufferPlan
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import GraphData, load_labels
@@ -434,19 +435,23 @@ class DistributedMini(BatchStrategy):
         """This rank's partition buffer: its parts' residency planned against its own budget."""
         assert self.comm is not None
         cfg, d, layout = self.cfg, self.data, self.layout
-        batch_bytes = neighbour_batch_bytes(cfg, layout, self.spec.in_dim, np.diff(self.indptr),
-                                            min(self.rank_batch, max(1, len(self.targets))))
         if getattr(self, "plan", None) is None:  # a resumed rank keeps the interrupted one's (load_state_dict)
             # every rank plans its own parts; one that does not fit refuses for all, in one line
-            self.plan = self.comm.refuse_together(lambda: plan_residency(
-                cfg, layout, self.spec, d.splits, self.budget[0], self.budget[1], (batch_bytes, 0),
-                parts=self.my_parts))
+            self.plan = self.comm.refuse_together(
+                lambda: self._residency(self.my_parts, self.rank_batch, len(self.targets)))
         degree = np.diff(self.indptr).astype(np.float32)
         return PartitionBuffer(layout, self.plan.capacity, parse_fanouts(cfg.fanouts, cfg.layers), self.targets,
                                self.rank_batch, y=d.y, degree=degree, feature_norm=self.feature_norm,
                                cache_rows=self.plan.cache_rows, labor=cfg.labor, seed=self.comm.rank,
                                device=self.device, prefetch=cfg.prefetch, edge_weight=d.edge_weight,
                                edge_feat=d.edge_feat, parts=self.my_parts)
+
+    def _residency(self, parts: list[int], batch: int, targets: int) -> BufferPlan:
+        """The residency of a rank holding ``parts`` and ``targets`` training nodes, ``batch`` of them per step."""
+        batch_bytes = neighbour_batch_bytes(self.cfg, self.layout, self.spec.in_dim, np.diff(self.indptr),
+                                            min(batch, max(1, targets)))
+        return plan_residency(self.cfg, self.layout, self.spec, self.data.splits, self.budget[0], self.budget[1],
+                              (batch_bytes, 0), parts=parts)
 
     def _epoch_batches(self, epoch_seed: int) -> Any:
         """The epoch's batches: from this rank's sampler rank (``--sampler-ranks``), or as one process has them."""
@@ -640,11 +645,8 @@ class DistributedMini(BatchStrategy):
                   for r, (c, b) in enumerate(zip(counts, shares))]
         if self.buffered:  # each rank plans its own parts' residency against its budget: rank 0's
             parts0 = [int(p) for p in np.flatnonzero(part_rank == 0)]
-            batch_bytes = neighbour_batch_bytes(self.cfg, self.layout, self.spec.in_dim, np.diff(self.indptr),
-                                                min(shares[0], max(1, counts[0])))
-            plan = plan_residency(self.cfg, self.layout, self.spec, self.data.splits, self.budget[0],
-                                  self.budget[1], (batch_bytes, 0), parts=parts0)
-            lines += [f"rank 0, its {len(parts0)} parts (the baseline measured here):", plan.table()]
+            lines += [f"rank 0, its {len(parts0)} parts (the baseline measured here):",
+                      self._residency(parts0, shares[0], counts[0]).table()]
         return "\n".join(lines) + "\n" + super().explain(model)
 
     # ---- reporting and teardown -----------------------------------------------------------------
