@@ -76,3 +76,51 @@ def test_sigterm_to_a_sweep_removes_what_it_was_writing(sbm_store, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "interrupted" in err, err
     assert not list(tmp_path.iterdir())
+
+
+def _llvm_callback(tmp_path: Path, body: str):
+    """A ctypes callback whose code lives under an ``llvmlite`` folder, as LLVM's cache callback does."""
+    import ctypes
+    import importlib.util
+
+    folder = tmp_path / "llvmlite"
+    folder.mkdir()
+    (folder / "fake_callback.py").write_text(f"import os, signal, time\n\ndef notify():\n{body}\n")
+    spec = importlib.util.spec_from_file_location("fake_llvmlite_callback", folder / "fake_callback.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return ctypes.CFUNCTYPE(None)(module.notify)
+
+
+def test_sigterm_inside_llvms_callback_still_unwinds_the_command(tmp_path):
+    """A SIGTERM while numba compiled (LLVM calling back into Python) was dropped with "Exception ignored on
+    calling ctypes callback function"; the command then failed with numba's "no compiled object yet" (exit 1, a
+    traceback) or ran on. The signal is now sent again once the callback has returned."""
+    import time
+
+    import pytest
+
+    from trellis.cli.main import Terminated, _SigtermUnwinds
+
+    callback = _llvm_callback(tmp_path, "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                                        "    end = time.monotonic() + 0.2\n"
+                                        "    while time.monotonic() < end:\n        pass")
+    finished = []
+
+    def command() -> None:  # compiles (the callback), then runs on: the signal must stop it
+        callback()
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            time.sleep(0.01)
+        finished.append(True)
+
+    with pytest.raises(Terminated):
+        _SigtermUnwinds().run(command)
+    assert not finished
+
+    def failing() -> None:  # numba's failure after the dropped raise is reported as the signal
+        callback()
+        raise RuntimeError("no compiled object yet")
+
+    with pytest.raises(Terminated):
+        _SigtermUnwinds().run(failing)

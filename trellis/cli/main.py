@@ -125,8 +125,46 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the command is (see :func:`main`)."""
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise Terminated
+class _SigtermUnwinds:
+    """SIGTERM raises :class:`Terminated` where the command is, except inside LLVM's callbacks.
+
+    numba compiles a kernel the first time it runs, and LLVM calls back into Python (a ctypes callback) to store
+    the compiled object in numba's cache; an exception raised there is printed ("Exception ignored on calling
+    ctypes callback function") and dropped, and numba then fails with "no compiled object yet": a job cancelled
+    in its first seconds ended in a traceback and exit 1 instead of "interrupted" and 143. In such a frame the
+    signal is sent again a moment later, once the callback has returned (a thread's timer: SIGALRM is
+    pytest-timeout's); and if an error still escapes after the signal, the command reports the signal.
+    """
+
+    RETRY_S = 0.05
+
+    def __init__(self) -> None:
+        #: Whether a SIGTERM arrived.
+        self.received = False
+        self._retry: threading.Timer | None = None
+
+    def handler(self, signum: int, frame: Any) -> None:
+        self.received = True
+        if frame is not None and f"{os.sep}llvmlite{os.sep}" in frame.f_code.co_filename:
+            self._retry = threading.Timer(self.RETRY_S, os.kill, (os.getpid(), signal.SIGTERM))
+            self._retry.daemon = True
+            self._retry.start()
+            return
+        raise Terminated
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        """Run ``call`` with SIGTERM unwinding it (main thread only)."""
+        previous = signal.signal(signal.SIGTERM, self.handler)
+        try:
+            return call()
+        except Exception as exc:
+            if self.received:  # the error is the signal's doing (a dropped raise, see above)
+                raise Terminated from exc
+            raise
+        finally:
+            if self._retry is not None:
+                self._retry.cancel()
+            signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any] | None = None) -> int:
@@ -152,11 +190,7 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
         if args.command != "train" and threading.current_thread() is threading.main_thread():
             # a SIGTERM (a job cancelled) unwinds like Ctrl-C, so what a command was writing is removed (a sweep's
             # hidden directory and its spills stayed); `train` turns it into a checkpoint itself
-            previous = signal.signal(signal.SIGTERM, _terminate)
-            try:
-                return int(args.func(args) or 0)
-            finally:
-                signal.signal(signal.SIGTERM, previous)
+            return int(_SigtermUnwinds().run(lambda: args.func(args)) or 0)
         rc = args.func(args)
         return int(rc or 0)
     except RankRefused:  # another rank of the job printed why
