@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -92,17 +94,17 @@ def _llvm_callback(tmp_path: Path, body: str):
     return ctypes.CFUNCTYPE(None)(module.notify)
 
 
-def test_sigterm_inside_llvms_callback_still_unwinds_the_command(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_inside_llvms_callback_still_unwinds_the_command(tmp_path, signame):
     """A SIGTERM while numba compiled (LLVM calling back into Python) was dropped with "Exception ignored on
     calling ctypes callback function"; the command then failed with numba's "no compiled object yet" (exit 1, a
     traceback) or ran on. The signal is now sent again once the callback has returned."""
     import time
 
-    import pytest
+    from trellis.cli.main import Terminated, _SignalsUnwind
 
-    from trellis.cli.main import Terminated, _SigtermUnwinds
-
-    callback = _llvm_callback(tmp_path, "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    raised = Terminated if signame == "SIGTERM" else KeyboardInterrupt
+    callback = _llvm_callback(tmp_path, f"    os.kill(os.getpid(), signal.{signame})\n"
                                         "    end = time.monotonic() + 0.2\n"
                                         "    while time.monotonic() < end:\n        pass")
     finished = []
@@ -114,13 +116,14 @@ def test_sigterm_inside_llvms_callback_still_unwinds_the_command(tmp_path):
             time.sleep(0.01)
         finished.append(True)
 
-    with pytest.raises(Terminated):
-        _SigtermUnwinds().run(command)
+    with pytest.raises(raised) as caught:
+        _SignalsUnwind().run(command)
+    assert isinstance(caught.value, Terminated) == (signame == "SIGTERM")
     assert not finished
 
     def failing() -> None:  # numba's failure after the dropped raise is reported as the signal
         callback()
         raise RuntimeError("no compiled object yet")
 
-    with pytest.raises(Terminated):
-        _SigtermUnwinds().run(failing)
+    with pytest.raises(raised):
+        _SignalsUnwind().run(failing)

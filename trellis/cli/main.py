@@ -125,8 +125,8 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the command is (see :func:`main`)."""
 
 
-class _SigtermUnwinds:
-    """SIGTERM raises :class:`Terminated` where the command is, except inside LLVM's callbacks.
+class _SignalsUnwind:
+    """SIGTERM raises :class:`Terminated` (Ctrl-C ``KeyboardInterrupt``) where the command is, except inside LLVM.
 
     numba compiles a kernel the first time it runs, and LLVM calls back into Python (a ctypes callback) to store
     the compiled object in numba's cache; an exception raised there is printed ("Exception ignored on calling
@@ -139,32 +139,36 @@ class _SigtermUnwinds:
     RETRY_S = 0.05
 
     def __init__(self) -> None:
-        #: Whether a SIGTERM arrived.
-        self.received = False
+        #: The signal that arrived (None: none yet).
+        self.signum: int | None = None
         self._retry: threading.Timer | None = None
 
     def handler(self, signum: int, frame: Any) -> None:
-        self.received = True
+        self.signum = signum
         if frame is not None and f"{os.sep}llvmlite{os.sep}" in frame.f_code.co_filename:
-            self._retry = threading.Timer(self.RETRY_S, os.kill, (os.getpid(), signal.SIGTERM))
+            self._retry = threading.Timer(self.RETRY_S, os.kill, (os.getpid(), signum))
             self._retry.daemon = True
             self._retry.start()
             return
-        raise Terminated
+        self._raise()
+
+    def _raise(self, cause: BaseException | None = None) -> None:
+        raise (Terminated if self.signum == signal.SIGTERM else KeyboardInterrupt) from cause
 
     def run(self, call: Callable[[], Any]) -> Any:
-        """Run ``call`` with SIGTERM unwinding it (main thread only)."""
-        previous = signal.signal(signal.SIGTERM, self.handler)
+        """Run ``call`` with SIGTERM and SIGINT unwinding it (main thread only)."""
+        previous = {s: signal.signal(s, self.handler) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             return call()
         except Exception as exc:
-            if self.received:  # the error is the signal's doing (a dropped raise, see above)
-                raise Terminated from exc
+            if self.signum is not None:  # the error is the signal's doing (a dropped raise, see above)
+                self._raise(exc)
             raise
         finally:
             if self._retry is not None:
                 self._retry.cancel()
-            signal.signal(signal.SIGTERM, previous)
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any] | None = None) -> int:
@@ -189,8 +193,8 @@ def main(argv: Sequence[str] | None = None, *, model_factory: Callable[..., Any]
             launch_threads()  # before numba's first kernel could undo OMP_NUM_THREADS (or torch's default)
         if args.command != "train" and threading.current_thread() is threading.main_thread():
             # a SIGTERM (a job cancelled) unwinds like Ctrl-C, so what a command was writing is removed (a sweep's
-            # hidden directory and its spills stayed); `train` turns it into a checkpoint itself
-            return int(_SigtermUnwinds().run(lambda: args.func(args)) or 0)
+            # hidden directory and its spills stayed), never inside LLVM (_SignalsUnwind); `train` checkpoints itself
+            return int(_SignalsUnwind().run(lambda: args.func(args)) or 0)
         rc = args.func(args)
         return int(rc or 0)
     except RankRefused:  # another rank of the job printed why
