@@ -158,9 +158,8 @@ class OutOfCoreFull(Strategy):
             why = (str(exc) if getattr(model, "plain", True) is False or cfg.edge_weight else
                    "the out-of-core engine tiles GCN, SAGE (mean) and GIN")
             raise TrellisUserError(
-                f"--model {cfg.model} cannot train under --memory-budget: {why}; in memory it needs about "
-                f"{format_size(need)} — drop --memory-budget (a budget of at least {format_size(need)} of free "
-                "RAM runs it in memory)") from None
+                f"--model {cfg.model} cannot train under --memory-budget: {why}; drop --memory-budget to train it "
+                f"in memory (it needs about {format_size(need)} of free RAM)") from None
         if self.plan is None:
             self.plan_for(model, cfg)
         return model
