@@ -80,20 +80,6 @@ def test_sigterm_to_a_sweep_removes_what_it_was_writing(sbm_store, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def _llvm_callback(tmp_path: Path, body: str):
-    """A ctypes callback whose code lives under an ``llvmlite`` folder, as LLVM's cache callback does."""
-    import ctypes
-    import importlib.util
-
-    folder = tmp_path / "llvmlite"
-    folder.mkdir()
-    (folder / "fake_callback.py").write_text(f"import os, signal, time\n\ndef notify():\n{body}\n")
-    spec = importlib.util.spec_from_file_location("fake_llvmlite_callback", folder / "fake_callback.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return ctypes.CFUNCTYPE(None)(module.notify)
-
-
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_a_signal_inside_llvms_callback_still_unwinds_the_command(tmp_path, signame):
     """A SIGTERM while numba compiled (LLVM calling back into Python) was dropped with "Exception ignored on
@@ -101,12 +87,11 @@ def test_a_signal_inside_llvms_callback_still_unwinds_the_command(tmp_path, sign
     traceback) or ran on. The signal is now sent again once the callback has returned."""
     import time
 
+    from tests.utils.test_signals import busy, llvm_callback
     from trellis.cli.main import Terminated, _SignalsUnwind
 
     raised = Terminated if signame == "SIGTERM" else KeyboardInterrupt
-    callback = _llvm_callback(tmp_path, f"    os.kill(os.getpid(), signal.{signame})\n"
-                                        "    end = time.monotonic() + 0.2\n"
-                                        "    while time.monotonic() < end:\n        pass")
+    callback = llvm_callback(tmp_path, f"    os.kill(os.getpid(), signal.{signame})\n" + busy(0.2))
     finished = []
 
     def command() -> None:  # compiles (the callback), then runs on: the signal must stop it

@@ -111,8 +111,9 @@ def test_python_resume_of_a_run_over_ranks_restarts_its_ranks(dist_store, layout
 def test_torchrun_restart_resumes_from_the_checkpoint_by_itself(dist_store, layouts, whole, tmp_path):
     out = tmp_path / "elastic"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "--log-dir", str(tmp_path / "elastic-logs"), "--max-restarts", "1", "-m", "trellis.cli", "train", str(dist_store), "--parts-dir",
-                             str(layouts[("metis", 2)]), "--out", str(out), *TRAIN], env=ENV,
+                             "--log-dir", str(tmp_path / "elastic-logs"), "--max-restarts", "1", "-m", "trellis.cli",
+                             "train", str(dist_store), "--parts-dir", str(layouts[("metis", 2)]), "--out", str(out),
+                             *TRAIN], env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_for_epochs(out, proc, 10)
     _kill_rank(1)
@@ -202,8 +203,9 @@ def test_a_torchrun_mini_job_records_what_its_resume_needs(dist_store, layouts, 
     parts = layouts[("metis", 2)]
     rel = os.path.relpath(parts, tmp_path)
     rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                         "--log-dir", str(tmp_path / "elastic-logs"), "-m", "trellis.cli", "train", str(dist_store), "--strategy", "mini", "--parts-dir", rel,
-                         "--out", "run", "--epochs", "1", "--hidden", "8", "--no-progress"], env=ENV, cwd=tmp_path,
+                         "--log-dir", str(tmp_path / "elastic-logs"), "-m", "trellis.cli", "train", str(dist_store),
+                         "--strategy", "mini", "--parts-dir", rel, "--out", "run", "--epochs", "1", "--hidden", "8",
+                         "--no-progress"], env=ENV, cwd=tmp_path,
                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
     assert rc.returncode == 0, rc.stderr.decode()[-3000:]
     saved = json.loads((tmp_path / "run" / "config.json").read_text())

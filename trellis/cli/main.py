@@ -16,10 +16,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Collection, Sequence
+from types import FrameType
 from typing import Any
 
 from trellis.cli.commands import COMMANDS
 from trellis.errors import ProcessFailure, RankRefused, TrellisUserError, report_to_launcher
+from trellis.utils.signals import defer_if_in_llvm
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,31 +128,23 @@ class Terminated(KeyboardInterrupt):
 
 
 class _SignalsUnwind:
-    """SIGTERM raises :class:`Terminated` (Ctrl-C ``KeyboardInterrupt``) where the command is, except inside LLVM.
+    """SIGTERM raises :class:`Terminated` (Ctrl-C ``KeyboardInterrupt``) where the command is, never inside LLVM.
 
-    numba compiles a kernel the first time it runs, and LLVM calls back into Python (a ctypes callback) to store
-    the compiled object in numba's cache; an exception raised there is printed ("Exception ignored on calling
-    ctypes callback function") and dropped, and numba then fails with "no compiled object yet": a job cancelled
-    in its first seconds ended in a traceback and exit 1 instead of "interrupted" and 143. In such a frame the
-    signal is sent again a moment later, once the callback has returned (a thread's timer: SIGALRM is
-    pytest-timeout's); and if an error still escapes after the signal, the command reports the signal.
+    A signal inside numba's compilation is sent again once LLVM's callback has returned
+    (:mod:`trellis.utils.signals`; a job cancelled in its first seconds ended in numba's "no compiled object yet",
+    exit 1); and if an error still escapes after the signal, the command reports the signal.
     """
-
-    RETRY_S = 0.05
 
     def __init__(self) -> None:
         #: The signal that arrived (None: none yet).
         self.signum: int | None = None
         self._retry: threading.Timer | None = None
 
-    def handler(self, signum: int, frame: Any) -> None:
+    def handler(self, signum: int, frame: FrameType | None) -> None:
         self.signum = signum
-        if frame is not None and f"{os.sep}llvmlite{os.sep}" in frame.f_code.co_filename:
-            self._retry = threading.Timer(self.RETRY_S, os.kill, (os.getpid(), signum))
-            self._retry.daemon = True
-            self._retry.start()
-            return
-        self._raise()
+        self._retry = defer_if_in_llvm(signum, frame)
+        if self._retry is None:
+            self._raise()
 
     def _raise(self, cause: BaseException | None = None) -> None:
         raise (Terminated if self.signum == signal.SIGTERM else KeyboardInterrupt) from cause
@@ -161,7 +155,7 @@ class _SignalsUnwind:
         try:
             return call()
         except Exception as exc:
-            if self.signum is not None:  # the error is the signal's doing (a dropped raise, see above)
+            if self.signum is not None:  # the error is the signal's doing (a dropped raise)
                 self._raise(exc)
             raise
         finally:

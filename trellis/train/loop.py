@@ -35,6 +35,7 @@ from trellis.train.config import TrainConfig
 from trellis.train.early_stopping import EarlyStopping
 from trellis.train.runs import MetricsLog
 from trellis.train.tasks import Task
+from trellis.utils.signals import defer_if_in_llvm
 
 
 @dataclass
@@ -152,6 +153,7 @@ class StopOnSignal:
         #: The signal that asked to stop (None: none yet).
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._retry: threading.Timer | None = None
 
     def __enter__(self) -> StopOnSignal:
         if self.enabled and threading.current_thread() is threading.main_thread():
@@ -159,6 +161,8 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous = {}
@@ -170,7 +174,10 @@ class StopOnSignal:
 
     def _handler(self, signum: int, frame: Any) -> None:
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            self._retry = defer_if_in_llvm(signum, frame)  # a raise inside numba's compilation would be lost
+            if self._retry is None:
+                raise KeyboardInterrupt
+            return
         self.signum = signum
         if not self.quiet:
             print(f"\n{signal.Signals(signum).name}: {self.notice} (press Ctrl-C again to abort without one)",
