@@ -9,7 +9,7 @@ import pytest
 
 from trellis.errors import TrellisUserError
 from trellis.utils.manifest import ManifestFormat, format_of
-from trellis.utils.sizes import format_size, parse_size
+from trellis.utils.sizes import format_budget, format_size, parse_size
 
 
 @pytest.mark.parametrize(("text", "want"), [("2G", 2 * 10**9), ("1.5MiB", 3 * 2**19), ("512mib", 512 * 2**20),
@@ -37,6 +37,15 @@ def test_format_size():
     assert format_size(1536, digits=1) == "1.5 KiB"
     assert format_size(3 * 2**30) == "3.00 GiB"
     assert format_size(2**29, unit="GiB") == "0.50 GiB"
+
+
+def test_a_budget_is_named_as_it_was_written():
+    """A refusal named `--memory-budget 100M` as "95.37 MiB", which read as if another value had been given."""
+    assert format_budget(parse_size("100M")) == "100M (95.37 MiB)"
+    assert format_budget(parse_size("2G")) == "2G (1.86 GiB)"
+    assert format_budget(parse_size("512MiB")) == "512.00 MiB"
+    assert format_budget(parse_size("1.5G")) == "1500M (1.40 GiB)"
+    assert format_budget(123_457) == "120.56 KiB"
 
 
 def test_manifest_round_trip_and_errors(tmp_path):

@@ -46,7 +46,7 @@ from trellis.errors import BudgetTooSmall, TrellisUserError
 from trellis.loader.features import FeatureSource, expand_ranges, np_int64
 from trellis.loader.ppcache import PPCache
 from trellis.loader.source import iter_epoch
-from trellis.utils.sizes import format_size, parse_size
+from trellis.utils.sizes import format_budget, format_size, parse_size
 
 #: ``--loader`` choices (``auto`` resolves to one of the others through :func:`plan_placement`).
 LOADERS = ("auto", "naive", "naive-batch", "index", "prefetch", "chunk", "storage")
@@ -611,7 +611,7 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
         given = parse_size(memory_budget, flag="--memory-budget")
         taken = baseline + PP_MARGIN_BYTES if baseline else 0
         budget = given - taken
-        source = (f"--memory-budget {format_size(given)} less {format_size(taken)}: what the process takes itself "
+        source = (f"--memory-budget {format_budget(given)} less {format_size(taken)}: what the process takes itself "
                   "and head-room" if baseline else "--memory-budget")
     h = len(hops)
     a, b = split_rows(cache)
@@ -624,7 +624,7 @@ def plan_placement(cache: PPCache, hops: Sequence[int], batch_size: int, *, load
     buffers = 2 * batch
     if taken and budget < buffers:  # a process's budget: name the smallest that holds it and one batch
         raise BudgetTooSmall(
-            f"--memory-budget {format_size(given)} is too small for one batch beside the process itself and "
+            f"--memory-budget {format_budget(given)} is too small for one batch beside the process itself and "
             f"head-room ({format_size(taken)}): {rows} rows × {h} hops × {cache.num_features} features × 4 B, "
             f"double-buffered = {format_size(buffers)}; the smallest budget is {format_size(taken + buffers)} "
             "(raise --memory-budget, or lower --batch-size)", taken + buffers)

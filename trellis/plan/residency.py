@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trellis.errors import BudgetTooSmall, TrellisUserError
-from trellis.utils.sizes import format_size
+from trellis.utils.sizes import format_budget, format_size
 
 #: Bytes of ``O(N)`` state the buffer keeps per node (maps, degrees, labels, masks, two state CSRs' row
 #: pointers and the sampler's scratch map).
@@ -96,7 +96,7 @@ class BufferPlan:
         lines += [f"  {name:<{width}}  {format_size(b):>10}" for name, b in rows]
         total = sum(b for _, b in rows)
         lines.append(f"  {'total':<{width}}  {format_size(total):>10}"
-                     + ("" if self.budget is None else f"  of --memory-budget {format_size(self.budget)}"))
+                     + ("" if self.budget is None else f"  of --memory-budget {format_budget(self.budget)}"))
         return "\n".join(lines)
 
 
@@ -124,7 +124,7 @@ def plan_buffer(costs: BufferCosts, budget: int | None, *, buffer_parts: int | N
         return BufferPlan(k, int(min(rows, costs.num_nodes)), None, costs)
     smallest = costs.fixed_bytes + min(2, p) * costs.slot_bytes
     if budget < smallest:
-        raise BudgetTooSmall(f"--memory-budget {format_size(budget)} holds less than one partition and the rest of "
+        raise BudgetTooSmall(f"--memory-budget {format_budget(budget)} holds less than one partition and the rest of "
                              f"the run (the largest part needs {format_size(costs.slot_bytes)} per slot, two slots, "
                              f"plus {format_size(costs.fixed_bytes)}); the smallest budget that works is "
                              f"{format_size(smallest)} (--memory-budget {-(-smallest // 2**20)}MiB) -- or partition "
@@ -135,15 +135,15 @@ def plan_buffer(costs: BufferCosts, budget: int | None, *, buffer_parts: int | N
         need = costs.fixed_bytes + min(buffer_parts + 1, p) * costs.slot_bytes
         if need > budget:
             raise BudgetTooSmall(f"--buffer-parts {buffer_parts} needs {format_size(need)} but --memory-budget is "
-                                 f"{format_size(budget)}; use --buffer-parts {max(1, fit)} or a larger budget", need)
+                                 f"{format_budget(budget)}; use --buffer-parts {max(1, fit)} or a larger budget", need)
         k = buffer_parts
     else:
         k = max(1, fit)
     left = free - min(k + 1, p) * costs.slot_bytes
     if cache_bytes is not None:
         if cache_bytes > left:
-            raise TrellisUserError(f"--buffer-cache {format_size(cache_bytes)} does not fit: --memory-budget "
-                                   f"{format_size(budget)} leaves {format_size(max(0, left))} after {k} part(s)")
+            raise TrellisUserError(f"--buffer-cache {format_budget(cache_bytes)} does not fit: --memory-budget "
+                                   f"{format_budget(budget)} leaves {format_size(max(0, left))} after {k} part(s)")
         left = cache_bytes
     rows = 0 if k >= p else max(0, left) // costs.cache_row_bytes(avg_degree)
     return BufferPlan(k, int(min(rows, costs.num_nodes)), budget, costs)

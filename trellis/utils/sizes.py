@@ -12,7 +12,7 @@ import re
 
 from trellis.errors import TrellisUserError
 
-__all__ = ["UNITS", "format_size", "machine_memory", "parse_size"]
+__all__ = ["UNITS", "format_budget", "format_size", "machine_memory", "parse_size"]
 
 #: Multiplier of every accepted unit (lower-case; matching is case-insensitive).
 UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -70,6 +70,20 @@ def format_size(n: float, *, digits: int = 2, unit: str | None = None) -> str:
             return f"{value:.0f} {name}" if name == "B" else f"{value:.{digits}f} {name}"
         value /= 1024
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_budget(n: int) -> str:
+    """A parsed size as it was most likely written: ``100M`` -> ``"100M (95.37 MiB)"``, ``512MiB`` -> ``"512.00 MiB"``.
+
+    A refusal that named ``--memory-budget 100M`` as "95.37 MiB" read as if another value had been given.
+    """
+    if n % 2**20 == 0:
+        return format_size(n)
+    for unit in ("T", "G", "M", "K"):
+        scale = UNITS[unit.lower()]
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit} ({format_size(n)})"
+    return format_size(n)
 
 
 def machine_memory() -> int:
