@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -47,11 +48,12 @@ from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import SPLITS, load_labels, normalize_features
 from trellis.train.features import parse_features
+from trellis.train.strategies.outofcore import budget_and_baseline
 from trellis.train.strategy import Strategy
 from trellis.train.tasks import Task, evaluate_logits
-from trellis.utils.memory import PeakMemory, proc_status, trim_heap
+from trellis.utils.memory import PeakMemory, trim_heap
 from trellis.utils.numba import set_threads
-from trellis.utils.sizes import format_size, parse_size
+from trellis.utils.sizes import format_size
 
 #: Models that aggregate by themselves (attention): on the pull graph under destination ownership, through
 #: the exchange's two-phase softmax elsewhere (:mod:`trellis.distributed.attention`).
@@ -103,17 +105,33 @@ def rank_plan(model: nn.Module, stats: GraphStats, in_dim: int, part: LocalGraph
     # halo exchanges in rounds: sent and received rows of one round within an eighth of the budget (the same
     # on every rank: the budget, the model and the world size are)
     per_row = 2 * world * widest * 4
-    rows = chunk_rows or max(1024, budget // 8 // per_row)
     labels = 8 * sum(int(np.asarray(a).shape[0]) for a in part.splits.values()) + 8 * part.num_local * label_width
     degree = np.asarray(part.in_degree)
     out_degree = np.bincount(np.asarray(part.indices), minlength=n)
     max_degree = max(int(degree.max()) if degree.size else 0, int(out_degree.max()) if n else 0)
     del out_degree
-    plan = plan_out_of_core(
-        num_nodes=n, max_degree=max_degree, layers=shapes, params=params, budget=budget, baseline=baseline,
-        resident_vectors=16 * n + rows * per_row + labels + 16 * part.num_local, input_spilled=True,
-        dropout=dropout, recompute_dropout=False)
-    return plan, rows
+
+    def halo_rows(b: int) -> int:
+        return chunk_rows or max(1024, b // 8 // per_row)
+
+    def plan_for(b: int) -> OutOfCorePlan:
+        return plan_out_of_core(
+            num_nodes=n, max_degree=max_degree, layers=shapes, params=params, budget=b, baseline=baseline,
+            resident_vectors=16 * n + halo_rows(b) * per_row + labels + 16 * part.num_local, input_spilled=True,
+            dropout=dropout, recompute_dropout=False)
+
+    plan = plan_for(budget)
+    # The smallest budget is the one whose own plan fits it: the rounds grow with the budget, so the plan's own
+    # minimum named a budget that then needed more (Cora, 2 parts: 277 MiB at 200M, 286 at 270M, 289 at 278MiB).
+    # The need grows by about an eighth of the budget, so this converges in a few steps; two rows more cover
+    # the rounding of the rows per round, so that every budget from there up fits too.
+    smallest = plan_for(0).min_budget
+    for _ in range(100):
+        need = plan_for(smallest).min_budget
+        if need <= smallest:
+            break
+        smallest = need
+    return replace(plan, min_budget=smallest + 2 * per_row), halo_rows(budget)
 
 
 def explain_distributed(cfg: TrainConfig, factory: ModelFactory | None = None) -> str:
@@ -157,14 +175,14 @@ def _explain_ranks_out_of_core(cfg: TrainConfig, store: GraphStore, layout: Part
     """Each rank's tile plan under ``--memory-budget``, from its part's sizes (as the rank plans it at start).
 
     Why: with ``--memory-budget`` every rank trains its part out of core, and ``--explain`` printed only the
-    in-memory operator plan. The baseline is this process's; each rank measures its own, about the same.
+    in-memory operator plan. The baseline is this process's, measured as a rank measures its own (the kernels
+    loaded first: measured before them, it was about 6 MiB below a rank's, and a budget it said fits was refused).
     """
     try:
         check_tileable(model)
     except TrellisUserError as exc:
         return [f"out of core per rank: --model {cfg.model} cannot be tiled ({exc})"]
-    budget = parse_size(str(cfg.memory_budget), flag="--memory-budget")
-    baseline = int(proc_status().get("RssAnon", 0))
+    budget, baseline = budget_and_baseline(cfg, torch.device("cpu"))  # measured as a rank measures its own
     stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
     width = 1 if store.y is None or np.asarray(store.y).ndim == 1 else int(np.asarray(store.y).shape[1])
     lines = [f"out of core per rank (--memory-budget {cfg.memory_budget} = {format_size(budget)} each; baseline "
