@@ -216,6 +216,11 @@ def test_predict_keeps_the_runs_budget_and_equals_the_in_memory_prediction(store
         a, b = (np.load(tmp_path / f"{name}{suffix}") for name in ("mem", "ooc"))
         assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
     assert not (tmp_path / "ooc" / "spill").exists() and not list(tmp_path.glob("*.tmp.npy"))
+    # a budget too small for the prediction names it as such (it said "trains this model")
+    assert main(["predict", str(tmp_path / "ooc"), str(store), "--out", str(tmp_path / "small.npy"),
+                 "--memory-budget", "20M"]) == 2
+    assert "smallest budget that runs this model" in capsys.readouterr().err
+    assert not (tmp_path / "small.npy").exists()
 
 
 def test_a_node_listed_twice_in_a_split_is_refused_before_either_strategy_trains_on_it(tmp_path):

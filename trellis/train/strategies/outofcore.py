@@ -245,8 +245,9 @@ class OutOfCoreFull(Strategy):
         self.plan = plan = self._plan(models, dropout=any(float(c.dropout) > 0.0 for c in cfgs))
         if self.budget < plan.min_budget:
             what = "this model" if len(models) == 1 else f"these {len(models)} configurations together"
+            verb = "trains" if self.predict_task is None else "runs"
             raise TrellisUserError(f"--memory-budget {cfg.memory_budget} ({format_size(self.budget)}) is below the "
-                                   f"smallest budget that trains {what} on this graph, "
+                                   f"smallest budget that {verb} {what} on this graph, "
                                    f"{format_size(plan.min_budget)} (the process itself takes "
                                    f"{format_size(self.baseline)}); raise it to at least "
                                    f"{format_size(plan.min_budget)}")
