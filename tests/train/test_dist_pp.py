@@ -119,3 +119,30 @@ def test_explain_names_the_ranks_and_trains_nothing(cora_pp, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "over 3 rank(s): training rows per rank [46, 47, 47], batch per rank [10, 11, 11]" in out
     assert not (tmp_path / "r").exists()
+
+
+def test_ranks_train_a_multilabel_cache_and_evaluate_it_as_one_process(tmp_path, capsys):
+    """Pre-propagation refused multilabel stores (its cache keeps a 0/1 row per node); two ranks now train one,
+    and their gathered evaluation is one process's evaluation of the same weights."""
+    from trellis.data.generate import generate_sbm
+    from trellis.train import metrics as M
+
+    store = generate_sbm(tmp_path / "ml", nodes=400, features=16, feature_noise=0.7, task="multilabel", labels=5,
+                         progress=False)
+    preprocess(store, tmp_path / "pp", hops=2, progress=False)
+    out = tmp_path / "run"
+    code = main(["train", str(store), "--strategy", "pp", "--pp-dir", str(tmp_path / "pp"), "--model", "sign",
+                 "--nproc", "2", "--batch-size", "16", "--epochs", "15", "--lr", "0.05", "--device", "cpu",
+                 "--checkpoint-every", "0", "--no-progress", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    records = _records(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "multilabel" and records[-1]["loss"] < 0.8 * records[0]["loss"]
+    assert main(["predict", str(out), str(store), "--out", str(tmp_path / "p.npy")]) == 0
+    pred = torch.from_numpy(np.load(tmp_path / "p.npy")).float()
+    st = GraphStore(store)
+    y = torch.from_numpy(np.array(st.y, dtype=np.float32))
+    best = records[summary["best_epoch"][0]]
+    for split in ("val", "test"):
+        idx = torch.from_numpy(np.array(st.split(split), dtype=np.int64))
+        assert abs(M.f1_micro(pred[idx], y[idx]) - best[f"{split}_f1_micro"]) < 1e-9, split

@@ -190,20 +190,26 @@ def task_stores(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("task", "metric", "auc"), [("binary", "auc", "auc"), ("multilabel", "f1_micro", "auc_macro")])
-@pytest.mark.parametrize("strategy", ["full", "mini", "cluster"])
+@pytest.mark.parametrize("strategy", ["full", "mini", "cluster", "pp"])
 def test_train_and_predict_binary_multilabel(capsys, tmp_path, task_stores, task, metric, auc, strategy):
+    """Every strategy trains and predicts both tasks (pre-propagation refused multilabel stores before)."""
     import json
+
+    from trellis.loader.ppcache import preprocess
 
     torch.set_num_threads(1)
     store, out = task_stores[task], tmp_path / "run"
     extra = ["--clusters", 8, "--clusters-per-batch", 2] if strategy == "cluster" else []
-    rc, stdout, err = _cli(capsys, "train", store, "--epochs", 30 if strategy == "full" else 8, "--lr", 0.05,
+    if strategy == "pp":
+        preprocess(store, tmp_path / "pp", hops=2, progress=False)
+        extra = ["--model", "sign", "--pp-dir", tmp_path / "pp", "--batch-size", 64]
+    rc, stdout, err = _cli(capsys, "train", store, "--epochs", 30 if strategy in ("full", "pp") else 8, "--lr", 0.05,
                            "--strategy", strategy, "--out", out, "--no-progress", "--json", *extra)
     assert rc == 0, err
     s = json.loads(stdout.strip().splitlines()[-1])
     assert s["task"] == task and s["metric"] == metric
     for name in TASKS[task].metric_names:
-        for split in ("train", "val", "test"):
+        for split in ("train", "val", "test")[strategy == "pp":]:  # pp scores the held-out splits only
             assert f"{split}_{name}_mean" in s
     assert s[f"test_{auc}_mean"] > 0.75, s  # planted signal: clearly above chance (0.5)
     rc, stdout, err = _cli(capsys, "predict", out, store, "--out", tmp_path / "p.npy", "--json")

@@ -41,3 +41,13 @@ def seed_int(text: str) -> int:
     if value > 2**63 - 1:
         raise argparse.ArgumentTypeError(f"{value} must be at most 2**63 - 1 = {2**63 - 1}")
     return value
+
+
+def add_progress_flag(parser: argparse.ArgumentParser, what: str = "progress bars on a terminal") -> None:
+    """``--progress/--no-progress`` (default on), as ``train``, ``sweep`` and ``tune`` take it.
+
+    Why everywhere: a script that passes ``--no-progress`` to every command was refused by the ones without it
+    (``data generate``, ``data import``, ``partition``).
+    """
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"{what} (default: on)")

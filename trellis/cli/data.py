@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Any
 
-from trellis.cli.args import int_at_least, seed_int
+from trellis.cli.args import add_progress_flag, int_at_least, seed_int
 from trellis.cli.commands import help_of
 from trellis.data.generate import DEFAULT_FEATURE_NOISE, GENERATORS, NODE_FEATURE_MODES, TASK_KINDS, generate
 from trellis.data.importers import FORMATS, import_graph
@@ -52,7 +52,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
         name=args.name, split=args.split, split_seed=args.split_seed, split_name=args.split_name, lcc=args.lcc,
         symmetrize=args.symmetrize, num_nodes=args.num_nodes, train_per_class=args.train_per_class,
         val_per_class=args.val_per_class, streaming=args.streaming, chunk_edges=args.chunk_edges,
-        overwrite=args.overwrite or None,
+        overwrite=args.overwrite or None, progress=None if args.progress and not args.json else False,
     )
     _print_summary(_summary(path), args.json, "imported")
     return 0
@@ -65,7 +65,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "val_frac": args.val_frac, "name": args.name, "overwrite": args.overwrite,
         "node_features": args.node_features, "edge_features": args.edge_features,
         "edge_feature_noise": args.edge_feature_noise,
-        "task": args.task, "labels": args.labels,
+        "task": args.task, "labels": args.labels, "progress": args.progress and not args.json,
     }
     if args.kind == "sbm":
         for flag in ("a", "b", "c"):
@@ -145,6 +145,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--chunk-edges", type=_positive_int, default=None, help="edges per chunk when streaming")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    add_progress_flag(p)
     p.set_defaults(func=_cmd_import)
 
     g = sub.add_parser("generate", help="generate a synthetic graph",
@@ -178,6 +179,7 @@ def register(subparsers: Any) -> None:
     g.add_argument("--name", default=None, help="dataset name (default: <kind>-<nodes>)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing store")
     g.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    add_progress_flag(g)
     g.set_defaults(func=_cmd_generate)
 
     i = sub.add_parser("info", help="describe a store", description="Counts, degrees and sizes of a store.")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trellis.cli.args import int_at_least, seed_int
+from trellis.cli.args import add_progress_flag, int_at_least, seed_int
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 from trellis.utils.tempdirs import OwnedTempDir
@@ -39,10 +39,11 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"generating a planted-partition graph: {args.nodes:,} nodes, average degree {args.avg_degree:g}, "
               f"{args.classes} classes, {args.features} noisy features", file=log, flush=True)
         generate_sbm(store_dir, nodes=args.nodes, avg_degree=args.avg_degree, features=args.features,
-                     classes=args.classes, seed=args.seed, progress=not args.json)
+                     classes=args.classes, seed=args.seed, progress=args.progress and not args.json)
         t_gen = time.perf_counter() - t0
         cfg = TrainConfig(store=str(store_dir), model="gcn", epochs=args.epochs, seed=args.seed, device=args.device,
-                          out=str(run_dir), checkpoint_every=0, progress=not args.json)
+                          out=str(run_dir), checkpoint_every=0,
+                          progress=args.progress and not args.json)
         print(f"generated in {t_gen:.1f} s; training a 2-layer GCN (hidden {cfg.hidden}) full-batch for up to "
               f"{cfg.epochs} epochs", file=log, flush=True)
         s = train(cfg)
@@ -84,4 +85,5 @@ def register(subparsers: Any) -> None:
     p.add_argument("--keep", metavar="DIR", default=None,
                    help="keep the store and the run directory in DIR (default: a temporary directory, removed)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
+    add_progress_flag(p)
     p.set_defaults(func=run_demo)

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from trellis.cli.args import seed_int
+from trellis.cli.args import add_progress_flag, seed_int
 from trellis.cli.commands import help_of
 from trellis.errors import TrellisUserError
 
@@ -57,6 +57,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--move-features", action="store_true",
                    help="after writing PART_DIR, delete the store's x.npy: the features then live only in the "
                         "layout (one copy on disk); mini-batch training reads them there with --parts-dir")
+    add_progress_flag(p)
     p.set_defaults(func=run)
 
 
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     opts = _options(args)
     report, quality = partition(args.store, args.parts, method=args.method, out=out, width=args.width,
                                 overwrite=args.overwrite, move_features=args.move_features,
-                                progress=not args.json, **opts)
+                                progress=args.progress and not args.json, **opts)
     if args.json:
         print(json.dumps(report, default=str))
     else:

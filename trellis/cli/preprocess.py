@@ -16,6 +16,7 @@ import json
 import sys
 from typing import Any
 
+from trellis.cli.args import add_progress_flag
 from trellis.cli.commands import help_of, help_text
 from trellis.loader.ppcache import preprocess
 from trellis.ops.propagate import FEATURE_NORMS, OPERATORS
@@ -55,7 +56,7 @@ def register(sub: Any) -> None:
     p.add_argument("--shuffle-seed", type=int, default=0,
                    help="seed of the one-time shuffle of training rows (default: 0)")
     p.add_argument("--overwrite", action="store_true", help="replace a PP_DIR built from another store/settings")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_flag(p, "a progress bar on a terminal")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_preprocess)
 
@@ -70,7 +71,7 @@ def run_preprocess(args: argparse.Namespace) -> int:
     result = preprocess(args.store, args.out, operator=args.operator, hops=args.hops, alpha=args.alpha, t=args.t,
                         iters=args.iters, split_rows_only=args.split_rows_only, block_rows=args.block_rows,
                         feature_norm=args.feature_norm, shuffle_seed=args.shuffle_seed, overwrite=args.overwrite,
-                        progress=not args.no_progress, log=log)
+                        progress=args.progress, log=log)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

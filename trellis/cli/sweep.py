@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from trellis.cli.args import add_progress_flag
 from trellis.cli.commands import help_of, help_text
 from trellis.errors import TrellisUserError
 from trellis.utils.sizes import parse_size
@@ -72,8 +73,7 @@ def register(sub: Any) -> None:
     p.add_argument("--explain", action="store_true",
                    help="print the configurations, the choice of K and the batched plan, then exit")
     p.add_argument("--json", action="store_true", help="print the leaderboard as one JSON line at the end")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="progress bar per batch on a terminal (default: on)")
+    add_progress_flag(p, "progress bar per batch on a terminal")
     p.set_defaults(func=run)
 
 

@@ -13,6 +13,7 @@ import json
 import sys
 from typing import Any
 
+from trellis.cli.args import add_progress_flag
 from trellis.cli.commands import help_of, help_text
 from trellis.cli.sweep import BUDGET_HELP, _base, _int, with_budget
 from trellis.errors import TrellisUserError
@@ -80,8 +81,7 @@ def register(sub: Any) -> None:
     p.add_argument("--resume", default=None, metavar="TUNE_DIR", help="continue the interrupted tune in TUNE_DIR")
     p.add_argument("--overwrite", action="store_true", help="replace an existing TUNE_DIR")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line at the end")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="progress bars on a terminal (default: on)")
+    add_progress_flag(p)
     p.set_defaults(func=run, _defaults={a.dest: a.default for a in p._actions if a.dest != "help"})
 
 

@@ -35,8 +35,8 @@ from trellis.train.strategy import Prediction, PredictRequest, Strategy, registe
 from trellis.train.tasks import Task, resolve_task
 from trellis.utils.memory import proc_io, proc_status
 
-#: Tasks a pre-propagated cache can train (its labels are one value per row).
-PP_TASKS = ("multiclass", "binary")
+#: Tasks a pre-propagated cache can train (its labels: one value per row, or a multilabel row of 0/1).
+PP_TASKS = ("multiclass", "binary", "multilabel")
 
 
 def open_checked_cache(pp_dir: str, store: GraphStore) -> PPCache:
@@ -94,8 +94,8 @@ class PrePropagation(Strategy):
         """Open the store and its cache, choose the placement, and build the loaders."""
         cfg = self.cfg
         if cfg.task not in ("auto", *PP_TASKS):
-            raise TrellisUserError(f"--task {cfg.task}: --strategy pp trains {' or '.join(PP_TASKS)} node "
-                                   "classification (the cache keeps one label per row)")
+            raise TrellisUserError(f"--task {cfg.task}: --strategy pp trains {', '.join(PP_TASKS)} node "
+                                   "classification")
         self.store = open_store(str(cfg.store))
         self.cache = cache = open_checked_cache(str(cfg.pp_dir), self.store)
         if cache.y is None:
@@ -103,7 +103,7 @@ class PrePropagation(Strategy):
         y = np.asarray(cache.y)
         self.task = resolve_task(cfg.task, cache.task, y, cache.num_classes or int(np.max(y)) + 1)
         if self.task.name not in PP_TASKS:
-            raise TrellisUserError(f"{self.store.path}: the pp strategy trains {' or '.join(PP_TASKS)} node "
+            raise TrellisUserError(f"{self.store.path}: the pp strategy trains {', '.join(PP_TASKS)} node "
                                    f"classification; this store's task is {self.task.name!r}")
         self.spec = ModelSpec(cache.num_features, self.task.num_outputs)
         self.hops = hops_used(cfg.model, cache.hops)
@@ -213,14 +213,19 @@ class PrePropagation(Strategy):
         labels = []
         for x, y in self.data.iter_split(split):
             assert y is not None
-            keep = (y >= 0).to(self.device)
+            keep = (y >= 0) if y.ndim == 1 else (y >= 0).all(dim=1)  # a multilabel row of -1: unlabelled
+            keep = keep.to(self.device)
             x = x.to(self.device, non_blocking=True)
             for out, model in zip(logits, models):
                 out.append(model(x)[keep].float())
             labels.append(y.to(self.device)[keep])
         width = self.task.num_outputs
-        return ([torch.cat(out) if out else torch.empty((0, width), device=self.device) for out in logits],
-                torch.cat(labels) if labels else torch.empty(0, dtype=torch.int64, device=self.device))
+        if labels:
+            y_rows = torch.cat(labels)
+        else:  # no rows here (a rank's empty slice): none, of the labels' row shape and type
+            assert self.cache.y is not None
+            y_rows = torch.from_numpy(np.array(self.cache.y[:0])).to(self.device)
+        return [torch.cat(out) if out else torch.empty((0, width), device=self.device) for out in logits], y_rows
 
     def _split_logits(self, models: Sequence[nn.Module], split: str) -> tuple[list[Tensor], Tensor]:
         """Every model's logits of the split's labelled rows, and their labels."""
