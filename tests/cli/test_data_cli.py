@@ -155,3 +155,17 @@ def test_existing_output_needs_overwrite(capsys, tmp_path):
     assert_user_error(rc, err, "already exists", "--overwrite")
     rc, _, err = run(capsys, *args, "--overwrite", "--seed", "1")
     assert rc == 0, err
+
+
+def test_every_command_that_shows_progress_takes_no_progress(tmp_path, dataset, capsys):
+    """A script passing --no-progress to every command was refused by `data generate`, `data import`,
+    `partition` and `demo`, which had no such flag (train, sweep, tune and preprocess did)."""
+    store = tmp_path / "g"
+    assert main(["data", "generate", "sbm", "--nodes", "200", "--out", str(store), "--no-progress"]) == 0
+    assert main(["data", "import", str(dataset("cora")), "--out", str(tmp_path / "cora"), "--no-progress"]) == 0
+    assert main(["partition", str(store), "--parts", "2", "--out", str(tmp_path / "p"), "--no-progress"]) == 0
+    assert main(["preprocess", str(store), "--out", str(tmp_path / "pp"), "--hops", "1", "--no-progress"]) == 0
+    for command in ("demo", "train", "sweep", "tune"):
+        with pytest.raises(SystemExit) as done:
+            main([command, "--help"])
+        assert done.value.code == 0 and "--no-progress" in capsys.readouterr().out, command
