@@ -72,6 +72,33 @@ def test_balance_train_gives_every_part_its_share_of_training_nodes(tmp_path, me
 
 
 @pytest.mark.parametrize("method", ["metis", "grem"])
+def test_balance_train_leaves_no_part_without_a_training_node(tmp_path, method):
+    """The caps bound the most a part holds, not the least: 4 training nodes over 4 parts were capped at 2 each
+    and one part held none (its rank refused to train, advising --balance train, which had been given)."""
+    from trellis.data.generate import generate_sbm
+    from trellis.data.store import GraphStore
+    from trellis.partition.balance import give_every_part_a_training_node
+
+    store = GraphStore(generate_sbm(tmp_path / "tiny", nodes=40, avg_degree=4, progress=False))
+    train = np.asarray(store.split("train"))
+    assert len(train) == 4
+    for seed in range(5):
+        book = partition_graph(store, method, 4, measure=False, balance="train", seed=seed)
+        assert np.bincount(book.node_parts[train], minlength=4).tolist() == [1, 1, 1, 1], seed
+        assert book.part_sizes().max() <= part_cap(store.num_nodes, 4, 0.05)
+    # the swap itself: node counts stay, every part gets one
+    parts = np.repeat(np.arange(4), 10).astype(np.int64)
+    mask = np.zeros(40, dtype=bool)
+    mask[[0, 1, 2, 3]] = True  # every training node in part 0
+    swaps = give_every_part_a_training_node(np.asarray(store.indptr), np.asarray(store.indices), parts, mask, 4)
+    assert swaps == 3 and np.bincount(parts[mask], minlength=4).tolist() == [1, 1, 1, 1]
+    assert np.bincount(parts, minlength=4).tolist() == [10, 10, 10, 10]
+    fewer = np.zeros(40, dtype=bool)
+    fewer[[0, 1]] = True  # fewer training nodes than parts: nothing to do
+    assert give_every_part_a_training_node(np.asarray(store.indptr), np.asarray(store.indices), parts, fewer, 4) == 0
+
+
+@pytest.mark.parametrize("method", ["metis", "grem"])
 def test_balance_edges_evens_in_edges_as_well_as_nodes_and_training_nodes(tmp_path, method):
     """On a power-law graph a node-balanced min cut leaves one part with about 2-3x the mean in-edges."""
     from trellis.data.generate import generate_rmat

@@ -121,6 +121,47 @@ def _away_share(indptr: np.ndarray, indices: np.ndarray, parts: np.ndarray) -> n
     return out
 
 
+@njit(cache=True, nogil=True)
+def _neighbours_in(indptr: np.ndarray, indices: np.ndarray, parts: np.ndarray, nodes: np.ndarray,
+                   q: int) -> np.ndarray:
+    """``[len(nodes)]`` in-neighbours of each of ``nodes`` in part ``q``."""
+    out = np.zeros(nodes.shape[0], dtype=np.int64)
+    for i in range(nodes.shape[0]):
+        v = nodes[i]
+        for k in range(indptr[v], indptr[v + 1]):
+            if parts[indices[k]] == q:
+                out[i] += 1
+    return out
+
+
+def give_every_part_a_training_node(indptr: np.ndarray, indices: np.ndarray, parts: np.ndarray,
+                                    train: np.ndarray, num_parts: int) -> int:
+    """Swap a training node into each part that has none (when there are as many as parts); returns the swaps.
+
+    Why: the caps bound the most a part holds, not the least: 4 training nodes over 4 parts may cap each at 2,
+    and a part left with none gave its rank no target (refused, advising ``--balance train``, which then
+    changed nothing). Each swap moves the training node of the richest part with the most neighbours in the
+    empty part there, and a non-training node of the empty part with the most neighbours in the richest part
+    back, so node counts stay as they were.
+    """
+    counts = np.bincount(parts[train], minlength=num_parts)
+    if int(counts.sum()) < num_parts:
+        return 0
+    swaps = 0
+    for q in np.flatnonzero(counts == 0):
+        p = int(np.argmax(counts))  # holds at least 2: as many training nodes as parts, and q has none
+        donors = np.flatnonzero(train & (parts == p))
+        v = donors[int(np.argmax(_neighbours_in(indptr, indices, parts, donors, int(q))))]
+        back = np.flatnonzero(~train & (parts == q))
+        parts[v] = q
+        if back.size:
+            parts[back[int(np.argmax(_neighbours_in(indptr, indices, parts, back, p)))]] = p
+        counts[p] -= 1
+        counts[q] += 1
+        swaps += 1
+    return swaps
+
+
 #: Rounds of the multi-constraint repair (a node that found no room in one round may in the next).
 ROUNDS = 4
 
@@ -176,6 +217,8 @@ def rebalance(store: GraphStore, parts: np.ndarray, num_parts: int, constraints:
         moved += step
         if step == 0:
             break
+    if "train" in constraints:
+        moved += 2 * give_every_part_a_training_node(indptr, indices, parts, train, int(num_parts))
     out: dict[str, Any] = {"balance": ",".join(constraints) or "nodes", "rebalanced": moved}
     for c, name in enumerate(names):
         per = np.bincount(parts, weights=weight[:, c], minlength=num_parts)
