@@ -293,6 +293,9 @@ def test_predict_a_buffer_run_from_the_layout(sbm_store, p4, tmp_path):
     test = np.asarray(GraphStore(store).split("test"))
     assert got["num_nodes"] == 500 and pred.shape == (500,)
     assert (pred[test] == y[test]).mean() == pytest.approx(summary["test_acc_mean"], abs=1e-9)
+    with pytest.raises(TrellisUserError, match="--device cuda: this run predicts by layer-wise inference over the "
+                                               "partitioned layout, which runs on the CPU only"):
+        predict(tmp_path / "run", store, tmp_path / "gpu.npy", device="cuda")  # it was silently ignored
 
 
 @pytest.mark.parametrize("budget", [None, "2G"])

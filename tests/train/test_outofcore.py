@@ -221,6 +221,10 @@ def test_predict_keeps_the_runs_budget_and_equals_the_in_memory_prediction(store
                  "--memory-budget", "20M"]) == 2
     assert "smallest budget that runs this model" in capsys.readouterr().err
     assert not (tmp_path / "small.npy").exists()
+    # tiled inference runs on the CPU: a GPU asked for is refused, not silently ignored (it was)
+    assert main(["predict", str(tmp_path / "ooc"), str(store), "--out", str(tmp_path / "gpu.npy"),
+                 "--device", "cuda"]) == 2
+    assert "runs on the CPU only" in capsys.readouterr().err and not (tmp_path / "gpu.npy").exists()
 
 
 def test_a_node_listed_twice_in_a_split_is_refused_before_either_strategy_trains_on_it(tmp_path):

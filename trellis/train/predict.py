@@ -143,6 +143,9 @@ def predict_saved(saved: dict[str, Any], run_dir: Path, run_cfg: dict[str, Any],
     strategy that writes the embeddings itself puts them (None: only the logits are wanted).
     """
     cls, budget = prediction_strategy(saved, run_cfg, store, memory_budget)
+    if cls.predicts_on_cpu is not None and device not in ("auto", "cpu"):
+        raise TrellisUserError(f"--device {device}: this run predicts by {cls.predicts_on_cpu}, which runs on the "
+                               "CPU only; use --device cpu or auto")
     req = PredictRequest(saved, run_dir, run_cfg, str(store), device=device, memory_budget=budget,
                          spill_dir=spill_dir or run_cfg.get("spill_dir"), model_factory=model_factory)
     return cls.predict_saved(req, embeddings_to)

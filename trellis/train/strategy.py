@@ -193,6 +193,9 @@ class Strategy(ABC):
     # ---- training -------------------------------------------------------------------------------
     #: Whether :meth:`open_batch` shares one step between several configurations (a sweep's K may exceed 1).
     batches_models: ClassVar[bool] = False
+    #: How :meth:`predict_saved` predicts when that runs on the CPU only (None: on ``--device``); a GPU asked
+    #: for is then refused, not silently ignored.
+    predicts_on_cpu: ClassVar[str | None] = None
 
     def open_batch(self, lanes: list[Lane], *, keep_splits: Sequence[str] | None = None,
                    splits: dict[str, Tensor] | None = None) -> ModelBatch:

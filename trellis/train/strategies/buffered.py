@@ -258,6 +258,7 @@ class BufferedMini(BatchStrategy):
 
     #: Cluster-batch mode (``--strategy cluster``): one batch per buffer state.
     cluster_mode = False
+    predicts_on_cpu = "layer-wise inference over the partitioned layout"
 
     def make_loader(self) -> PartitionBuffer:
         """The partition buffer over the layout's parts."""

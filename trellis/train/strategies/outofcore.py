@@ -84,6 +84,7 @@ class OutOfCoreFull(Strategy):
     """``--strategy full`` under ``--memory-budget`` (see the module docstring)."""
 
     name = "full"
+    predicts_on_cpu = "tiled inference under --memory-budget"
 
     #: Cap on the rows of a tile (None: the plan's); tests force one-row and seven-row tiles with it.
     max_tile_rows: ClassVar[int | None] = None
