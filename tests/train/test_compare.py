@@ -154,3 +154,20 @@ def test_a_run_reaching_the_target_in_some_seeds_is_not_never(tmp_path):
     line = next(ln for ln in text.splitlines() if ln.startswith("mostly"))
     assert "never" not in line and "9.0 (4/5)" in line
     assert "mostly not in every run (4/5 reached it)" in text
+
+
+def test_runs_of_different_metrics_each_name_theirs(tmp_path):
+    """The column read "test metric" and the cells were bare numbers: an accuracy beside a micro-F1."""
+    a = write_run(tmp_path / "acc", [FAST], dt=0.1)
+    b = write_run(tmp_path / "f1", [SLOW], dt=1.0, test=0.7)
+    metrics = (b / "metrics.jsonl").read_text().replace('"val_acc"', '"val_f1_micro"').replace('"test_acc"',
+                                                                                             '"test_f1_micro"')
+    (b / "metrics.jsonl").write_text(metrics)
+    summary = json.loads((b / "summary.json").read_text())
+    summary.update(metric="f1_micro", task="multilabel", test_f1_micro_mean=0.7, test_f1_micro_std=0.0)
+    (b / "summary.json").write_text(json.dumps(summary))
+    lines = format_table(compare_runs([a, b])[0]).splitlines()
+    assert "test metric" in lines[0]
+    assert "0.8000 acc" in lines[2] and "0.7000 f1_micro" in lines[3]
+    same = format_table(compare_runs([a, a])[0]).splitlines()
+    assert "test acc" in same[0] and "0.8000 acc" not in same[2]

@@ -248,6 +248,8 @@ def format_table(result: dict[str, Any]) -> str:
     for r in rows:
         test = ("-" if r["test_mean"] is None else f"{r['test_mean']:.4f}" if r["runs"] == 1  # one run: no spread
                 else f"{r['test_mean']:.4f} ± {r['test_std'] or 0.0:.4f}")
+        if metric == "metric" and r["test_mean"] is not None:  # runs of different metrics: each names its own
+            test += f" {r['metric']}"
         has_t = r["target"] is not None
         line = [r["name"], r["model"], r["strategy"], str(r["runs"]), test,
                 _fmt(None if r["epoch_time_s"] is None else r["epoch_time_s"] * 1e3, ".1f"),
