@@ -52,7 +52,7 @@ def _cmd_import(args: argparse.Namespace) -> int:
         name=args.name, split=args.split, split_seed=args.split_seed, split_name=args.split_name, lcc=args.lcc,
         symmetrize=args.symmetrize, num_nodes=args.num_nodes, train_per_class=args.train_per_class,
         val_per_class=args.val_per_class, streaming=args.streaming, chunk_edges=args.chunk_edges,
-        overwrite=args.overwrite or None, progress=None if args.progress and not args.json else False,
+        overwrite=args.overwrite or None, progress=args.progress and not args.json,
     )
     _print_summary(_summary(path), args.json, "imported")
     return 0
