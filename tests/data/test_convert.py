@@ -106,6 +106,33 @@ def test_from_pyg_duck_typed(tmp_path):
         from_pyg(SimpleNamespace(edge_index=torch.zeros(3, 3)), tmp_path / "t")
 
 
+def test_multi_split_masks_become_the_stores_fixed_splits(tmp_path):
+    """PyG's [N, S] masks (WikiCS, the heterophilous sets) kept only one column: split_seed=K had nothing to pick.
+    All S are now kept, a mask given once (WikiCS's test mask) is every split's, and split_index is the store's."""
+    n = 6
+    train = np.zeros((n, 3), bool)
+    train[[0, 1, 2], [0, 1, 2]] = True
+    val = np.zeros((n, 3), bool)
+    val[3, :] = True
+    test = np.zeros(n, bool)
+    test[[4, 5]] = True
+    data = SimpleNamespace(edge_index=torch.tensor([[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]), num_nodes=n,
+                           x=torch.ones(n, 2), y=torch.tensor([0, 1, 0, 1, 0, 1]),
+                           train_mask=torch.from_numpy(train), val_mask=torch.from_numpy(val),
+                           test_mask=torch.from_numpy(test))
+    s = open_store(from_pyg(data, tmp_path / "s", split_index=2))
+    np.testing.assert_array_equal(np.asarray(s.split_sets), [[1, 0, 0, 2, 3, 3], [0, 1, 0, 2, 3, 3],
+                                                             [0, 0, 1, 2, 3, 3]])
+    assert s.split("train").tolist() == [2] and s.split("val").tolist() == [3] and s.split("test").tolist() == [4, 5]
+    with pytest.raises(TrellisUserError, match="split_index 3 is out of range: the masks hold 3 splits"):
+        from_pyg(data, tmp_path / "t", split_index=3)
+    with pytest.raises(TrellisUserError, match=r"val split: node 3 is in split 0's val mask and in another"):
+        from_arrays([0], [1], out=tmp_path / "t", splits={"train": train | val, "val": val})
+    with pytest.raises(TrellisUserError, match=r"train split, val split hold different numbers of splits \(3, 2\)"):
+        from_arrays([0], [1], out=tmp_path / "t", splits={"train": train, "val": val[:, :2]})
+    assert not (tmp_path / "t").exists()
+
+
 def test_from_arrays_symmetrizes_by_default_like_the_cli(tmp_path):
     s = open_store(from_arrays([0, 1, 2], [1, 2, 0], 3, out=tmp_path / "s"))
     assert s.num_edges == 6  # every edge in both directions
@@ -116,11 +143,13 @@ def test_from_arrays_symmetrizes_by_default_like_the_cli(tmp_path):
 @pytest.mark.parametrize("train, message", [
     (np.array([1, 0, 1, 0, 0, 0], dtype=np.uint8), "node 0 appears 4 times in the split; it looks like a 0/1 mask"),
     (np.array([2, 2, 3]), r"node 2 appears 2 times in the split; give each node once"),
-    (np.zeros((6, 2), dtype=bool), r"split mask has shape \[6, 2\]"),
+    (np.zeros((2, 6), dtype=bool), r"masks of shape \[2, 6\] for 6 nodes; give them as \[nodes, splits\]"),
+    (np.zeros((6, 2)), r"a 2-D split must be boolean masks \[nodes, splits\] \(got dtype float64\)"),
 ])
 def test_split_ids_that_would_train_on_the_wrong_nodes_are_refused(tmp_path, train, message):
     """A uint8 mask (older PyG and DGL) was read as node ids, duplicates trained a node several times, and a 2-D mask
-    was flattened into positions that are not node ids."""
+    was flattened into positions that are not node ids (a 2-D mask is now S splits, [nodes, splits], and one the
+    other way round or of values that are not 0/1 is refused)."""
     with pytest.raises(TrellisUserError, match=message):
         from_arrays([0, 1, 2], [1, 2, 3], out=tmp_path / "s", num_nodes=6, x=np.ones((6, 2), np.float32),
                     y=np.array([0, 1, 0, 1, 0, 1]), splits={"train": train})

@@ -147,6 +147,36 @@ def test_a_model_builder_and_arrays(sbm_store):
     assert a.predict().shape == (500,)
 
 
+def test_a_data_object_s_splits(sbm_store):
+    """[N, S] masks: split_seed=K trains on column K, as a Data holding that column alone does (only column 0 was
+    kept, and split_seed=K was refused as "fixed"). A Data or dict without a split is named as such (not as the
+    temporary store's missing val_idx.npy, with `trellis data import` advice); one to predict on needs none."""
+    ptr, idx = np.load(Path(sbm_store) / "indptr.npy"), np.load(Path(sbm_store) / "indices.npy")
+    dst = np.repeat(np.arange(500), np.diff(ptr))
+    x, y = torch.from_numpy(np.load(Path(sbm_store) / "x.npy")), torch.from_numpy(np.load(Path(sbm_store) / "y.npy"))
+    order = np.random.default_rng(0).permuted(np.tile(np.arange(500), (3, 1)), axis=1).T  # [500, 3]
+    masks = {k: torch.from_numpy((order >= lo) & (order < hi)) for k, lo, hi in
+             (("train", 0, 100), ("val", 100, 200), ("test", 200, 500))}
+
+    def data(**kw):
+        return type("Data", (), {"edge_index": torch.from_numpy(np.stack([idx, dst])), "num_nodes": 500,
+                                 "x": x, "y": y, **kw})()
+
+    multi = trellis.train(data(**{f"{k}_mask": m for k, m in masks.items()}), epochs=3, hidden=8, split_seed=2)
+    alone = trellis.train(data(**{f"{k}_mask": m[:, 2] for k, m in masks.items()}), epochs=3, hidden=8)
+    first = trellis.train(data(**{f"{k}_mask": m[:, 0] for k, m in masks.items()}), epochs=3, hidden=8)
+    assert [r["loss"] for r in multi.history] == [r["loss"] for r in alone.history] != \
+        [r["loss"] for r in first.history]
+    with pytest.raises(TrellisUserError, match="--split-seed 3: .* holds 3 fixed splits; give a split number from 0"):
+        trellis.train(data(**{f"{k}_mask": m for k, m in masks.items()}), epochs=1, split_seed=3)
+    with pytest.raises(TrellisUserError, match="the Data has no val_mask: training needs train_mask, val_mask"):
+        trellis.train(data(train_mask=masks["train"][:, 0], test_mask=masks["test"][:, 0]), epochs=1)
+    with pytest.raises(TrellisUserError, match="it has no 'test' split"):
+        trellis.train({"src": idx, "dst": dst, "x": x, "y": y, "splits": {"train": [0], "val": [1]}}, epochs=1)
+    assert multi.predict(data()).shape == (500,)
+    assert torch.equal(multi.predict({"src": idx, "dst": dst, "x": x}), multi.predict())
+
+
 def test_fresh_interpreter_needs_no_cli(sbm_store):
     code = ("import sys, trellis; run = trellis.train(sys.argv[1], epochs=2, hidden=8); "
             "assert not [m for m in sys.modules if m.startswith('trellis.cli')], 'cli imported'; "

@@ -17,8 +17,15 @@ from typing import Any
 import numpy as np
 
 from trellis.data.csr import ArrayEdgeSource
-from trellis.data.importers.common import GraphInput, check_features, check_labels, write_graph
-from trellis.data.store import check_output
+from trellis.data.importers.common import (
+    GraphInput,
+    check_features,
+    check_labels,
+    check_split,
+    split_sets_from_masks,
+    write_graph,
+)
+from trellis.data.store import check_output, split_set_ids
 from trellis.errors import TrellisUserError
 
 
@@ -40,6 +47,7 @@ def from_arrays(
     x: Any = None,
     y: Any = None,
     splits: dict[str, Any] | None = None,
+    split_index: int = 0,
     edge_weight: Any = None,
     edge_feat: Any = None,
     symmetrize: bool = True,
@@ -57,7 +65,11 @@ def from_arrays(
         out: Store directory to create.
         x: Node features ``[N, F]``.
         y: Labels ``int [N]`` (-1 = unlabelled) or ``[N, C]`` 0/1.
-        splits: ``{"train"|"val"|"test": node ids or boolean masks}``.
+        splits: ``{"train"|"val"|"test": node ids or boolean masks}``. Masks of shape ``[N, S]`` (PyG's
+            multi-split masks) give the store ``S`` fixed splits, all kept: ``trellis train --split-seed K``
+            (``split_seed=K``) trains on split ``K`` and ``trellis tune --splits`` averages over them. A
+            split given once beside them (``[N]``, or ids) is the same in every split.
+        split_index: Which of ``S`` fixed splits is the store's own (default: 0, the first).
         edge_weight: ``[E]`` per input edge.
         edge_feat: ``[E, D]`` per input edge.
         symmetrize: Add reverse edges (default: True, like ``trellis data import``; False keeps the edges as
@@ -86,18 +98,47 @@ def from_arrays(
     for k in split_arrays or {}:
         if k not in ("train", "val", "test"):
             raise TrellisUserError(f"unknown split {k!r}; use train, val or test")
+    split_sets = None
+    if split_arrays and any(a.ndim == 2 for a in split_arrays.values()):
+        n = next(a.shape[0] for a in split_arrays.values() if a.ndim == 2) if n is None else n
+        split_sets = _split_sets(split_arrays, n)
+        if not 0 <= split_index < split_sets.shape[0]:
+            raise TrellisUserError(f"split_index {split_index} is out of range: the masks hold {split_sets.shape[0]} "
+                                   f"splits (0 to {split_sets.shape[0] - 1})")
+        split_arrays = split_set_ids(split_sets[split_index])
     ef = _numpy(edge_feat)
     if ef is not None and ef.ndim == 1:
         ef = ef.reshape(-1, 1)
     inp = GraphInput(
         edges=ArrayEdgeSource(src_a.reshape(-1), dst_a.reshape(-1), name="edges"),
-        num_nodes=n, x=xa, y=ya, splits=split_arrays, edge_weight=_numpy(edge_weight), edge_feat=ef, name=name,
+        num_nodes=n, x=xa, y=ya, splits=split_arrays, split_sets=split_sets, edge_weight=_numpy(edge_weight),
+        edge_feat=ef, name=name,
         where={k: f"{k} split" for k in (split_arrays or {})} | {"edge_weight": "edge_weight",
                                                                  "edge_feat": "edge_feat"},
         source={"importer": "python"},
     )
     return write_graph(inp, out, symmetrize=symmetrize, dedup=dedup, remove_self_loops=remove_self_loops,
                        allow_empty=n is not None, overwrite=overwrite, streaming=False)
+
+
+def _split_sets(splits: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """``int8 [S, N]`` fixed splits from ``[N, S]`` boolean masks; a 1-D mask or ids is every split's."""
+    masks = {}
+    for k, a in splits.items():
+        where = f"{k} split"
+        if a.ndim == 2:
+            if a.dtype != np.bool_ and not (np.issubdtype(a.dtype, np.integer) and np.isin(a, (0, 1)).all()):
+                raise TrellisUserError(f"{where}: a 2-D split must be boolean masks [nodes, splits] (got dtype "
+                                       f"{a.dtype})")
+            if a.shape[0] != n:
+                raise TrellisUserError(f"{where}: masks of shape {list(a.shape)} for {n} nodes; give them as "
+                                       f"[nodes, splits] ([{n}, S])")
+            masks[k] = a.astype(bool).T
+        else:
+            mask = np.zeros(n, dtype=bool)
+            mask[check_split(a, n, where)] = True
+            masks[k] = mask
+    return split_sets_from_masks(masks, n, {k: f"{k} split" for k in masks})
 
 
 def from_scipy(
@@ -223,14 +264,15 @@ def from_pyg(
     """Write a store from a PyG-style ``Data`` object (duck-typed; torch_geometric is not imported).
 
     Reads ``edge_index [2, E]``, ``num_nodes``, ``x``, ``y``, ``train_mask``/``val_mask``/``test_mask``
-    (boolean masks or id tensors; ``[N, k]`` masks of k splits use column ``split_index``),
+    (boolean masks or id tensors; ``[N, S]`` masks of S splits are all kept as the store's fixed splits, as
+    :func:`from_arrays` keeps them, and column ``split_index`` is its own),
     ``edge_weight [E]`` and ``edge_attr`` (``[E]`` becomes the edge weight when there is none, ``[E, D]``
     the edge features).
 
     Args:
         data: The graph.
         out: Store directory to create.
-        split_index: Column of multi-split masks (default: 0).
+        split_index: Which column of multi-split masks is the store's own split (default: 0).
         symmetrize: Add reverse edges (default: False: PyG datasets are already undirected).
         dedup: Drop repeated edges (default: True).
         remove_self_loops: Drop ``u -> u`` (default: False).
@@ -252,11 +294,6 @@ def from_pyg(
         for attr in names:
             mask = _numpy(getattr(data, attr, None))
             if mask is not None:
-                if mask.ndim == 2:
-                    if not 0 <= split_index < mask.shape[1]:
-                        raise TrellisUserError(f"data.{attr} has {mask.shape[1]} splits; split_index {split_index} "
-                                               "is out of range")
-                    mask = mask[:, split_index]
                 splits[key] = mask
                 break
     weight = _numpy(getattr(data, "edge_weight", None))
@@ -268,5 +305,5 @@ def from_pyg(
         else:
             edge_feat = edge_attr.reshape(edge_attr.shape[0], -1)
     return from_arrays(edge_index[0], edge_index[1], n, out=out, x=x, y=y, splits=splits or None,
-                       edge_weight=weight, edge_feat=edge_feat, symmetrize=symmetrize, dedup=dedup,
-                       remove_self_loops=remove_self_loops, name=name, overwrite=overwrite)
+                       split_index=split_index, edge_weight=weight, edge_feat=edge_feat, symmetrize=symmetrize,
+                       dedup=dedup, remove_self_loops=remove_self_loops, name=name, overwrite=overwrite)

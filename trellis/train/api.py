@@ -108,7 +108,7 @@ class Run:
             return copy.deepcopy(inner)
 
         saved = {**self.headers[r], "state_dict": own.state_dict()}
-        path, keep = as_store(store) if store is not None else (self._default_store(), None)
+        path, keep = as_store(store, to_train=False) if store is not None else (self._default_store(), None)
         with OwnedTempDir("trellis-predict-") as scratch:  # an out-of-core run's spill
             out = predict_saved(saved, self.run_dir or Path(scratch), self.config.to_dict(), path,
                                 device=device or self.config.device, model_factory=this_module).logits
@@ -138,27 +138,37 @@ def _store_path(data: str | os.PathLike[str] | GraphStore) -> str:
     return str(data.path) if isinstance(data, GraphStore) else os.fspath(data)
 
 
-def as_store(data: GraphLike, tmp: str | None = None) -> tuple[str, Any]:
+def as_store(data: GraphLike, tmp: str | None = None, *, to_train: bool = True) -> tuple[str, Any]:
     """A store path for ``data``, and what must stay alive while it is used (a temporary store's directory).
 
     ``data`` is a store path, a :class:`GraphStore`, a PyG-style ``Data`` (``edge_index``; written with
     :func:`trellis.data.from_pyg`) or a mapping of arrays (``src``, ``dst``, ``x``, ``y``, ``splits``...,
-    the arguments of :func:`trellis.data.from_arrays`).
+    the arguments of :func:`trellis.data.from_arrays`). A graph object ``to_train`` on must carry its splits:
+    the message names the object's missing attribute (not the temporary store's file, nor `trellis data
+    import`); one to predict on needs none.
     """
     if isinstance(data, (str, os.PathLike, GraphStore)):
         return _store_path(data), None
-    keep = OwnedTempDir(TEMP_STORE, dir=tmp)
-    out = Path(keep.name) / "store"
     if hasattr(data, "edge_index"):
-        return str(from_pyg(data, out)), keep
+        missing = [k for k, names in (("train", ("train_mask",)), ("val", ("val_mask", "valid_mask")),
+                                      ("test", ("test_mask",)))
+                   if all(getattr(data, a, None) is None for a in names)]
+        if to_train and missing:
+            raise TrellisUserError(f"the Data has no {missing[0]}_mask: training needs train_mask, val_mask and "
+                                   "test_mask (boolean [N] masks, [N, S] masks of S splits, or node ids)")
+        keep = OwnedTempDir(TEMP_STORE, dir=tmp)
+        return str(from_pyg(data, Path(keep.name) / "store")), keep
     if isinstance(data, dict):
         if "src" not in data or "dst" not in data:
             raise TrellisUserError("a graph given as a dict needs 'src' and 'dst' edge arrays (the arguments of "
                                    "trellis.data.from_arrays)")
-        if "splits" not in data:
-            raise TrellisUserError("a graph given as a dict needs splits={'train': ids, 'val': ids, 'test': ids} "
-                                   "(node ids of each split) to train and evaluate on")
-        return str(from_arrays(out=out, **data)), keep
+        missing = [k for k in ("train", "val", "test") if (data.get("splits") or {}).get(k) is None]
+        if to_train and missing:
+            raise TrellisUserError(f"a graph given as a dict needs splits={{'train': ids, 'val': ids, 'test': ids}} "
+                                   f"(node ids or boolean masks of each split) to train and evaluate on; it has no "
+                                   f"{missing[0]!r} split")
+        keep = OwnedTempDir(TEMP_STORE, dir=tmp)
+        return str(from_arrays(out=Path(keep.name) / "store", **data)), keep
     raise TrellisUserError(f"cannot train on a {type(data).__name__}: pass a store path, a GraphStore, a PyG Data "
                            "or a dict of arrays (trellis.data.from_arrays)")
 

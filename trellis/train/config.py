@@ -181,7 +181,7 @@ class TrainConfig:
                                   metavar="X")
     split_seed: int | None = _f(None, "re-draw the store's per-class split (Shchur et al.'s npz protocol) with this "
                                       "seed, as `trellis data import --split-seed` would, or train on fixed split N "
-                                      "of a store that holds several (Platonov et al.'s npz files; 0 = the store's) "
+                                      "of a store that holds several (Platonov et al.'s npz files, PyG's [N, S] masks) "
                                       "(default: the store's split)", metavar="N")
     feature_norm: str = _f("auto", "feature normalization: row = divide each row by its L1 norm (the GCN "
                                    "paper's), l2 = by its L2 norm, none, or auto = chosen from the features: row "

@@ -24,7 +24,7 @@ from trellis.data.csr import (
     edges_to_csr,
     read_all_edges,
 )
-from trellis.data.store import SPLITS, label_meta, split_set_ids, store_writer, write_store
+from trellis.data.store import SPLIT_CODES, SPLITS, label_meta, split_set_ids, store_writer, write_store
 from trellis.errors import TrellisUserError
 
 #: Edge files larger than this are imported with the bounded-memory chunked builder (``streaming=None``).
@@ -42,7 +42,8 @@ class GraphInput:
         x: ``[N, F]`` features (may be a memory map).
         y: ``int [N]`` labels (-1 = unlabelled) or ``[N, C]`` multilabel 0/1.
         splits: ``{"train"|"val"|"test": node ids}``.
-        split_sets: ``int8 [S, N]`` fixed splits (``store.SPLIT_CODES``); the first is the store's split.
+        split_sets: ``int8 [S, N]`` fixed splits (``store.SPLIT_CODES``); the store's split is ``splits``
+            where given (one of them), else the first.
         edge_weight: ``[E_in]`` per input edge.
         edge_feat: ``[E_in, D]`` per input edge.
         name: Dataset name for the manifest.
@@ -173,6 +174,40 @@ def check_split(ids: np.ndarray, num_nodes: int | None, where: str) -> np.ndarra
     return out
 
 
+def split_sets_from_masks(masks: dict[str, np.ndarray], num_nodes: int, where: dict[str, str]) -> np.ndarray:
+    """``int8 [S, N]`` fixed splits (``store.SPLIT_CODES``) from each split's boolean masks ``[S, N]``.
+
+    A split given once (``[N]`` or ``[1, N]``) is the same in every set: WikiCS, for one, has 20 train and
+    validation masks beside one test mask. ``where[k]`` names split ``k``'s array in messages.
+
+    Raises:
+        TrellisUserError: A mask of another width, splits with different set counts, or a node in two splits
+            of one set.
+    """
+    rows = {}
+    for k, m in masks.items():
+        m = np.asarray(m)
+        m = m[None, :] if m.ndim == 1 else m
+        if m.ndim != 2 or m.shape[1] != num_nodes:
+            raise TrellisUserError(f"{where[k]} has shape {tuple(np.shape(masks[k]))}; it must be "
+                                   f"[splits, {num_nodes}] (one boolean per node)")
+        rows[k] = m.astype(bool)
+    counts = {m.shape[0] for m in rows.values()} - {1}
+    if len(counts) > 1:
+        raise TrellisUserError(f"{', '.join(where[k] for k in rows)} hold different numbers of splits "
+                               f"({', '.join(str(m.shape[0]) for m in rows.values())}); give one mask per split "
+                               "each (or one mask that every split shares)")
+    sets = np.zeros((counts.pop() if counts else 1, num_nodes), dtype=np.int8)
+    for k, m in rows.items():
+        both = m & (sets != 0)
+        if both.any():
+            s, node = (int(v[0]) for v in np.nonzero(both))
+            raise TrellisUserError(f"{where[k]}: node {node} is in split {s}'s {k} mask and in another of its "
+                                   "masks; a node belongs to one of train, val and test per split")
+        sets[np.broadcast_to(m, sets.shape)] = SPLIT_CODES[k]
+    return sets
+
+
 # ---- largest connected component -----------------------------------------------------------------
 def largest_component(csr: EdgeCSR) -> np.ndarray:
     """Sorted node ids of the largest weakly connected component (the lowest-labelled one on a tie)."""
@@ -296,7 +331,7 @@ def write_graph(
             splits = _remap_splits(splits, keep, n)
             n = csr.num_nodes
             node_ids = keep  # the imported data's id of each kept node: predictions map back through it
-    if sets is not None:
+    if sets is not None and inp.splits is None:
         splits = split_set_ids(sets[0])
     elif inp.splits is None and make_splits is not None:
         splits = make_splits(y, n) or {}
@@ -318,7 +353,7 @@ def _write_streaming(inp: GraphInput, out: str | os.PathLike[str], *, symmetrize
         n = info.num_nodes
         splits = {k: check_split(v, n, inp.where.get(k, f"{k} split")) for k, v in (inp.splits or {}).items()}
         if inp.split_sets is not None:
-            splits = split_set_ids(inp.split_sets[0])
+            splits = splits if inp.splits is not None else split_set_ids(inp.split_sets[0])
             w.add("split_sets", np.asarray(inp.split_sets, dtype=np.int8))
         elif inp.splits is None and make_splits is not None:
             splits = make_splits(inp.y, n) or {}

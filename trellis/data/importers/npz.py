@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 
 from trellis.data.csr import ArrayEdgeSource
-from trellis.data.importers.common import GraphInput, check_features, check_labels, write_graph
+from trellis.data.importers.common import (
+    GraphInput,
+    check_features,
+    check_labels,
+    split_sets_from_masks,
+    write_graph,
+)
 from trellis.data.splits import per_class_split, random_split
 from trellis.data.store import SPLIT_CODES, check_output
 from trellis.errors import TrellisUserError
@@ -71,27 +77,8 @@ FIXED_SPLIT_KEYS = ("node_features", "node_labels", "edges", "train_masks", "val
 
 def _fixed_split_sets(z: Any, n: int, path: Path) -> np.ndarray:
     """``int8 [S, N]`` split codes from ``train_masks / val_masks / test_masks`` (``[S, N]`` or ``[N]``)."""
-    masks = {}
-    for k in SPLIT_CODES:
-        m = np.asarray(z[f"{k}_masks"])
-        m = m[None, :] if m.ndim == 1 else m
-        if m.ndim != 2 or m.shape[1] != n:
-            raise TrellisUserError(f"{path}: {k}_masks has shape {tuple(np.shape(z[f'{k}_masks']))}; it must be "
-                                   f"[splits, {n}] (one boolean per node)")
-        masks[k] = m.astype(bool)
-    shapes = {m.shape[0] for m in masks.values()}
-    if len(shapes) != 1:
-        raise TrellisUserError(f"{path}: train_masks, val_masks and test_masks hold different numbers of splits "
-                               f"({', '.join(str(m.shape[0]) for m in masks.values())}); give one mask per split each")
-    sets = np.zeros((shapes.pop(), n), dtype=np.int8)
-    for k, code in SPLIT_CODES.items():
-        both = masks[k] & (sets != 0)
-        if both.any():
-            s, node = (int(v[0]) for v in np.nonzero(both))
-            raise TrellisUserError(f"{path}: node {node} is in {k}_masks[{s}] and in another mask of split {s}; "
-                                   "a node belongs to one of train, val and test per split")
-        sets[masks[k]] = code
-    return sets
+    return split_sets_from_masks({k: np.asarray(z[f"{k}_masks"]) for k in SPLIT_CODES}, n,
+                                 {k: f"{path}: {k}_masks" for k in SPLIT_CODES})
 
 
 def _load_fixed_split(z: Any, path: Path) -> dict[str, Any]:
