@@ -175,6 +175,11 @@ def test_a_data_object_s_splits(sbm_store):
         trellis.train({"src": idx, "dst": dst, "x": x, "y": y, "splits": {"train": [0], "val": [1]}}, epochs=1)
     assert multi.predict(data()).shape == (500,)
     assert torch.equal(multi.predict({"src": idx, "dst": dst, "x": x}), multi.predict())
+    # partition and preprocess write files that refer to their store on disk: a graph object is named, not a
+    # TypeError from pathlib
+    for call in (lambda: trellis.partition(data(), 2), lambda: trellis.preprocess(data(), Path(sbm_store) / "pp")):
+        with pytest.raises(TrellisUserError, match=r"a store is a directory path, not a Data; .*from_pyg\(data, "):
+            call()
 
 
 def test_fresh_interpreter_needs_no_cli(sbm_store):

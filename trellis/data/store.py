@@ -664,5 +664,14 @@ class GraphStore:
 
 
 def open_store(path: str | os.PathLike[str], verify: bool | str = "auto") -> GraphStore:
-    """Open a store directory (see :class:`GraphStore`)."""
+    """Open a store directory (see :class:`GraphStore`).
+
+    Raises:
+        TrellisUserError: ``path`` is not a path: a graph object (a PyG ``Data``, arrays) is named, with how to
+            write it as a store first (a layout and a pre-propagation cache refer to their store on disk).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TrellisUserError(f"a store is a directory path, not a {type(path).__name__}; write the graph as a "
+                               "store first (trellis.data.from_pyg(data, out=DIR), from_arrays(..., out=DIR)) and "
+                               "pass DIR")
     return GraphStore(path, verify=verify)
