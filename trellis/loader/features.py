@@ -214,14 +214,27 @@ class NormalizedRows(FeatureSource):
         self.source.close()
 
 
-def normalize_rows_(x: np.ndarray | Tensor, mode: str) -> None:
-    """Divide each row by its L1 (``row``) or L2 (``l2``) norm in place; ``none`` leaves it (all-zero rows stay)."""
+#: Elements of rows :func:`normalize_rows_` normalizes at a time.
+NORMALIZE_CHUNK = 1 << 22
+
+
+def normalize_rows_(x: np.ndarray | Tensor, mode: str, chunk: int = NORMALIZE_CHUNK) -> None:
+    """Divide each row by its L1 (``row``) or L2 (``l2``) norm in place; ``none`` leaves it (all-zero rows stay).
+
+    A few MB of rows at a time: the L1 norm's ``abs()`` is a copy, which for a whole batch or evaluation chunk of
+    bag-of-words rows was a second copy of them (Coauthor Physics: 1.16 GB beside the 1.16 GB of rows gathered
+    for an exact evaluation, and half a second). Each row's norm is the same reduction whatever rows surround
+    it, so the values are the whole-tensor version's bits (tested).
+    """
     if mode not in ("row", "l2") or x.shape[0] == 0:
         return
     t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
     t = t.reshape(t.shape[0], -1)
-    norm = t.abs().sum(dim=1, keepdim=True) if mode == "row" else t.norm(dim=1, keepdim=True)
-    t.div_(norm.clamp_(min=torch.finfo(t.dtype).tiny))
+    step = max(1, chunk // max(1, t.shape[1]))
+    for a in range(0, t.shape[0], step):
+        rows = t[a:a + step]
+        norm = rows.abs().sum(dim=1, keepdim=True) if mode == "row" else rows.norm(dim=1, keepdim=True)
+        rows.div_(norm.clamp_(min=torch.finfo(t.dtype).tiny))
 
 
 def as_feature_source(x: np.ndarray | Tensor | FeatureSource) -> FeatureSource:
