@@ -232,7 +232,8 @@ def test_fixed_split_npz_with_lcc_drops_nodes_from_every_split(tmp_path):
 
 @pytest.mark.parametrize(("override", "match"), [
     ({"edges": np.zeros((5, 3), np.int64)}, "edges has shape"),
-    ({"test_masks": np.zeros((3, 40), bool)}, "different numbers of splits"),
+    ({"test_masks": np.zeros((3, 40), bool)},
+     r"f.npz: train_masks, val_masks, test_masks hold different numbers of splits \(4, 4, 3\)"),
     ({"val_masks": np.zeros((4, 39), bool)}, r"val_masks has shape \(4, 39\)"),
     ({"node_labels": np.zeros(39, np.int64)}, "labels have 39 rows"),
 ])

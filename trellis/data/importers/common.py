@@ -174,11 +174,13 @@ def check_split(ids: np.ndarray, num_nodes: int | None, where: str) -> np.ndarra
     return out
 
 
-def split_sets_from_masks(masks: dict[str, np.ndarray], num_nodes: int, where: dict[str, str]) -> np.ndarray:
+def split_sets_from_masks(masks: dict[str, np.ndarray], num_nodes: int, names: dict[str, str],
+                          where: str = "") -> np.ndarray:
     """``int8 [S, N]`` fixed splits (``store.SPLIT_CODES``) from each split's boolean masks ``[S, N]``.
 
     A split given once (``[N]`` or ``[1, N]``) is the same in every set: WikiCS, for one, has 20 train and
-    validation masks beside one test mask. ``where[k]`` names split ``k``'s array in messages.
+    validation masks beside one test mask. Messages name split ``k``'s array ``names[k]``, after ``where`` (a
+    file's ``"PATH: "``).
 
     Raises:
         TrellisUserError: A mask of another width, splits with different set counts, or a node in two splits
@@ -189,12 +191,12 @@ def split_sets_from_masks(masks: dict[str, np.ndarray], num_nodes: int, where: d
         m = np.asarray(m)
         m = m[None, :] if m.ndim == 1 else m
         if m.ndim != 2 or m.shape[1] != num_nodes:
-            raise TrellisUserError(f"{where[k]} has shape {tuple(np.shape(masks[k]))}; it must be "
+            raise TrellisUserError(f"{where}{names[k]} has shape {tuple(np.shape(masks[k]))}; it must be "
                                    f"[splits, {num_nodes}] (one boolean per node)")
         rows[k] = m.astype(bool)
     counts = {m.shape[0] for m in rows.values()} - {1}
     if len(counts) > 1:
-        raise TrellisUserError(f"{', '.join(where[k] for k in rows)} hold different numbers of splits "
+        raise TrellisUserError(f"{where}{', '.join(names[k] for k in rows)} hold different numbers of splits "
                                f"({', '.join(str(m.shape[0]) for m in rows.values())}); give one mask per split "
                                "each (or one mask that every split shares)")
     sets = np.zeros((counts.pop() if counts else 1, num_nodes), dtype=np.int8)
@@ -202,7 +204,7 @@ def split_sets_from_masks(masks: dict[str, np.ndarray], num_nodes: int, where: d
         both = m & (sets != 0)
         if both.any():
             s, node = (int(v[0]) for v in np.nonzero(both))
-            raise TrellisUserError(f"{where[k]}: node {node} is in split {s}'s {k} mask and in another of its "
+            raise TrellisUserError(f"{where}{names[k]}: node {node} is in split {s}'s {k} mask and in another of its "
                                    "masks; a node belongs to one of train, val and test per split")
         sets[np.broadcast_to(m, sets.shape)] = SPLIT_CODES[k]
     return sets

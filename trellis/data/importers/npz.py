@@ -78,7 +78,7 @@ FIXED_SPLIT_KEYS = ("node_features", "node_labels", "edges", "train_masks", "val
 def _fixed_split_sets(z: Any, n: int, path: Path) -> np.ndarray:
     """``int8 [S, N]`` split codes from ``train_masks / val_masks / test_masks`` (``[S, N]`` or ``[N]``)."""
     return split_sets_from_masks({k: np.asarray(z[f"{k}_masks"]) for k in SPLIT_CODES}, n,
-                                 {k: f"{path}: {k}_masks" for k in SPLIT_CODES})
+                                 {k: f"{k}_masks" for k in SPLIT_CODES}, f"{path}: ")
 
 
 def _load_fixed_split(z: Any, path: Path) -> dict[str, Any]:
