@@ -50,3 +50,27 @@ def test_plot_curves(tmp_path):
     assert len(lines) == 4  # per run: its loss and its val curve; the test curve is all None (not drawn)
     texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert {"loss", "acc (solid: val, dashed: test)", "run 0", "val, run 1", "test, run 1"} <= set(texts)
+
+
+def test_a_sweep_or_tune_directory_given_for_a_run_names_its_runs(tmp_path, capsys):
+    """`trellis predict` and `train --resume` of a tune said only "not a run directory (no config.json)", and
+    `compare` called a tune's directory a sweep's and pointed at its candidates (which hold no summary.json)."""
+    from trellis.cli.main import main
+
+    tune, sweep = tmp_path / "tune", tmp_path / "sweep"
+    (tune / "final" / "configs").mkdir(parents=True)
+    (tune / "tune.json").write_text("{}")
+    (sweep / "configs").mkdir(parents=True)
+    (sweep / "leaderboard.json").write_text("{}")
+    cases = [(["predict", str(tune), "--out", str(tmp_path / "p.npy")], "a tune directory, not a run directory; the "
+              "chosen configuration's runs are its final/configs/<run>/ directories"),
+             (["compare", str(tune)], "a tune directory, not a run directory; the chosen configuration's runs"),
+             (["train", "--resume", str(tune)], f"continue an interrupted tune with `trellis tune --resume {tune}`"),
+             (["predict", str(sweep), "--out", str(tmp_path / "p.npy")], "a sweep directory, not a run directory; "
+              "pass its configs/<id>/ directories"),
+             (["compare", str(sweep)], "a sweep directory, not a run directory; pass its configs/<id>/")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "p.npy").exists()

@@ -98,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise TrellisUserError(
                 f"{flag(changed[0])} cannot change when resuming: --resume continues the run with the config "
                 f"saved in {resume}/config.json (start a new run with --config {resume}/config.json instead)")
-        paths = open_run_dir(resume)
+        paths = open_run_dir(resume, resume=True)
         saved = read_json(paths.config)
         if not isinstance(saved, dict) or not saved.get("store"):
             raise TrellisUserError(f"{paths.config}: not a run's config (a JSON object naming its store); the run "

@@ -464,7 +464,7 @@ def resume(run_dir: str | os.PathLike[str]) -> Run:
     """
     from trellis.train.trainer import Trainer
 
-    paths = open_run_dir(run_dir)
+    paths = open_run_dir(run_dir, resume=True)
     if not paths.summary.is_file():
         saved = read_json(paths.config)
         check_registered(str(saved.get("model")), str(paths.root))

@@ -24,6 +24,7 @@ from typing import Any
 
 from trellis.errors import TrellisUserError
 from trellis.train.convergence import cumulative_times, mean_if_all, run_time_to_accuracy, split_runs
+from trellis.train.runs import sweep_dir_error
 from trellis.train.summary import RunSummary
 from trellis.train.tasks import TASKS
 
@@ -105,9 +106,8 @@ def load_run_dir(path: str | Path) -> RunDir:
         if config_p.is_file() or metrics_p.is_file():
             raise TrellisUserError(f"{p}: the run is incomplete (no summary.json); finish it with `trellis train "
                                    f"--resume {p}` or leave it out")
-        if (p / "leaderboard.json").is_file() or (p / "configs").is_dir():
-            raise TrellisUserError(f"{p}: a sweep directory, not a run directory; pass its configs/<id>/ "
-                                   "directories")
+        if (err := sweep_dir_error(p)) is not None:
+            raise err
         raise TrellisUserError(f"{p}: not a run directory (no summary.json); pass the --out of `trellis train`")
     summary = RunSummary.from_dict(_read_json(summary_p), where=str(summary_p))
     if summary.status != "complete":

@@ -168,10 +168,25 @@ def check_run_dir(root: Path, *, overwrite: bool = False) -> None:
                 f"`trellis train --resume {root}`, or pass --overwrite")
 
 
-def open_run_dir(path: str | os.PathLike[str]) -> RunPaths:
-    """An existing run directory (for ``--resume`` and ``trellis predict``)."""
+def sweep_dir_error(path: Path, resume: bool = False) -> TrellisUserError | None:
+    """The error for a sweep's or a tune's directory given where a run directory goes (naming its runs), else None."""
+    if (path / "tune.json").is_file():
+        if resume:
+            return TrellisUserError(f"{path}: a tune directory, not a run directory; continue an interrupted tune "
+                                    f"with `trellis tune --resume {path}`")
+        return TrellisUserError(f"{path}: a tune directory, not a run directory; the chosen configuration's runs are "
+                                f"its final/configs/<run>/ directories ({path / 'final' / 'configs'}): pass those")
+    if (path / "leaderboard.json").is_file() or (path / "configs").is_dir():
+        return TrellisUserError(f"{path}: a sweep directory, not a run directory; pass its configs/<id>/ directories")
+    return None
+
+
+def open_run_dir(path: str | os.PathLike[str], resume: bool = False) -> RunPaths:
+    """An existing run directory (for ``--resume``, which says so, and ``trellis predict``)."""
     paths = RunPaths(Path(path))
     if not paths.config.is_file():
+        if (err := sweep_dir_error(paths.root, resume)) is not None:
+            raise err
         raise TrellisUserError(f"{paths.root}: not a run directory (no config.json){what_it_is(paths.root)}; pass "
                                "the --out of a `trellis train` run")
     return paths

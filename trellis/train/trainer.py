@@ -237,7 +237,7 @@ class Trainer:
         cfg = self.cfg
         ckpt: dict[str, Any] | None = None
         if cfg.resume:
-            paths = open_run_dir(cfg.resume)
+            paths = open_run_dir(cfg.resume, resume=True)
             if paths.summary.is_file():
                 print(f"{paths.root}: run already complete; summary unchanged", file=self.err)
                 return dict(read_json(paths.summary))
