@@ -159,6 +159,16 @@ def test_feature_norm_auto_reads_the_features_not_the_importer(tmp_path, data_di
     comp = import_graph(data_dir / "amazon-computers" / "amazon_electronics_computers.npz", tmp_path / "comp",
                         format="npz", progress=False)
     assert open_store(comp).preferred_feature_norm == "l2"
+    # the share of non-zeros decides whether batch strategies take the rows sparse (at most 10%)
+    x = np.asarray(open_store(cora).x)
+    assert open_store(cora).feature_density == np.count_nonzero(x) / x.size  # Cora is read whole: exact
+    assert 0.3 < open_store(comp).feature_density < 0.4  # Computers' long rows stay dense
+    import trellis
+
+    trellis.partition(cora, 2, out=tmp_path / "lay", move_features=True)  # the rows leave: both are recorded
+    moved = open_store(cora)
+    assert moved.moved_to("x") is not None and moved.manifest["feature_density"] == np.count_nonzero(x) / x.size
+    assert moved.feature_density == moved.manifest["feature_density"]
     rng = np.random.default_rng(0)
     assert feature_norm_of(rng.normal(size=(100, 8)))[0] == "none"  # signed
     assert feature_norm_of(rng.random((100, 8)))[0] == "none"  # dense

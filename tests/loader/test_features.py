@@ -122,3 +122,29 @@ def test_normalize_rows_a_few_rows_at_a_time_gives_the_whole_tensor_s_bits(datas
             got = x.copy()
             normalize_rows_(got, mode, chunk=chunk)
             assert np.array_equal(got, whole.numpy())
+
+
+def test_sparse_rows_gather_the_csr_that_converting_the_dense_gather_gives(dataset, tmp_path):
+    """A batch strategy on a bag-of-words store gathers CSR rows (SparseRows); a run whose rows stay dense (a rank,
+    the partition buffer, a copy on the device) converts each gathered batch instead. Both must be one CSR, bit for
+    bit: Cora's rows, L1-normalized, in any order and with repeats."""
+    from trellis.data.importers import import_graph
+    from trellis.data.store import open_store
+    from trellis.loader.features import NormalizedRows, SparseRows
+    from trellis.ops.sparse_rows import to_sparse_rows
+    from trellis.train.data import sparse_rows_of
+
+    x = open_store(import_graph(dataset("cora"), tmp_path / "cora", format="planetoid", progress=False)).x
+    dense = NormalizedRows(ArrayRows(x), "row")
+    rows = SparseRows(sparse_rows_of(x, "row", chunk_bytes=1 << 16))
+    assert rows.nbytes < ArrayRows(x).nbytes / 10 and rows.new_buffer(100).numel() == 0
+    ids = np.random.default_rng(0).integers(0, x.shape[0], 500)
+    assert rows.gather(np.zeros(0, dtype=np.int64)).shape == (0, x.shape[1])
+    for pick in (ids, np.sort(ids), np.array([5, 5, 0, x.shape[0] - 1])):
+        got, want = rows.gather(pick), to_sparse_rows(dense.gather(pick), max_density=1.0)
+        assert got.shape == (pick.shape[0], x.shape[1])
+        for a, b in ((got.crow_indices(), want.crow_indices()), (got.col_indices(), want.col_indices()),
+                     (got.values(), want.values())):
+            assert torch.equal(a, b)
+    g = FeatureGather(rows)
+    assert g.gather(ids, slot=0).layout == torch.sparse_csr  # no dense buffer is handed to a sparse source

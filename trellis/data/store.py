@@ -399,6 +399,7 @@ class GraphStore:
         self.manifest: dict[str, Any] = STORE_MANIFEST.read(self.path)
         self._cache: dict[str, np.ndarray] = {}
         self._feature_norm: str | None = None
+        self._feature_density: float | None = None
         self._check(verify)
 
     def _check(self, verify: bool | str) -> None:
@@ -564,6 +565,30 @@ class GraphStore:
         return self._feature_norm
 
     @property
+    def feature_density(self) -> float | None:
+        """The share of the features' values that are non-zero, from evenly spaced rows; None without features.
+
+        At most ``2**22`` values are read, so a memory-mapped store is not read whole. Recorded in the manifest
+        when the features move to a layout (``--move-features``), as the feature norm is. The batch strategies
+        give a message-passing model's first layer sparse rows when this is at most
+        :data:`trellis.ops.sparse_rows.MAX_DENSITY` (bag-of-words features), as full-batch does.
+        """
+        recorded = self.manifest.get("feature_density")
+        if recorded is not None:
+            return float(recorded)
+        if self.moved_to("x") is not None:
+            return None  # moved before the density was recorded: taken as dense
+        if self._feature_density is None and self.x is not None:
+            x = self.x
+            n, width = x.shape[0], int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+            if n and width:
+                picked = np.arange(0, n, max(1, -(-n * width // (1 << 22))))
+                block = max(1, (1 << 20) // width)
+                nonzero = sum(int(np.count_nonzero(x[picked[a:a + block]])) for a in range(0, len(picked), block))
+                self._feature_density = nonzero / (len(picked) * width)
+        return self._feature_density
+
+    @property
     def checksum(self) -> str:
         """One digest of all array digests: identifies the store's content (caches key on it)."""
         h = hashlib.sha256()
@@ -578,8 +603,9 @@ class GraphStore:
         Why: a graph beyond memory is also large on disk, and the partition buffer reads the layout's per-part
         features only; two copies would double the disk a run needs. The manifest keeps ``x``'s entry (so the
         store's checksum, which layouts and caches are keyed on, is unchanged) marked ``moved_to``, and records
-        the resolved ``feature_norm`` (deciding it later would need the rows). The manifest is replaced
-        atomically before the file is removed, so an interruption leaves at worst an orphaned file.
+        the resolved ``feature_norm`` and ``feature_density`` (deciding them later would need the rows). The
+        manifest is replaced atomically before the file is removed, so an interruption leaves at worst an
+        orphaned file.
         """
         from trellis.utils.atomic import write_json_atomic
 
@@ -588,6 +614,8 @@ class GraphStore:
             return 0
         manifest = json.loads(json.dumps(self.manifest))
         manifest.setdefault("feature_norm", self.preferred_feature_norm)
+        if self.feature_density is not None:
+            manifest.setdefault("feature_density", self.feature_density)
         manifest["arrays"]["x"]["moved_to"] = str(Path(layout).resolve())
         fpath = self.path / meta["file"]
         size = fpath.stat().st_size

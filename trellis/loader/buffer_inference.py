@@ -162,7 +162,8 @@ class _EmbeddingFile:
 @torch.no_grad()
 def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, rows: np.ndarray | None = None,
                      device: torch.device | str = "cpu", chunk_bytes: int | None = None,
-                     embeddings_to: Path | None = None) -> Tensor:
+                     embeddings_to: Path | None = None,
+                     first_input: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Outputs of ``model`` for ``rows`` (sorted, unique; None = every node), layer by layer over the buffer.
 
     Args:
@@ -173,6 +174,8 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
         device: Where the layers run.
         chunk_bytes: Working memory of one chunk of destination rows (a budget's share: see :func:`chunk_cuts`).
         embeddings_to: Where to write every node's last-layer input as a ``[N, width]`` ``.npy`` (None: nowhere).
+        first_input: Applied to the first layer's input rows (see
+            :func:`~trellis.loader.inference.layerwise_inference`).
     """
     convs: list[nn.Module] = list(model.convs)  # type: ignore[arg-type]
     check_buffer_inference(model)
@@ -249,6 +252,8 @@ def buffer_inference(model: nn.Module, buf: PartitionBuffer, spill: Path, *, row
                         if from_cache.any():
                             h_in[from_cache] = cache_in[where[from_cache] - c_base]
                         x_in = torch.from_numpy(h_in).to(dev)
+                        if li == 0 and first_input is not None:
+                            x_in = first_input(x_in)
                         y = post(li, x_in, conv(block.to(dev), x_in))
                         if last:
                             if out is None:

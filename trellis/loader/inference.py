@@ -103,7 +103,8 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
                         x: Tensor | FeatureSource, *,
                         chunk_edges: int = DEFAULT_CHUNK_EDGES, edge_weight: Tensor | None = None,
                         edge_feat: Tensor | None = None, device: torch.device | str | None = None,
-                        rows: np.ndarray | Tensor | None = None, whole_layers: bool = True) -> Tensor:
+                        rows: np.ndarray | Tensor | None = None, whole_layers: bool = True,
+                        first_input: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Outputs of ``model`` for every node (or for ``rows``), computed layer by layer in chunks.
 
     Args:
@@ -122,6 +123,8 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
             their in-edges reach under a quarter of the graph); None = all nodes.
         whole_layers: Run an SpMM layer whose input is a tensor on ``device`` over the whole graph at once
             (default); False chunks every layer (tests compare the two).
+        first_input: Applied to the first layer's input rows before the layer (the batch strategies' sparse
+            rows of a bag-of-words store: evaluation takes the path training took).
 
     Returns:
         ``[N or len(rows), out_dim]`` on ``device``.
@@ -157,14 +160,15 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
                     and h.device.type == dev.type and (h.device.index or 0) == (dev.index or 0):  # cuda == cuda:0
                 if whole is None:
                     whole = _whole_graph(indptr_np, indices_np, edge_weight, edge_feat, dev)
-                out = post(li, h, conv(whole, pre(li, h)))
+                h0 = first_input(h) if li == 0 and first_input is not None else h
+                out = post(li, h0, conv(whole, pre(li, h0)))
                 if last and rows_np is not None:
                     out = out.index_select(0, torch.from_numpy(rows_np).to(dev))
             else:
                 if edge_weight is not None and wdeg is None:
                     wdeg = _weighted_in_degree(indptr_np, edge_weight)
                 out = _chunked_layer(li, conv, pre, post, h, sampler, rows_np if last else None, chunk_edges,
-                                     edge_weight, edge_feat, dev, wdeg)
+                                     edge_weight, edge_feat, dev, wdeg, first_input if li == 0 else None)
             if jk:  # the readout reads every layer's output of the returned rows
                 outs.append(out if rows_np is None or last else out.index_select(0, torch.from_numpy(rows_np).to(dev)))
             h = out
@@ -177,7 +181,7 @@ def layerwise_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: 
 def _chunked_layer(li: int, conv: nn.Module, pre: Callable[[int, Tensor], Tensor], post: Post,
                    h: Tensor | FeatureSource, sampler: NeighborSampler, targets: np.ndarray | None, chunk_edges: int,
                    edge_weight: Tensor | None, edge_feat: Tensor | None, dev: torch.device,
-                   wdeg: Tensor | None = None) -> Tensor:
+                   wdeg: Tensor | None = None, first_input: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Layer ``li``'s output for every node (or ``targets``), one chunk of destination rows at a time.
 
     ``wdeg``: every node's weighted in-degree; a chunk's sources carry theirs, so a weighted GCN normalizes
@@ -203,6 +207,8 @@ def _chunked_layer(li: int, conv: nn.Module, pre: Callable[[int, Tensor], Tensor
             h_in = h.gather(batch.node_ids).to(dev)
         else:
             h_in = h.index_select(0, batch.node_ids.to(h.device)).to(dev)
+        if first_input is not None:
+            h_in = first_input(h_in)
         y = post(li, h_in, conv(block, pre(li, h_in)))
         if out is None:
             total = indptr.shape[0] - 1 if targets is None else targets.shape[0]
@@ -262,7 +268,8 @@ def ranked_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.
                      gather: Callable[[np.ndarray, Tensor | None], Tensor], agree: Callable[[int], int], *,
                      rows: np.ndarray | None = None, chunk_edges: int = DEFAULT_CHUNK_EDGES,
                      edge_weight: Tensor | None = None, edge_feat: Tensor | None = None,
-                     device: torch.device | str = "cpu") -> Tensor:
+                     device: torch.device | str = "cpu", first_input: Callable[[Tensor], Tensor] | None = None
+                     ) -> Tensor:
     """:func:`layerwise_inference` split over ranks: each computes its own nodes' rows of every layer.
 
     Why: one process holding a ``[N, width]`` matrix per layer is what stops exact evaluation on a graph split
@@ -282,6 +289,7 @@ def ranked_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.
         edge_weight: ``[E]`` edge weights (None = none).
         edge_feat: ``[E, D]`` edge features (None = none).
         device: Where layers run.
+        first_input: As :func:`layerwise_inference`'s.
 
     Returns:
         ``[len(rows), out_dim]`` on ``device``.
@@ -321,6 +329,8 @@ def ranked_inference(model: nn.Module, indptr: np.ndarray | Tensor, indices: np.
                 block = batch.blocks[0]
                 attach_edge_data([block], edge_weight, edge_feat)
                 h_in = gather(batch.node_ids.numpy(), served).to(dev)
+                if li == 0 and first_input is not None and served is None:
+                    h_in = first_input(h_in)
                 y = post(li, h_in, conv(block.to(dev), pre(li, h_in)))
                 if out is None:
                     out = torch.empty((seeds.shape[0], *y.shape[1:]), dtype=y.dtype, device=dev)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,15 +17,23 @@ import torch
 from torch import Tensor, nn
 
 from trellis.loader.blocks import Batch
-from trellis.loader.features import FeatureSource, as_feature_source, copy_rows
+from trellis.loader.features import (
+    ArrayRows,
+    FeatureSource,
+    NormalizedRows,
+    SparseRows,
+    as_feature_source,
+    copy_rows,
+)
 from trellis.loader.inference import layerwise_inference
 from trellis.loader.producer import BatchProducer, ProducerOptions
 from trellis.ops.graph import CSRGraph
+from trellis.ops.sparse_rows import MAX_DENSITY, is_sparse, to_sparse_rows
 from trellis.plan.residency import feature_residency
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
-from trellis.train.data import load_graph_data
-from trellis.train.strategies.full import GraphStrategy
+from trellis.train.data import load_graph_data, sparse_rows_of
+from trellis.train.strategies.full import SPARSE_ROW_MODELS, GraphStrategy
 from trellis.train.tasks import Task, split_metrics
 from trellis.utils.numba import get_num_threads, launch_threads, set_threads
 from trellis.utils.priority import PriorityTrial
@@ -52,6 +61,11 @@ def leave_cores(busy: int) -> tuple[int, int] | None:
     before = (have, get_num_threads())
     set_threads(have - busy, min(before[1], have - busy))
     return before
+
+
+def _as_sparse_rows(x: Tensor) -> Tensor:
+    """A CPU batch's input rows as sparse rows, whatever their density (the run decided; see ``sparse_input``)."""
+    return to_sparse_rows(x, max_density=1.0) if x.device.type == "cpu" else x
 
 
 class WaitedBatches:
@@ -108,6 +122,7 @@ class BatchStrategy(GraphStrategy):
         self._wait_shares: list[float] = []  # per epoch: the share spent waiting for batches
         self.residency: str | None = None  # where the loader's input rows live (in-memory mini and cluster)
         self.resident_rows: Tensor | None = None  # their dense copy with --feature-residency device
+        self.sparse_source: SparseRows | None = None  # their CSR copy when the run takes bag-of-words rows sparse
 
     def load(self) -> None:
         """Load inputs, labels and edge data; keep the CSR memory-mapped; build the batch loader."""
@@ -123,7 +138,7 @@ class BatchStrategy(GraphStrategy):
         self.last_epoch: dict[str, float] = {}
         self.loader = self.make_loader()
         features = getattr(self.loader, "features", None)
-        if self.residency == "device" and features is not None:
+        if features is not None and (self.residency == "device" or self.sparse_source is not None):
             features.consumer = True  # sampler processes only sample: the trainer gathers from its copy
 
     def make_loader(self) -> Any:
@@ -144,11 +159,36 @@ class BatchStrategy(GraphStrategy):
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         self.residency = feature_residency(self.cfg.feature_residency, src.nbytes, self.device.type, free)
         if self.residency == "host":
-            return x
+            self.sparse_source = self._sparse_source(x)
+            return x if self.sparse_source is None else self.sparse_source
         dense = isinstance(x, Tensor) and x.device == self.device and x.layout == torch.strided
         rows = x if isinstance(x, Tensor) and dense else copy_rows(src, self.device)
         self.resident_rows = rows
         return rows
+
+    def _sparse_source(self, x: Tensor | FeatureSource) -> SparseRows | None:
+        """The input rows as one CSR matrix when the run takes them sparse and they fit (else None).
+
+        Built a block of rows at a time from the store's memory map (normalized as the gather would), so the
+        dense rows are never held. Skipped when the non-zeros would take more than a quarter of the available
+        memory: the batches are then converted one at a time, into the same CSR, so the run's results do not
+        depend on which way was taken.
+        """
+        if not self.sparse_input:
+            return None
+        import psutil
+
+        density = self.store.feature_density or 0.0
+        need = 12 * density * self.store.num_nodes * max(1, self.store.num_features) + 8 * self.store.num_nodes
+        if need > psutil.virtual_memory().available / 4:
+            return None
+        if isinstance(x, NormalizedRows) and isinstance(x.source, ArrayRows):
+            csr = sparse_rows_of(x.source.x, x.mode, max_density=1.0)
+        elif isinstance(x, Tensor):
+            csr = to_sparse_rows(x, max_density=1.0)
+        else:
+            return None
+        return SparseRows(csr) if csr is not None and is_sparse(csr) else None
 
     def loader_tensors(self, on_cpu: bool | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Labels, edge weights and edge features where the loader reads them.
@@ -163,8 +203,33 @@ class BatchStrategy(GraphStrategy):
         return tuple(t.cpu() if on_cpu and t is not None else t  # type: ignore[return-value]
                      for t in (d.y, d.edge_weight, d.edge_feat))
 
+    @property
+    def sparse_input(self) -> bool:
+        """Whether a batch's input rows reach the model as sparse rows (:mod:`trellis.ops.sparse_rows`).
+
+        Bag-of-words stores (at most :data:`~trellis.ops.sparse_rows.MAX_DENSITY` non-zeros) with a built-in
+        message-passing model on the CPU, as full-batch keeps them. Why: the first layer's dropout and
+        transform over dense rows were most of a batch's step (Coauthor Physics, cluster-batch: 8,415 words
+        per row, 0.4% of them non-zero). Decided once per run from the store, so every batch, every producer
+        mode and every evaluation of the run takes the same path.
+        """
+        cached = getattr(self, "_sparse_input", None)
+        if cached is None:
+            cfg = self.cfg
+            density = self.store.feature_density if cfg.features == "store" else None
+            cached = (cfg.model in SPARSE_ROW_MODELS and self.device.type == "cpu" and not cfg.pre_norm
+                      and density is not None and density <= MAX_DENSITY)
+            self._sparse_input = cached
+        return cached
+
+    @property
+    def first_input(self) -> Callable[[Tensor], Tensor] | None:
+        """What turns a batch's (or an evaluation chunk's) input rows into the first layer's: sparse rows or None."""
+        return _as_sparse_rows if self.sparse_input else None
+
     def _loss(self, model: nn.Module, batch: Batch, task: Task) -> tuple[Tensor | None, int]:
-        logits = model(batch.graph, batch.x)
+        x, first = batch.x, self.first_input
+        logits = model(batch.graph, x if first is None or x is None else first(x))
         y = batch.y
         assert y is not None  # the loader was given the labels
         if batch.loss_mask is not None:
@@ -285,9 +350,11 @@ class BatchStrategy(GraphStrategy):
         graph at once instead of gathering each chunk's rows from the host and copying them over.
         """
         d = self.data
-        x = self.resident_rows if self.resident_rows is not None else d.x
+        x = self.resident_rows if self.resident_rows is not None else self.sparse_source
+        x = d.x if x is None else x
         return layerwise_inference(model, self.indptr, self.indices, x, edge_weight=d.edge_weight,
-                                   edge_feat=d.edge_feat, device=self.device, rows=rows)
+                                   edge_feat=d.edge_feat, device=self.device, rows=rows,
+                                   first_input=self.first_input)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, task: Task) -> dict[str, float]:

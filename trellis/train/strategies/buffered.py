@@ -308,7 +308,8 @@ class BufferedMini(BatchStrategy):
         try:
             with OwnedTempDir("trellis-eval-", dir=root) as tmp:
                 return buffer_inference(model, self.loader, Path(tmp), rows=rows, device=self.device,
-                                        chunk_bytes=EVAL_CHUNK_BYTES, embeddings_to=embeddings_to)
+                                        chunk_bytes=EVAL_CHUNK_BYTES, embeddings_to=embeddings_to,
+                                        first_input=self.first_input)
         finally:
             if made and root is not None:
                 shutil.rmtree(root, ignore_errors=True)

@@ -178,6 +178,8 @@ class DistributedCluster(DistributedMini):
             keys = edge_keys(self.comm, pull.with_self_loops(), self_loop_eids(pull), indptr)
             with keyed_rows(nodes=mine, edges=keys):
                 return model(pull, x, view=view), mine, rg
+        if self.first_input is not None:  # bag-of-words rows sparse, as one process's cluster-batch takes them
+            x = self.first_input(x)
         batched = self._batched(model)
         if len(batched._plans) > PLAN_CACHE:
             batched._plans.clear()

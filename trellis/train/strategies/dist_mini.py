@@ -621,7 +621,8 @@ class DistributedMini(BatchStrategy):
         d = self.data
         logits = ranked_inference(model, self.indptr, self.indices, owned, gather, agree, rows=mine,
                                   edge_weight=d.edge_weight, edge_feat=d.edge_feat, device=self.device,
-                                  chunk_edges=RANK_CHUNK_EDGES)
+                                  chunk_edges=RANK_CHUNK_EDGES,
+                                  first_input=self.first_input)
         self.fetch.stats.take()  # evaluation's fetches are not the epoch's traffic
         got = torch.cat(comm.all_gather_rows(logits.cpu()))
         ids = torch.cat(comm.all_gather_rows(torch.from_numpy(mine))).numpy()
