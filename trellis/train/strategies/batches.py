@@ -350,8 +350,10 @@ class BatchStrategy(GraphStrategy):
         graph at once instead of gathering each chunk's rows from the host and copying them over.
         """
         d = self.data
-        x = self.resident_rows if self.resident_rows is not None else self.sparse_source
-        x = d.x if x is None else x
+        x: Tensor | FeatureSource | None = self.resident_rows if self.resident_rows is not None else self.sparse_source
+        if x is None:
+            assert d.x is not None
+            x = d.x
         return layerwise_inference(model, self.indptr, self.indices, x, edge_weight=d.edge_weight,
                                    edge_feat=d.edge_feat, device=self.device, rows=rows,
                                    first_input=self.first_input)
