@@ -314,3 +314,6 @@ def test_bag_of_words_rows_reach_the_model_sparse(dataset, tmp_path, monkeypatch
         m.setattr(BatchStrategy, "sparse_input", property(lambda self: False))
         dense = run("dense")
     assert np.allclose(dense, sparse, rtol=1e-5, atol=1e-6), (dense, sparse)
+    import trellis
+
+    assert "input rows: sparse (bag-of-words, 1.27% non-zero), held as CSR" in trellis.explain(store, **kw)

@@ -37,6 +37,7 @@ from trellis.train.strategies.full import SPARSE_ROW_MODELS, GraphStrategy
 from trellis.train.tasks import Task, split_metrics
 from trellis.utils.numba import get_num_threads, launch_threads, set_threads
 from trellis.utils.priority import PriorityTrial
+from trellis.utils.sizes import format_size
 
 
 def _epoch_seed() -> int:
@@ -408,6 +409,11 @@ class BatchStrategy(GraphStrategy):
                      f"{blocks[0].num_src:,} input rows, {sum(b.num_edges for b in blocks):,} sampled edges")
         elif n:
             head += "; the plan below is of the whole graph (a step computes on a batch's share of it)"
+        if self.sparse_input:
+            density = self.store.feature_density or 0.0
+            held = f", held as CSR ({format_size(self.sparse_source.nbytes)})" if self.sparse_source is not None else ""
+            head += (f"\ninput rows: sparse (bag-of-words, {100 * density:.2f}% non-zero){held}; the first layer's "
+                     "dropout and transform run over the non-zeros (the plan below prices them dense)")
         return head + "\n" + super().explain(model)
 
     @torch.no_grad()
