@@ -84,11 +84,15 @@ class GraphStrategy(Strategy):
     @classmethod
     @torch.no_grad()
     def predict_saved(cls, req: PredictRequest, embeddings_to: Path | None) -> Prediction:
-        """The whole graph in memory: logits, and the penultimate layer's output when the model returns it."""
+        """The whole graph in memory: logits, and the penultimate layer's output when the model returns it.
+
+        Bag-of-words rows stay sparse for the message-passing models, as full-batch training keeps them.
+        """
         saved = req.saved
         features = saved.get("features", "store")
         data = load_graph_data(req.store, device=resolve_device(req.device), feature_norm=saved["feature_norm"],
-                               need_labels=False, features=features)
+                               need_labels=False, features=features,
+                               sparse_rows=req.run_cfg.get("model") in SPARSE_ROW_MODELS)
         if data.embedding_dim and data.store.num_nodes != saved["num_nodes"]:
             raise TrellisUserError(f"{req.store}: has {data.store.num_nodes} nodes but the run learned an embedding "
                                    f"table of {saved['num_nodes']} (--features {features}); predict on the training "
