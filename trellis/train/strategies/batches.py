@@ -217,9 +217,8 @@ class BatchStrategy(GraphStrategy):
         cached = getattr(self, "_sparse_input", None)
         if cached is None:
             cfg = self.cfg
-            density = self.store.feature_density if cfg.features == "store" else None
             cached = (cfg.model in SPARSE_ROW_MODELS and self.device.type == "cpu" and not cfg.pre_norm
-                      and density is not None and density <= MAX_DENSITY)
+                      and cfg.features == "store" and (self.store.feature_density or 1.0) <= MAX_DENSITY)
             self._sparse_input = cached
         return cached
 
