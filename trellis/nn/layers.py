@@ -25,7 +25,7 @@ from trellis.ops import edge_softmax, gcn_norm, sddmm, segment_reduce, spmm
 from trellis.ops.dropout import dropout
 from trellis.ops.graph import Aggregation, CSRGraph, SplitAttention
 from trellis.ops.norm import weighted_mean_norm
-from trellis.ops.sparse_rows import head_rows, linear
+from trellis.ops.sparse_rows import head_rows, is_sparse, linear
 from trellis.plan import GraphStats, LayerDecl, LayerPlan, plan_layer, plan_layer_step
 
 #: Plans a layer keeps, per graph shape and mode: sampled blocks differ in shape every batch, so the memo
@@ -304,8 +304,9 @@ class GINConv(PushdownConv):
 
     def epilogue(self, a: Tensor, h: Tensor, z: Tensor | None, aggregate_first: bool, n: int) -> Tensor:
         """``lin2(relu(lin1(a + (1 + eps) x_i)))``, or with the root term taken from the transformed rows."""
-        if aggregate_first:
-            hid = self.lin1(a + (1 + self.eps) * h[:n])
+        if aggregate_first:  # a kept batch's fixed aggregation: the input rows may be sparse (a bag-of-words batch)
+            rows = head_rows(h, n)
+            hid = self.lin1(a + (1 + self.eps) * (rows.to_dense() if is_sparse(rows) else rows))
         else:
             assert z is not None
             hid = a + (1 + self.eps) * z[:n] + self.lin1.bias
