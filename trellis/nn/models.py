@@ -324,6 +324,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": _mlp,
 }
 _BUILTIN = frozenset(MODELS)
+#: Models whose first layer takes sparse input rows (its dropout and transform, :mod:`trellis.ops.sparse_rows`).
+SPARSE_ROW_MODELS = frozenset({"gcn", "sage", "gin", "gat", "gate"})
 
 
 def is_builtin(name: str) -> bool:

@@ -27,13 +27,14 @@ from trellis.loader.features import (
 )
 from trellis.loader.inference import layerwise_inference
 from trellis.loader.producer import BatchProducer, ProducerOptions
+from trellis.nn.models import SPARSE_ROW_MODELS
 from trellis.ops.graph import CSRGraph
 from trellis.ops.sparse_rows import MAX_DENSITY, is_sparse, to_sparse_rows
 from trellis.plan.residency import feature_residency
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
 from trellis.train.data import load_graph_data, sparse_rows_of
-from trellis.train.strategies.full import SPARSE_ROW_MODELS, GraphStrategy
+from trellis.train.strategies.full import GraphStrategy
 from trellis.train.tasks import Task, split_metrics
 from trellis.utils.numba import get_num_threads, launch_threads, set_threads
 from trellis.utils.priority import PriorityTrial

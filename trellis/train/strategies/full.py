@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import BatchedGNN, family_of, model_decl
+from trellis.nn.models import SPARSE_ROW_MODELS
 from trellis.nn.runtime import generator_scope
 from trellis.ops.graph import CSRGraph
 from trellis.ops.sparse_rows import is_sparse
@@ -142,8 +143,6 @@ def fit_warning(cfg: TrainConfig) -> str:
             f"available; train out of core with --memory-budget {format_size(int(0.8 * avail))} (80% of it)")
 
 
-#: Models whose first layer takes sparse input rows (its dropout and transform, :mod:`trellis.ops.sparse_rows`).
-SPARSE_ROW_MODELS = frozenset({"gcn", "sage", "gin", "gat", "gate"})
 
 
 @register_strategy("full")
