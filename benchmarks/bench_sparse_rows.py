@@ -7,6 +7,14 @@ features kept sparse (the default, :mod:`trellis.ops.sparse_rows`) and forced de
 training step and epoch (step + evaluation) of each, their ratio, and the largest difference of the
 per-epoch losses of a run without dropout (dropout masks are drawn per stored value when sparse, so with
 dropout the two runs differ by their masks, not by their arithmetic).
+
+    python -m benchmarks.bench_sparse_rows STORE --strategy mini|cluster [--epochs 10] [--reps 2]
+
+The batch strategies (session 58): each run is its own process (``trellis train STORE --strategy S``, GCN for
+cluster, SAGE for mini), alternately with the rows taken sparse (the default: one CSR copy gathered per batch)
+and as they were before (dense rows gathered per batch, normalized, dropped out at every value: what a dense
+loader such as PyG's ``x[n_id]`` does), and prints each one's median epoch and peak ``RssAnon`` sampled from
+outside every 10 ms, the ratios, and the largest difference of the per-epoch training losses.
 """
 
 from __future__ import annotations
@@ -34,14 +42,78 @@ def _run(store: str, out: Path, epochs: int, hidden: int, dropout: float, sparse
     return statistics.median(steps), statistics.median(epoch), [r["loss"] for r in recs]
 
 
+def _child(store: str, strategy: str, out: str, epochs: int, sparse: bool) -> None:
+    """One batch-strategy run in this process (the parent samples its memory)."""
+    from trellis.train.strategies.batches import BatchStrategy
+
+    if not sparse:
+        BatchStrategy.sparse_input = property(lambda self: False)  # type: ignore[method-assign,assignment]
+    model = "sage" if strategy == "mini" else "gcn"
+    trainer.train(TrainConfig(store=store, strategy=strategy, model=model, epochs=epochs, out=out, progress=False,
+                              overwrite=True, checkpoint_every=0))
+
+
+def _batch_run(store: str, strategy: str, out: Path, epochs: int, sparse: bool) -> tuple[float, float, list[float]]:
+    """Median epoch (training + evaluation), peak RssAnon (MiB, from outside) and losses of one child run."""
+    import subprocess
+
+    from trellis.utils.memory import TreeSampler
+
+    cmd = [sys.executable, "-m", "benchmarks.bench_sparse_rows", store, "--strategy", strategy, "--epochs",
+           str(epochs), "--child", "sparse" if sparse else "dense", "--out", str(out)]
+    proc = subprocess.Popen(cmd)
+    sampler = TreeSampler(proc.pid)
+    sampler.start()
+    code = proc.wait()
+    sampler.stop()
+    if code != 0:
+        raise SystemExit(f"child run failed ({code}): {' '.join(cmd)}")
+    recs = read_jsonl(out / "metrics.jsonl")
+    epoch = statistics.median(b["time_s"] - a["time_s"] for a, b in zip(recs, recs[1:]))
+    return epoch, max(sampler.peaks.values()) / 2**20, [r["loss"] for r in recs]
+
+
+def batch_main(args: argparse.Namespace) -> int:
+    """The batch strategies: sparse and dense rows, interleaved, one process per run."""
+    res: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    losses: dict[bool, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-sparse-") as tmp:
+        for rep in range(args.reps):
+            for sparse in (False, True):
+                epoch, peak, loss = _batch_run(args.store, args.strategy, Path(tmp) / f"{sparse}-{rep}", args.epochs,
+                                               sparse)
+                res[sparse].append((epoch, peak))
+                losses[sparse] = loss
+    diff = max(abs(a - b) for a, b in zip(losses[False], losses[True]))
+    med = {k: (statistics.median(e for e, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
+    print(f"{Path(args.store).name}: --strategy {args.strategy}, {args.epochs} epochs x {args.reps} reps each, "
+          "interleaved, one process per run")
+    print(f"{'rows':<8} {'epoch ms':>9} {'peak RssAnon MiB':>17}")
+    for name, k in (("dense", False), ("sparse", True)):
+        print(f"{name:<8} {1000 * med[k][0]:>9.1f} {med[k][1]:>17.0f}")
+    print(f"dense / sparse: epoch {med[False][0] / med[True][0]:.1f}x, memory {med[False][1] / med[True][1]:.1f}x; "
+          f"max |training loss diff| over the epochs: {diff:.2g}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the interleaved comparison and print one table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("store")
-    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--epochs", type=int, default=None, help="default: 20 (full), 10 (mini, cluster)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
+    ap.add_argument("--strategy", choices=("full", "mini", "cluster"), default="full")
+    ap.add_argument("--child", choices=("sparse", "dense"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child is not None:
+        _child(args.store, args.strategy, args.out, args.epochs, args.child == "sparse")
+        return 0
+    if args.strategy != "full":
+        args.epochs = args.epochs or 10
+        return batch_main(args)
+    args.epochs = args.epochs or 20
     res: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     with tempfile.TemporaryDirectory(prefix="bench-sparse-") as tmp:
         for rep in range(args.reps):
