@@ -28,6 +28,9 @@ from trellis.data.importers.common import (
 from trellis.data.store import check_output, split_set_ids
 from trellis.errors import TrellisUserError
 
+#: A PyG ``Data``'s split attributes: split -> the attribute names read for it, first found wins.
+PYG_MASKS = (("train", ("train_mask",)), ("val", ("val_mask", "valid_mask")), ("test", ("test_mask",)))
+
 
 def _numpy(value: Any) -> np.ndarray | None:
     """A numpy array from a numpy array, a torch tensor (any device) or a sequence; None stays None."""
@@ -290,7 +293,7 @@ def from_pyg(
     n = getattr(data, "num_nodes", None)
     n = int(n) if n is not None else None
     splits: dict[str, np.ndarray] = {}
-    for key, names in (("train", ("train_mask",)), ("val", ("val_mask", "valid_mask")), ("test", ("test_mask",))):
+    for key, names in PYG_MASKS:
         for attr in names:
             mask = _numpy(getattr(data, attr, None))
             if mask is not None:

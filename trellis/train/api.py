@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trellis.data.convert import from_arrays, from_pyg
+from trellis.data.convert import PYG_MASKS, from_arrays, from_pyg
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.models import MODELS, register_model
@@ -150,9 +150,7 @@ def as_store(data: GraphLike, tmp: str | None = None, *, to_train: bool = True) 
     if isinstance(data, (str, os.PathLike, GraphStore)):
         return _store_path(data), None
     if hasattr(data, "edge_index"):
-        missing = [k for k, names in (("train", ("train_mask",)), ("val", ("val_mask", "valid_mask")),
-                                      ("test", ("test_mask",)))
-                   if all(getattr(data, a, None) is None for a in names)]
+        missing = [k for k, names in PYG_MASKS if all(getattr(data, a, None) is None for a in names)]
         if to_train and missing:
             raise TrellisUserError(f"the Data has no {missing[0]}_mask: training needs train_mask, val_mask and "
                                    "test_mask (boolean [N] masks, [N, S] masks of S splits, or node ids)")
