@@ -15,6 +15,12 @@ cluster, SAGE for mini), alternately with the rows taken sparse (the default: on
 and as they were before (dense rows gathered per batch, normalized, dropped out at every value: what a dense
 loader such as PyG's ``x[n_id]`` does), and prints each one's median epoch and peak ``RssAnon`` sampled from
 outside every 10 ms, the ratios, and the largest difference of the per-epoch training losses.
+
+    python -m benchmarks.bench_sparse_rows STORE --strategy ooc [--model gcn] [--budget 400M] [--epochs 10]
+
+Out-of-core full-batch (session 59), the same way: ``trellis train STORE --memory-budget BUDGET`` with the rows
+as sparse tiles (the default: a CSR spill written once) and as dense tiles (before: the dense rows read, dropped
+out and multiplied tile by tile). The budget caps both; the table shows what each peaked at.
 """
 
 from __future__ import annotations
@@ -42,25 +48,29 @@ def _run(store: str, out: Path, epochs: int, hidden: int, dropout: float, sparse
     return statistics.median(steps), statistics.median(epoch), [r["loss"] for r in recs]
 
 
-def _child(store: str, strategy: str, out: str, epochs: int, sparse: bool) -> None:
-    """One batch-strategy run in this process (the parent samples its memory)."""
+def _child(args: argparse.Namespace, sparse: bool) -> None:
+    """One batch-strategy or out-of-core run in this process (the parent samples its memory)."""
     from trellis.train.strategies.batches import BatchStrategy
+    from trellis.train.strategies.outofcore import OutOfCoreFull
 
     if not sparse:
         BatchStrategy.sparse_input = property(lambda self: False)  # type: ignore[method-assign,assignment]
-    model = "sage" if strategy == "mini" else "gcn"
-    trainer.train(TrainConfig(store=store, strategy=strategy, model=model, epochs=epochs, out=out, progress=False,
-                              overwrite=True, checkpoint_every=0))
+        OutOfCoreFull._sparse_density = lambda self, kind: None  # type: ignore[method-assign]
+    ooc = args.strategy == "ooc"
+    trainer.train(TrainConfig(store=args.store, strategy="full" if ooc else args.strategy, model=args.model,
+                              epochs=args.epochs, out=args.out, progress=False, overwrite=True, checkpoint_every=0,
+                              memory_budget=args.budget if ooc else None))
 
 
-def _batch_run(store: str, strategy: str, out: Path, epochs: int, sparse: bool) -> tuple[float, float, list[float]]:
+def _batch_run(args: argparse.Namespace, out: Path, sparse: bool) -> tuple[float, float, list[float]]:
     """Median epoch (training + evaluation), peak RssAnon (MiB, from outside) and losses of one child run."""
     import subprocess
 
     from trellis.utils.memory import TreeSampler
 
-    cmd = [sys.executable, "-m", "benchmarks.bench_sparse_rows", store, "--strategy", strategy, "--epochs",
-           str(epochs), "--child", "sparse" if sparse else "dense", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.bench_sparse_rows", args.store, "--strategy", args.strategy, "--epochs",
+           str(args.epochs), "--model", args.model, "--budget", args.budget, "--child", "sparse" if sparse else "dense",
+           "--out", str(out)]
     proc = subprocess.Popen(cmd)
     sampler = TreeSampler(proc.pid)
     sampler.start()
@@ -80,13 +90,13 @@ def batch_main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-sparse-") as tmp:
         for rep in range(args.reps):
             for sparse in (False, True):
-                epoch, peak, loss = _batch_run(args.store, args.strategy, Path(tmp) / f"{sparse}-{rep}", args.epochs,
-                                               sparse)
+                epoch, peak, loss = _batch_run(args, Path(tmp) / f"{sparse}-{rep}", sparse)
                 res[sparse].append((epoch, peak))
                 losses[sparse] = loss
     diff = max(abs(a - b) for a, b in zip(losses[False], losses[True]))
     med = {k: (statistics.median(e for e, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
-    print(f"{Path(args.store).name}: --strategy {args.strategy}, {args.epochs} epochs x {args.reps} reps each, "
+    what = f"--memory-budget {args.budget}" if args.strategy == "ooc" else f"--strategy {args.strategy}"
+    print(f"{Path(args.store).name}: {what}, --model {args.model}, {args.epochs} epochs x {args.reps} reps each, "
           "interleaved, one process per run")
     print(f"{'rows':<8} {'epoch ms':>9} {'peak RssAnon MiB':>17}")
     for name, k in (("dense", False), ("sparse", True)):
@@ -103,12 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=None, help="default: 20 (full), 10 (mini, cluster)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
-    ap.add_argument("--strategy", choices=("full", "mini", "cluster"), default="full")
+    ap.add_argument("--strategy", choices=("full", "mini", "cluster", "ooc"), default="full",
+                    help="ooc: full-batch under --budget")
+    ap.add_argument("--model", help="mini, cluster, ooc: default sage for mini, else gcn")
+    ap.add_argument("--budget", default="400M", help="ooc: the --memory-budget (default 400M)")
     ap.add_argument("--child", choices=("sparse", "dense"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.model = args.model or ("sage" if args.strategy == "mini" else "gcn")
     if args.child is not None:
-        _child(args.store, args.strategy, args.out, args.epochs, args.child == "sparse")
+        _child(args, args.child == "sparse")
         return 0
     if args.strategy != "full":
         args.epochs = args.epochs or 10

@@ -120,3 +120,71 @@ def test_head_rows_of_sparse_rows_are_the_first_rows():
         got = head_rows(xs, n)
         assert (n == 40) == (got is xs)
         assert is_sparse(got) and torch.equal(got.to_dense(), x[:n])
+
+
+def _mapped(x, tmp_path):
+    """``x``'s CSR arrays written to files and memory-mapped, as the out-of-core strategy spills them."""
+    import numpy as np
+
+    from trellis.ops.sparse_rows import MappedSparseRows
+
+    s = x.to_sparse_csr()
+    arrays = []
+    for name, t, dtype in (("p", s.crow_indices(), np.int64), ("i", s.col_indices(), np.int64),
+                           ("v", s.values(), np.float32)):
+        m = np.memmap(tmp_path / name, dtype=dtype, mode="w+", shape=(t.numel(),))
+        m[:] = t.numpy()
+        arrays.append(m)
+    return MappedSparseRows(*arrays, width=x.shape[1])
+
+
+def test_mapped_rows_are_the_matrix_rows_and_their_reads_add_up(tmp_path):
+    x = _bow()
+    m = _mapped(x, tmp_path)
+    assert m.shape == tuple(x.shape)
+    total = 0
+    for r0, r1 in ((0, 7), (7, 8), (8, 8), (8, 60)):
+        rows = m.rows(r0, r1)
+        assert is_sparse(rows) and torch.equal(rows.to_dense(), x[r0:r1])
+        total += m.rows_nbytes(r0, r1)
+    nnz = int(torch.count_nonzero(x))
+    assert total == m.rows_nbytes(0, 60) == nnz * 12 + 60 * 8
+
+
+def test_a_tile_dropped_out_at_its_offset_seed_is_the_whole_matrix_rows(tmp_path):
+    """A tile's sparse rows under ``tile_seed(seed, r0 * width)`` get the whole matrix's mask on those rows."""
+    from trellis.ops.dropout import apply_sparse, tile_seed
+
+    x = _bow()
+    m = _mapped(x, tmp_path)
+    whole = apply_sparse(m.rows(0, 60), 0.5, 1234).to_dense()
+    assert 0 < int(torch.count_nonzero(whole)) < int(torch.count_nonzero(x))
+    for r0, r1 in ((0, 13), (13, 40), (40, 60)):
+        tile = apply_sparse(m.rows(r0, r1), 0.5, tile_seed(1234, r0 * x.shape[1])).to_dense()
+        assert torch.equal(tile, whole[r0:r1])
+
+
+def test_rows_used_once_leave_no_reference_cycle():
+    """Unmemoized, a tile's graph and its reverse did not point at each other: the pair was a cycle that only the
+    garbage collector freed, and out-of-core tiles' index arrays piled up past the memory budget."""
+    import gc
+
+    from trellis.ops.graph import CSRGraph
+    from trellis.ops.sparse_rows import unmemoized
+
+    xs = to_sparse_rows(_bow())
+    w = torch.randn(5, xs.shape[1], requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        with unmemoized():
+            linear(xs, w).sum().backward()
+        found = []
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found = [o for o in gc.garbage if isinstance(o, CSRGraph)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not found and w.grad is not None

@@ -36,11 +36,12 @@ from trellis.nn.layers import PushdownConv
 from trellis.nn.models import GNN
 from trellis.nn.runtime import bias_act_dropout
 from trellis.ops import dropout as hash_dropout
+from trellis.ops.sparse_rows import MappedSparseRows, linear, unmemoized
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
 from trellis.plan.decl import LayerDecl
 from trellis.plan.ir import ModelPlan
-from trellis.plan.outofcore import LayerShape
+from trellis.plan.outofcore import LayerShape, sparse_row_floats
 from trellis.plan.planner import plan_model
 from trellis.utils.spill import SpillDir, drop_map_cache, prefetch_rows
 
@@ -84,9 +85,10 @@ def layer_shapes(model: nn.Module, stats: GraphStats) -> list[LayerShape]:
     plan = plan_model([model_decl(model)], stats, training=True, input_grad=False)
     gnn = cast(GNN, model)
     out = []
-    for conv, lp in zip(gnn.convs, plan.layers):
+    for i, (conv, lp) in enumerate(zip(gnn.convs, plan.layers)):
         d = cast(PushdownConv, conv).declare()
-        out.append(LayerShape(d.in_dim, d.out_dim, lp.order(0), d.root in ("linear", "eps")))
+        sparse = sparse_row_floats(stats.sparse_input, d.in_dim) if (i == 0 and stats.sparse_input is not None) else 0.0
+        out.append(LayerShape(d.in_dim, d.out_dim, lp.order(0), d.root in ("linear", "eps"), sparse_in=sparse))
     return out
 
 
@@ -109,6 +111,21 @@ def root_reads(root: str | None, aggregate_first: bool) -> tuple[bool, bool]:
     return root in ("linear", "eps") and not uses_z, uses_z
 
 
+#: The first layer's input: dense rows (a memory map or an array in RAM) or sparse rows in memory maps.
+Input = np.ndarray | MappedSparseRows
+
+
+def prefetch_input(a: Input, r0: int, r1: int) -> None:
+    """Read rows ``[r0, r1)`` of ``a`` ahead (:func:`~trellis.utils.spill.prefetch_rows`; sparse rows: their span)."""
+    if isinstance(a, MappedSparseRows):
+        lo, hi = a.span(r0, r1)
+        prefetch_rows(a.indptr, r0, r1 + 1)
+        prefetch_rows(a.indices, lo, hi)
+        prefetch_rows(a.values, lo, hi)
+    else:
+        prefetch_rows(a, r0, r1)
+
+
 def _t(a: np.ndarray) -> Tensor:
     """A tensor over a tile's rows of a memory map, copied (the map may be read-only; tiles are small)."""
     return torch.from_numpy(np.array(a, dtype=np.float32))
@@ -120,7 +137,8 @@ class TiledGNN:
     Args:
         model: The model (its layers and parameters are used; nothing is copied).
         graph: The memory-mapped CSR and its reverse.
-        x: The first layer's input ``[N, F]`` float32 (a memory map, or an array in RAM).
+        x: The first layer's input ``[N, F]`` float32 (a memory map, or an array in RAM), or sparse rows in memory
+            maps (bag-of-words features; the plan then transforms the first layer first: ``stats.sparse_input``).
         spill: Where ``[N, d]`` tensors are written.
         bounds: Row boundaries of the tiles (:meth:`MappedCSR.tile_bounds`).
         cold: Drop the page cache of the spills, the CSRs and the input before every pass, so that each pass
@@ -134,7 +152,7 @@ class TiledGNN:
             so every rank picks the single process's order per layer and exchanges at the same width.
     """
 
-    def __init__(self, model: nn.Module, graph: MappedCSR, x: np.ndarray, spill: SpillDir,
+    def __init__(self, model: nn.Module, graph: MappedCSR, x: Input, spill: SpillDir,
                  bounds: np.ndarray, *, cold: bool = False, halo: HaloRows | None = None,
                  source_bounds: np.ndarray | None = None, stats: GraphStats | None = None) -> None:
         check_tileable(model)  # refuses a model that cannot run from its plan
@@ -149,7 +167,8 @@ class TiledGNN:
         self.io = EpochIO()
         self.cold = cold
         self.halo, self.source_bounds = halo, bounds if source_bounds is None else source_bounds
-        self._maps = [graph.indptr, graph.indices, graph.rev_indptr, graph.rev_indices, x]
+        self._maps = [graph.indptr, graph.indices, graph.rev_indptr, graph.rev_indices,
+                      *(x.maps if isinstance(x, MappedSparseRows) else (x,))]
         #: The first layer's dropout (rate, seed) when its dropped-out input is recomputed per tile.
         self._drop0: tuple[float, int] | None = None
         #: Evaluation writes every layer's output to its spill (``h{i}``), even where the next layer takes its
@@ -168,7 +187,7 @@ class TiledGNN:
         return root_reads(self.roots[i], aggregate_first)
 
     # ---- tiles and spills --------------------------------------------------------------------------
-    def _pass(self, arrays: Sequence[np.ndarray | None], bounds: np.ndarray | None = None
+    def _pass(self, arrays: Sequence[Input | None], bounds: np.ndarray | None = None
               ) -> Iterator[tuple[int, int]]:
         """The tiles ``(r0, r1)`` of one pass; the kernel reads the next tile's rows of ``arrays`` ahead.
 
@@ -183,7 +202,7 @@ class TiledGNN:
             if k + 1 < len(tiles):
                 for a in arrays:
                     if a is not None:
-                        prefetch_rows(a, *tiles[k + 1])
+                        prefetch_input(a, *tiles[k + 1])
             yield r0, r1
 
     def _read(self, arr: np.ndarray, r0: int, r1: int) -> Tensor:
@@ -192,8 +211,15 @@ class TiledGNN:
         self.io.read += t.numel() * 4
         return t
 
-    def _input(self, i: int, h: np.ndarray, r0: int, r1: int) -> Tensor:
+    def _input(self, i: int, h: Input, r0: int, r1: int) -> Tensor:
         """Layer ``i``'s input rows ``[r0, r1)``: read from ``h``, or the dropped-out features recomputed."""
+        if isinstance(h, MappedSparseRows):
+            s = h.rows(r0, r1)
+            self.io.read += h.rows_nbytes(r0, r1)
+            if self._drop0 is None:
+                return s
+            p, seed = self._drop0  # the whole matrix's mask at each stored value's (row, column)
+            return hash_dropout.apply_sparse(s, p, cast(int, self._seed_at(seed, r0, s)))
         if i > 0 or self._drop0 is None:
             return self._read(h, r0, r1)
         p, seed = self._drop0
@@ -237,6 +263,11 @@ class TiledGNN:
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, training: bool, rows: Gather) -> Tensor:
+        """Logits of the node ids of ``rows`` (see :meth:`_forward`); sparse input tiles leave no memoized graph."""
+        with unmemoized():
+            return self._forward(training, rows)
+
+    def _forward(self, training: bool, rows: Gather) -> Tensor:
         """Logits of the node ids of ``rows``, in their order, after a forward pass over every tile (no autograd).
 
         In training every layer's aggregation and output are left in spill files for :meth:`backward`,
@@ -246,7 +277,7 @@ class TiledGNN:
         p = float(self.model.dropout) if training else 0.0
         L = len(self.convs)
         self._seeds: list[int | None] = []
-        h: np.ndarray = self.x
+        h: Input = self.x
         self._drop0 = None
         if p > 0.0 and self.halo is None and not plan.layers[0].order(0):
             # Transform first: every read of the dropped-out features is a tile's rows, so they are recomputed
@@ -254,10 +285,12 @@ class TiledGNN:
             # instead of written and read back: N x F bytes less to write, to read and to hold on disk.
             self._drop0 = (p, hash_dropout.draw_seed())
         elif p > 0.0:
+            x = self.x
+            assert isinstance(x, np.ndarray), "sparse input rows are transformed first (stats.sparse_input)"
             seed = hash_dropout.draw_seed()
-            h0 = self.spill.array("h0", self.x.shape)
-            for r0, r1 in self._pass([self.x]):
-                t = _t(self.x[r0:r1])
+            h0 = self.spill.array("h0", x.shape)
+            for r0, r1 in self._pass([x]):
+                t = _t(x[r0:r1])
                 with self._keyed(r0, r1 - r0):
                     hash_dropout.apply_(t, p, seed=self._seed_at(seed, r0, t))
                 self._write(h0, r0, r1, t)
@@ -279,12 +312,12 @@ class TiledGNN:
                     w = conv.transform_weight()
                     z = self.spill.array(f"z{i}", (h.shape[0], w.shape[0]))
                     for r0, r1 in self._pass([h]):
-                        self._write(z, r0, r1, F.linear(self._input(i, h, r0, r1), w))
+                        self._write(z, r0, r1, linear(self._input(i, h, r0, r1), w))
                 if not af and self.halo is not None:
                     assert z is not None
                     self.halo.fill(z, i)
                 src = h if af else z
-                assert src is not None
+                assert isinstance(src, np.ndarray), "sparse input rows are transformed first (stats.sparse_input)"
                 name = "a0c" if cached else f"a{i}"
                 fresh = not (cached and self.spill.has(name))
                 a = self.spill.array(name, (h.shape[0], src.shape[1]))
@@ -327,6 +360,11 @@ class TiledGNN:
 
     # ---- backward ------------------------------------------------------------------------------------
     def backward(self, rows: Gather, grad_rows: Tensor) -> None:
+        """Parameter gradients from the logits' loss gradient (see :meth:`_backward`), leaving no memoized graph."""
+        with unmemoized():
+            self._backward(rows, grad_rows)
+
+    def _backward(self, rows: Gather, grad_rows: Tensor) -> None:
         """Accumulate parameter gradients given the loss gradient of the logits of ``rows`` (in their order).
 
         Must follow a training :meth:`forward` (it reads that pass's spills and dropout seeds).
@@ -384,7 +422,7 @@ class TiledGNN:
                     gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)
                     h_t = self._input(i, h, r0, r1).requires_grad_(need_in)
                     with torch.enable_grad():
-                        F.linear(h_t, w).backward(gz)
+                        linear(h_t, w).backward(gz)
                     gh = h_t.grad
                     del gz, h_t
                 if g_in is not None:
@@ -396,7 +434,7 @@ class TiledGNN:
             g_out = g_in if g_in is not None else g_out
 
 
-def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int) -> EpochIO:
+def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int, input_bytes: int | None = None) -> EpochIO:
     """The spill bytes one epoch of :class:`TiledGNN` writes and reads (training step and evaluation), by rule.
 
     An epoch after the first, one process: the normalized features' spill and a cached first aggregation are
@@ -404,7 +442,8 @@ def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int) -> Epoch
     :meth:`TiledGNN.backward` pass by pass (a test holds it to the engine's own counters). Why not the memory
     plan's rule of thumb: it left out every read of the features (a transform-first layer reads its input in
     forward, backward and evaluation) and counted a cached aggregation as written every epoch; ``--explain``
-    printed 2 MiB of reads for an epoch that read 45 MiB.
+    printed 2 MiB of reads for an epoch that read 45 MiB. ``input_bytes``: what one read of the whole input
+    costs when it is not ``N x F`` float32 (sparse rows, :class:`~trellis.ops.sparse_rows.MappedSparseRows`).
     """
     check_tileable(model)
     gnn = cast(GNN, model)
@@ -415,6 +454,9 @@ def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int) -> Epoch
     def reads(i: int, af: bool) -> tuple[bool, bool]:
         return root_reads(decls[i].root, af)
 
+    def rows_in(i: int) -> int:  # bytes of one read of layer i's whole input
+        return input_bytes if (i == 0 and input_bytes is not None) else n * decls[i].in_dim * 4
+
     plans = {t: plan_model([model_decl(model)], stats, training=t, input_grad=False) for t in (True, False)}
     for training in (True, False):
         plan, drop = plans[training], (p if training else 0.0)
@@ -424,7 +466,7 @@ def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int) -> Epoch
         for i, d in enumerate(decls):
             af, last = plan.layers[i].order(0), i == L - 1
             if not af and not fused:  # the transformed input: the layer input read, z written
-                io.read += n * d.in_dim * 4
+                io.read += rows_in(i)
                 io.written += n * d.out_dim * 4
             agg = (d.in_dim if af else d.out_dim) * n * 4
             if plan.layers[i].is_cached(0):
@@ -434,7 +476,7 @@ def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int) -> Epoch
             fuse_next = (not last and not training and not plans[False].layers[i + 1].order(0)
                          and not reads(i + 1, False)[0])
             uses_h, uses_z = reads(i, af)
-            io.read += n * 4 * ((d.in_dim if uses_h else 0) + (d.out_dim if uses_z else 0))
+            io.read += (rows_in(i) if uses_h else 0) + n * 4 * (d.out_dim if uses_z else 0)
             if fuse_next:
                 io.written += n * decls[i + 1].out_dim * 4
             elif not last:
@@ -448,13 +490,13 @@ def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int) -> Epoch
         need_in = i > 0
         need_a = need_in or not af
         uses_h, uses_z = reads(i, af)
-        io.read += agg + n * 4 * ((d.in_dim if uses_h else 0) + (d.out_dim if uses_z else 0) + d.out_dim)
+        io.read += agg + (rows_in(i) if uses_h else 0) + n * 4 * ((d.out_dim if uses_z else 0) + d.out_dim)
         io.written += (agg if need_a else 0) + n * 4 * ((d.in_dim if uses_h and need_in else 0)
                                                         + (d.out_dim if uses_z else 0))
         if not need_a:
             continue
         if not af:
-            io.read += n * 4 * ((d.out_dim if uses_z else 0) + d.in_dim)
+            io.read += n * 4 * (d.out_dim if uses_z else 0) + rows_in(i)
         if need_in:
             io.read += n * 4 * (d.in_dim if uses_h else 0)
             io.written += n * 4 * d.in_dim

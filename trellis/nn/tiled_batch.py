@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,8 +30,9 @@ from torch import Tensor, nn
 
 from trellis.errors import TrellisUserError
 from trellis.nn.runtime import generator_scope
-from trellis.nn.tiled import EpochIO, Gather, TiledGNN, _grad
+from trellis.nn.tiled import EpochIO, Gather, Input, TiledGNN, _grad
 from trellis.ops import dropout as hash_dropout
+from trellis.ops.sparse_rows import MappedSparseRows, linear, unmemoized
 from trellis.ops.tiled import MappedCSR
 from trellis.plan.cost import GraphStats
 from trellis.utils.spill import SpillDir
@@ -40,12 +42,12 @@ from trellis.utils.spill import SpillDir
 class Block:
     """Columns ``[c0, c1)`` of a spill array: one configuration's part of a wide tensor (or the whole array)."""
 
-    arr: np.ndarray
+    arr: Input
     c0: int
     c1: int
 
     @classmethod
-    def whole(cls, arr: np.ndarray) -> Block:
+    def whole(cls, arr: Input) -> Block:
         """Every column of ``arr``."""
         return cls(arr, 0, int(arr.shape[1]))
 
@@ -53,6 +55,12 @@ class Block:
     def width(self) -> int:
         """Columns."""
         return self.c1 - self.c0
+
+    @property
+    def dense(self) -> np.ndarray:
+        """The array (a spill: dense rows, never the sparse input rows, which are read through ``_input``)."""
+        assert isinstance(self.arr, np.ndarray)
+        return self.arr
 
 
 def _block(b: Block | None) -> Block:
@@ -79,7 +87,7 @@ class _TileWrites:
 
     def add(self, b: Block, t: Tensor) -> None:
         """Queue ``t`` for block ``b``."""
-        self.parts.setdefault(id(b.arr), (b.arr, []))[1].append((b.c0, b.c1, t))
+        self.parts.setdefault(id(b.arr), (b.dense, []))[1].append((b.c0, b.c1, t))
 
     def flush(self, r0: int, r1: int) -> None:
         """Write every queued block of rows ``[r0, r1)``."""
@@ -111,7 +119,7 @@ class BatchedTiledGNN:
     """
 
     def __init__(self, models: Sequence[nn.Module], generators: Sequence[torch.Generator | None],
-                 graph: MappedCSR, x: np.ndarray, spill: SpillDir, bounds: np.ndarray, *, cold: bool = False,
+                 graph: MappedCSR, x: Input, spill: SpillDir, bounds: np.ndarray, *, cold: bool = False,
                  stats: GraphStats | None = None) -> None:
         self.engines = [TiledGNN(m, graph, x, spill, bounds, cold=cold, stats=stats) for m in models]
         if len({tuple(e.kinds) for e in self.engines}) > 1:
@@ -128,8 +136,9 @@ class BatchedTiledGNN:
 
     # ---- spill access ---------------------------------------------------------------------------------
     def _read(self, b: Block, r0: int, r1: int) -> Tensor:
-        rows = b.arr[r0:r1, b.c0:b.c1] if (b.c0, b.c1) != (0, b.arr.shape[1]) else b.arr[r0:r1]
-        if b.arr.flags.writeable and rows.flags.c_contiguous:
+        arr = b.dense
+        rows = arr[r0:r1, b.c0:b.c1] if (b.c0, b.c1) != (0, arr.shape[1]) else arr[r0:r1]
+        if arr.flags.writeable and rows.flags.c_contiguous:
             t = torch.from_numpy(rows)
         else:
             t = torch.from_numpy(np.array(rows, dtype=np.float32))
@@ -137,30 +146,44 @@ class BatchedTiledGNN:
         return t
 
     def _write(self, b: Block, r0: int, r1: int, t: Tensor) -> None:
-        b.arr[r0:r1, b.c0:b.c1] = t.detach().numpy()
+        b.dense[r0:r1, b.c0:b.c1] = t.detach().numpy()
         self.io.written += t.numel() * 4
 
     def _input(self, j: int, i: int, b: Block, r0: int, r1: int) -> Tensor:
         """Configuration ``j``'s input rows of layer ``i``: read, or (its dropped-out features) recomputed.
 
-        The feature tile is read once for every configuration that recomputes its mask on it, and the dropped-out
-        tile is kept for the next configuration with the same rate and seed (a grid over learning rate or weight
-        decay draws every configuration's mask from the same seed): callers only read it.
+        The feature tile is read once for every configuration that recomputes its mask on it (sparse rows: for
+        every configuration), and the dropped-out tile is kept for the next configuration with the same rate and
+        seed (a grid over learning rate or weight decay draws every configuration's mask from the same seed):
+        callers only read it.
         """
-        if i > 0 or j not in self._masks0:
+        sparse = isinstance(b.arr, MappedSparseRows)
+        if i > 0 or (j not in self._masks0 and not sparse):
             return self._read(b, r0, r1)
         if self._xtile is None or self._xtile[0] != r0:
             self._xtile = self._dropped = None  # the last tile's go first: one tile of features at a time
-            self._xtile = (r0, self._read(Block.whole(self.x), r0, r1))
-        p, seed = self._masks0[j]
+            self._xtile = (r0, self._features(r0, r1))
         x = self._xtile[1]
+        if j not in self._masks0:
+            return x
+        p, seed = self._masks0[j]
         key = (p, self.engines[self.active[j]]._seed_at(seed, r0, x))
         if self._dropped is None or self._dropped[0] != key:  # equal rate and seed: the same mask, drawn once
             self._dropped = None
-            t = x.clone()
-            hash_dropout.apply_(t, p, seed=key[1])
+            if sparse:
+                t = hash_dropout.apply_sparse(x, p, cast(int, key[1]))
+            else:
+                t = x.clone()
+                hash_dropout.apply_(t, p, seed=key[1])
             self._dropped = (key, t)
         return self._dropped[1]
+
+    def _features(self, r0: int, r1: int) -> Tensor:
+        """Rows ``[r0, r1)`` of the features (a CSR tensor when they are sparse rows)."""
+        if isinstance(self.x, MappedSparseRows):
+            self.io.read += self.x.rows_nbytes(r0, r1)
+            return self.x.rows(r0, r1)
+        return self._read(Block.whole(self.x), r0, r1)
 
     def _aggregate(self, layer: int, r0: int, r1: int, src: np.ndarray, reverse: bool = False) -> Tensor:
         """Rows ``[r0, r1)`` of layer ``layer``'s aggregation of ``src`` (the transposed one with ``reverse``)."""
@@ -178,6 +201,11 @@ class BatchedTiledGNN:
 
     # ---- forward --------------------------------------------------------------------------------------
     def forward(self, training: bool, rows: Gather) -> list[Tensor]:
+        """Each active configuration's logits of ``rows`` (see :meth:`_forward`), leaving no memoized graph."""
+        with unmemoized():
+            return self._forward(training, rows)
+
+    def _forward(self, training: bool, rows: Gather) -> list[Tensor]:
         """Each active configuration's logits of ``rows`` (in their order), after one shared pass per layer.
 
         In training every layer's wide aggregation and each configuration's inputs are left in spills for
@@ -233,8 +261,9 @@ class BatchedTiledGNN:
             inputs[j][0] = input_block(0, j)
         if blocks0:
             writes = _TileWrites(self)
-            for r0, r1 in E[0]._pass([self.x]):
-                t = torch.from_numpy(np.array(self.x[r0:r1], dtype=np.float32))
+            x = Block.whole(self.x).dense  # aggregated first: dense rows
+            for r0, r1 in E[0]._pass([x]):
+                t = torch.from_numpy(np.array(x[r0:r1], dtype=np.float32))
                 for j in blocks0:
                     if rep[j] != j:
                         continue
@@ -257,7 +286,7 @@ class BatchedTiledGNN:
                     writes = _TileWrites(self)
                     for r0, r1 in E[0]._pass([]):
                         for j in tf:
-                            z = F.linear(self._input(j, i, _block(inputs[j][i]), r0, r1),
+                            z = linear(self._input(j, i, _block(inputs[j][i]), r0, r1),
                                          E[j].convs[i].transform_weight())
                             writes.add(Block(src, *cols[i][j]), z)
                         writes.flush(r0, r1)
@@ -283,7 +312,7 @@ class BatchedTiledGNN:
                     c_t = None
                     if shared and a0c is not None:
                         if fresh0:
-                            c_t = self._aggregate(0, r0, r1, self.x)
+                            c_t = self._aggregate(0, r0, r1, Block.whole(self.x).dense)
                             self._write(Block.whole(a0c), r0, r1, c_t)
                         else:
                             c_t = self._read(Block.whole(a0c), r0, r1)
@@ -317,6 +346,11 @@ class BatchedTiledGNN:
 
     # ---- backward -------------------------------------------------------------------------------------
     def backward(self, rows: Gather, grads: Sequence[Tensor]) -> None:
+        """Each active configuration's parameter gradients (see :meth:`_backward`), leaving no memoized graph."""
+        with unmemoized():
+            self._backward(rows, grads)
+
+    def _backward(self, rows: Gather, grads: Sequence[Tensor]) -> None:
         """Accumulate each active configuration's parameter gradients given its logits' loss gradient.
 
         Must follow a training :meth:`forward` with the same active configurations.
@@ -392,7 +426,7 @@ class BatchedTiledGNN:
                         gz = gs if gz_root is None else gs + self._read(gz_root, r0, r1)
                         h_t = self._input(j, i, ins[j][i], r0, r1).detach().requires_grad_(need_in)
                         with torch.enable_grad():
-                            F.linear(h_t, E[j].convs[i].transform_weight()).backward(gz)
+                            linear(h_t, E[j].convs[i].transform_weight()).backward(gz)
                         gh = h_t.grad
                         del gz, h_t
                     if need_in:

@@ -186,7 +186,16 @@ def apply_into(x: Tensor, p: float, out: Tensor, generator: torch.Generator | No
     return out.copy_(_run(x, seed, p))
 
 
-def _sparse_dropout(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
+def apply_sparse(x: Tensor, p: float, seed: int) -> Tensor:
+    """Dropout of sparse input rows (no autograd) under an explicit ``seed``.
+
+    A row tile of a larger CSR matrix passes :func:`tile_seed` of the whole matrix's seed at ``r0 * width`` and
+    gets its part of the whole mask.
+    """
+    return _sparse_dropout(x, p, None, seed=seed)
+
+
+def _sparse_dropout(x: Tensor, p: float, generator: torch.Generator | None, seed: int | None = None) -> Tensor:
     """Dropout of sparse input rows: each stored value gets the dense mask's value at its (row, column).
 
     Why not one mask value per stored value in storage order: the same rows read densely (a distributed
@@ -195,7 +204,7 @@ def _sparse_dropout(x: Tensor, p: float, generator: torch.Generator | None) -> T
     dropout exactly, evaluated at the non-zeros only. Rows are keyed like dense rows (:func:`keyed_rows`).
     """
     values = x.values()
-    seed = draw_seed(generator)
+    seed = draw_seed(generator) if seed is None else seed
     if p >= 1.0:
         kept = values * 0.0
     elif WITH_NUMBA and values.dtype in (torch.float32, torch.float64):

@@ -28,6 +28,15 @@ EDGE_BYTES = 8.0
 #: Fixed head-room for allocator slack and small temporaries, plus a fraction of the budget.
 MARGIN_BYTES = 48 * 2**20
 MARGIN_FRACTION = 0.05
+#: Float32-sized words a tile holds per stored value of sparse input rows: its column id (two) and value, the
+#: dropped-out value, and the transposed structure the first weight's gradient is summed over (four), doubled
+#: for the allocator as the dense rows' figures are.
+SPARSE_VALUE_FLOATS = 14
+
+
+def sparse_row_floats(density: float, width: int) -> float:
+    """Float32 words a tile holds per row of sparse input rows with ``density`` non-zeros of ``width`` columns."""
+    return SPARSE_VALUE_FLOATS * density * width + 2  # and the row's int64 offset
 
 
 @dataclass(frozen=True)
@@ -39,12 +48,20 @@ class LayerShape:
         w_out: Output width.
         aggregate_first: The training plan's order (the aggregation reads ``w_in`` columns, else ``w_out``).
         root: The epilogue reads the layer's input rows (SAGE's ``W_r x_i``, GIN's ``(1 + eps) x_i``).
+        sparse_in: Float32 words per input row when the input is sparse rows (:func:`sparse_row_floats`; the
+            first layer of a bag-of-words graph, transformed first); 0: dense rows of ``w_in`` values.
     """
 
     w_in: int
     w_out: int
     aggregate_first: bool
     root: bool
+    sparse_in: float = 0.0
+
+    @property
+    def in_row(self) -> float:
+        """Float32 words of one input row in a tile (``w_in`` dense)."""
+        return self.sparse_in or self.w_in
 
     @property
     def w_agg(self) -> int:
@@ -61,8 +78,8 @@ class LayerShape:
         (GCN, hidden 256): the measured peaks stayed below half of the plan's tile allowance with twice
         these figures.
         """
-        leaves = self.w_agg + (self.w_in if self.root else 0) + (self.w_out if self.root else 0)
-        return 2 * leaves + 4 * self.w_out + self.w_in
+        leaves = self.w_agg + (self.in_row if self.root else 0) + (self.w_out if self.root else 0)
+        return int(2 * leaves + 4 * self.w_out + self.in_row)
 
     @property
     def input_width(self) -> int:
@@ -120,7 +137,7 @@ def joint_shape(group: Sequence[LayerShape], first: bool) -> JointShape:
     configurations that draw the same mask.
     """
     shared = 2 * sum(s.w_agg + s.w_out for s in group)
-    busiest = max(s.row_floats for s in group) + shared + (max(s.w_in for s in group) if first else 0)
+    busiest = int(max(s.row_floats for s in group) + shared + (max(s.in_row for s in group) if first else 0))
     return JointShape(sum(s.w_in for s in group), sum(s.w_out for s in group),
                       all(s.aggregate_first for s in group), any(s.root for s in group),
                       agg=sum(s.w_agg for s in group), busiest=busiest,
@@ -136,11 +153,13 @@ class Placement:
     shape: tuple[int, int]
     where: str
     note: str = ""
+    #: Bytes when not ``shape``'s float32 values (sparse rows: their CSR arrays).
+    size: int = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole tensor."""
-        return self.shape[0] * self.shape[1] * F32
+        return self.size or self.shape[0] * self.shape[1] * F32
 
 
 @dataclass(frozen=True)
@@ -193,7 +212,7 @@ class OutOfCorePlan:
 
 def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerShape], params: int,
                      budget: int, baseline: int, resident_vectors: int, input_spilled: bool,
-                     dropout: bool, recompute_dropout: bool = True) -> OutOfCorePlan:
+                     dropout: bool, recompute_dropout: bool = True, sparse_input_bytes: int = 0) -> OutOfCorePlan:
     """Size the tiles of a model under ``budget`` (see the module docstring).
 
     Args:
@@ -208,6 +227,7 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
         dropout: The first layer's input is dropped out during training.
         recompute_dropout: A first layer that transforms first recomputes its dropped-out input per tile
             (one process); False: it is spilled every epoch (a rank, whose halo rows come from other ranks).
+        sparse_input_bytes: The input is spilled as sparse rows of this many bytes (0: dense rows).
     """
     n = num_nodes
     row_bytes = float(max(layer.row_floats for layer in layers) * F32)
@@ -217,7 +237,10 @@ def plan_out_of_core(*, num_nodes: int, max_degree: int, layers: Sequence[LayerS
     min_budget = int(baseline + resident + MARGIN_BYTES + one_row) + 1
     min_budget = int(min_budget / (1 - MARGIN_FRACTION)) + 1
     placements: list[Placement] = []
-    if input_spilled:
+    if sparse_input_bytes:
+        placements.append(Placement("x", (n, layers[0].input_width), "spilled",
+                                    "normalized features as sparse rows (CSR), written once", size=sparse_input_bytes))
+    elif input_spilled:
         placements.append(Placement("x", (n, layers[0].input_width), "spilled", "normalized features, written once"))
     if dropout and (layers[0].reads_whole_input or not recompute_dropout):
         placements.append(Placement("h0", (n, layers[0].w_in), "spilled", "dropped-out input, every epoch"))

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
+from trellis.ops.sparse_rows import is_sparse
 from trellis.train.build import ModelFactory, check_registered
 from trellis.train.config import TrainConfig
 from trellis.train.runs import open_run_dir, read_json
@@ -183,6 +184,8 @@ def _write(out_path: Path, logits: Tensor, emb: Tensor | None, emb_source: str, 
     pred, prob = task.predict(logits)
     emb_path = embedding_path(out_path)
     if emb is not None:
+        if is_sparse(emb):  # a one-layer model's embeddings are its input rows: bag-of-words rows are sparse
+            emb = emb.to_dense()
         _save_npy_atomic(emb_path, emb.float().cpu().numpy())
         emb_dim = int(emb.shape[1])
     try:  # the pair or neither: predictions without their embeddings made a re-run refuse "exists"

@@ -20,6 +20,7 @@ import mmap
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -94,17 +95,21 @@ class SpillDir:
         (self.path / "owner").write_text(str(os.getpid()))
         self._arrays: dict[str, np.memmap] = {}
 
-    def array(self, name: str, shape: tuple[int, int]) -> np.memmap:
-        """The float32 spill ``name`` of ``shape`` (made zero-filled, its blocks reserved, or the existing one)."""
+    def array(self, name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.memmap:
+        """The spill ``name`` of ``shape`` and ``dtype`` (made zero-filled, blocks reserved, or the existing one)."""
         arr = self._arrays.get(name)
-        if arr is not None and arr.shape == tuple(shape):
+        if arr is not None and arr.shape == tuple(shape) and arr.dtype == np.dtype(dtype):
             return arr
         if arr is not None:
             self.delete(name)
-        path = self.path / f"{name}.f32"
-        arr = new_map(path, tuple(shape), np.float32, SPILL_FIX, npy=False)
+        arr = new_map(self._file(name, dtype), tuple(shape), dtype, SPILL_FIX, npy=False)
         self._arrays[name] = arr
         return arr
+
+    def _file(self, name: str, dtype: Any) -> Path:
+        """``h1.f32``, ``xi.i64``: the dtype's kind and bits."""
+        dt = np.dtype(dtype)
+        return self.path / f"{name}.{dt.kind}{dt.itemsize * 8}"
 
     def get(self, name: str) -> np.memmap:
         """The existing spill ``name`` (KeyError when there is none)."""
@@ -118,7 +123,7 @@ class SpillDir:
         """Drop spill ``name`` and its file (its pages are released once no view of it is left)."""
         arr = self._arrays.pop(name, None)
         if arr is not None:
-            path = self.path / f"{name}.f32"
+            path = self._file(name, arr.dtype)
             del arr
             path.unlink(missing_ok=True)
 
@@ -126,9 +131,9 @@ class SpillDir:
     def disk_bytes(self) -> int:
         """Bytes the spill files occupy on disk now (their blocks are reserved when they are made)."""
         total = 0
-        for name in self._arrays:
+        for name, arr in self._arrays.items():
             try:
-                total += os.stat(self.path / f"{name}.f32").st_blocks * 512
+                total += os.stat(self._file(name, arr.dtype)).st_blocks * 512
             except OSError:
                 pass
         return total

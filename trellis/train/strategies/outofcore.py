@@ -5,7 +5,10 @@ nodes, one backward, one optimizer step — run by :class:`trellis.nn.tiled.Tile
 by :func:`trellis.plan.outofcore.plan_out_of_core` so that the process's peak ``RssAnon`` stays within
 the budget. Nothing of size ``N x F`` or ``E`` is loaded: the features, the CSR and the store's reverse
 CSR stay memory-mapped, row normalization is written once to a spill file, and per-edge weights are
-computed per tile from the ``O(N)`` degree vectors.
+computed per tile from the ``O(N)`` degree vectors. Bag-of-words features (at most
+:data:`~trellis.ops.sparse_rows.MAX_DENSITY` non-zeros, a built-in message-passing model) are written once as
+sparse rows (:class:`~trellis.ops.sparse_rows.MappedSparseRows`) and reach the first layer as CSR tiles,
+transformed first, as in memory: a tile then reads, drops out and multiplies only its stored values.
 
 Spill files live under ``--spill-dir`` (default ``RUN_DIR/spill``) and are removed when the run ends,
 on SIGINT/SIGTERM (through :meth:`close`) and, after a ``kill -9``, by the next run that opens the same
@@ -27,9 +30,11 @@ from torch import Tensor, nn
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import check_tileable
-from trellis.nn.models import GNN
-from trellis.nn.tiled import EpochIO, Gather, TiledGNN, epoch_traffic, layer_shapes
+from trellis.nn.models import GNN, SPARSE_ROW_MODELS
+from trellis.nn.tiled import EpochIO, Gather, Input, TiledGNN, epoch_traffic, layer_shapes
 from trellis.nn.tiled_batch import BatchedTiledGNN
+from trellis.ops import dropout as hash_dropout
+from trellis.ops.sparse_rows import MAPPED_VALUE_BYTES, MAX_DENSITY, MappedSparseRows, linear, unmemoized
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
 from trellis.plan.outofcore import OutOfCorePlan, in_memory_estimate, joint_shape, plan_out_of_core
@@ -51,10 +56,11 @@ from trellis.utils.spill import SpillDir, check_spill_root
 COLD_ENV = "TRELLIS_OOC_COLD"
 
 
-def budget_and_baseline(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
+def budget_and_baseline(cfg: TrainConfig, device: torch.device, sparse_rows: bool = False) -> tuple[int, int]:
     """``(budget, baseline)`` in bytes: the parsed ``--memory-budget`` and the process's RssAnon before the graph.
 
-    The kernels are compiled first (that would otherwise land inside the budget later).
+    The kernels are compiled first (that would otherwise land inside the budget later); ``sparse_rows``: the
+    sparse input's too.
 
     Raises:
         TrellisUserError: A device other than the CPU.
@@ -65,11 +71,11 @@ def budget_and_baseline(cfg: TrainConfig, device: torch.device) -> tuple[int, in
     assert cfg.memory_budget is not None
     budget = parse_size(cfg.memory_budget, flag="--memory-budget")
     return_freed_memory()
-    _warm_kernels()
+    _warm_kernels(sparse_rows)
     return budget, proc_status().get("RssAnon", 0)
 
 
-def _warm_kernels() -> None:
+def _warm_kernels(sparse_rows: bool = False) -> None:
     """Compile (or load from numba's cache) the tiled kernels before the baseline is measured."""
     ip = np.array([0, 1, 2], dtype=np.int64)
     ix = np.array([1, 0], dtype=np.int64)
@@ -78,6 +84,11 @@ def _warm_kernels() -> None:
     for kind in ("gcn", "mean", "sum"):
         for rev in (False, True):
             g.aggregate(kind, g.tile(0, 2, reverse=rev), x, reverse=rev)
+    if sparse_rows:  # a tile's dropout and first transform, forward and backward
+        rows = MappedSparseRows(ip, ix, np.ones(2, dtype=np.float32), 2).rows(0, 2)
+        w = torch.ones((2, 2), requires_grad=True)
+        with unmemoized():
+            linear(hash_dropout.apply_sparse(rows, 0.5, 1), w).sum().backward()
 
 
 class OutOfCoreFull(Strategy):
@@ -98,14 +109,15 @@ class OutOfCoreFull(Strategy):
     bounds: np.ndarray
     spill: SpillDir | None = None
     #: The first layer's input: the store's map, an in-RAM array, or (None until written) a normalized spill.
-    x: np.ndarray | None = None
+    x: Input | None = None
 
     def load(self) -> None:
         """Open the store memory-mapped; load only labels, split ids and the ``O(N)`` degree vectors."""
         cfg = self.cfg
-        self.budget, self.baseline = budget_and_baseline(cfg, self.device)
         self.store = store = GraphStore(str(cfg.store))
         kind, _ = parse_features(cfg.features)
+        self.sparse_density = self._sparse_density(kind)
+        self.budget, self.baseline = budget_and_baseline(cfg, self.device, self.sparse_density is not None)
         self.features = cfg.features
         self._x_raw: np.ndarray | None = None
         if kind == "embedding":
@@ -119,7 +131,7 @@ class OutOfCoreFull(Strategy):
             norm = store.preferred_feature_norm if cfg.feature_norm == "auto" else cfg.feature_norm
             self.feature_norm = norm
             self.x = None
-            if norm == "none" and store.x.dtype == np.float32 and store.x.ndim == 2:
+            if norm == "none" and store.x.dtype == np.float32 and store.x.ndim == 2 and self.sparse_density is None:
                 self.x = store.x  # read in place: the kernels gather straight from the map
             in_dim = int(store.x.shape[1]) if store.x.ndim == 2 else 1
         else:
@@ -146,6 +158,33 @@ class OutOfCoreFull(Strategy):
         self.eval_slices = {s: slice(a, b) for s, a, b in zip(self.eval_splits, ends[:-1], ends[1:])}
         self._engine: tuple[nn.Module, TiledGNN] | None = None
         self._disk0 = proc_io().get("read_bytes", 0)
+
+    def _sparse_density(self, kind: str) -> float | None:
+        """The features' density when they reach the first layer as sparse rows, else None.
+
+        As the batch strategies decide (``BatchStrategy.sparse_input``): store features with at most
+        :data:`~trellis.ops.sparse_rows.MAX_DENSITY` non-zeros and a built-in message-passing model.
+        """
+        cfg, x = self.cfg, self.store.x
+        if kind != "store" or x is None or x.ndim != 2 or x.dtype.kind != "f" or cfg.model not in SPARSE_ROW_MODELS \
+                or cfg.pre_norm:
+            return None
+        density = self.store.feature_density
+        return density if density is not None and density <= MAX_DENSITY else None
+
+    def _stats(self) -> GraphStats:
+        """The graph's statistics for the plan (with the input's density when it is sparse rows)."""
+        g = self.graph
+        return GraphStats(g.num_nodes, g.num_nodes, g.num_edges, sparse_input=self.sparse_density)
+
+    def _sparse_input_bytes(self) -> int:
+        """Bytes of one read of the sparse rows (exact once written, else from the density); 0: dense input."""
+        if self.sparse_density is None:
+            return 0
+        if isinstance(self.x, MappedSparseRows):
+            return self.x.rows_nbytes(0, self.x.shape[0])
+        n, width = self.spec.num_nodes, self.spec.in_dim
+        return int(self.sparse_density * n * width) * MAPPED_VALUE_BYTES + 8 * n
 
     # ---- the model and the plan ------------------------------------------------------------------------
     def build_model(self, factory: ModelFactory, cfg: TrainConfig | None = None) -> nn.Module:
@@ -221,20 +260,20 @@ class OutOfCoreFull(Strategy):
         gathers = self.train_rows.nbytes + self.eval_rows.nbytes + 4 * out_w * (len(self.train_rows) + scored) * k
         metrics = largest * (16 + 4 * out_w)
         transient = 24 * (n + 1)  # cost arrays of the tile planner: freed before the first pass
-        in_ram_x = self.x.nbytes if (self.x is not None and not isinstance(self.x, np.memmap)) else 0
+        in_ram_x = self.x.nbytes if (isinstance(self.x, np.ndarray) and not isinstance(self.x, np.memmap)) else 0
         return int(vectors + max(gathers + metrics, transient) + in_ram_x)
 
     def _plan(self, models: Sequence[nn.Module], dropout: bool) -> OutOfCorePlan:
         """The tiles of ``models`` trained together (one model: its solo plan) under the budget."""
         g = self.graph
-        stats = GraphStats(g.num_nodes, g.num_nodes, g.num_edges)
+        stats = self._stats()
         shapes = [layer_shapes(m, stats) for m in models]
         layers = shapes[0] if len(shapes) == 1 else [joint_shape(group, i == 0) for i, group in enumerate(zip(*shapes))]
         params = sum(p.numel() for m in models for p in m.parameters())
         return plan_out_of_core(
             num_nodes=g.num_nodes, max_degree=max(g.max_degree, g.max_out_degree), layers=layers, params=params,
             budget=self.budget, baseline=self.baseline, resident_vectors=self._resident_vectors(len(models)),
-            input_spilled=self.x is None, dropout=dropout)
+            input_spilled=self.x is None, dropout=dropout, sparse_input_bytes=self._sparse_input_bytes())
 
     def plan_for(self, models: nn.Module | Sequence[nn.Module], cfgs: TrainConfig | Sequence[TrainConfig] | None = None,
                  ) -> None:
@@ -264,29 +303,56 @@ class OutOfCoreFull(Strategy):
             return Path(cfg.spill_dir)
         return Path(cfg.out or default_run_dir(Path(str(cfg.store)).name, str(cfg.model))) / "spill"
 
-    def _input(self) -> np.ndarray:
-        """The first layer's input rows: the store's map, or a spill of the normalized features (written once)."""
+    def _input(self) -> Input:
+        """The first layer's input rows: the store's map, or a spill of the normalized features (written once).
+
+        Sparse rows are written in two passes over the store's rows: their count per row, then their columns and
+        values, each in chunks whose dense rows fit the plan's tile.
+        """
         if self.x is not None:
             return self.x
-        assert self.spill is not None and self._x_raw is not None
-        raw = self._x_raw
+        assert self.spill is not None and self._x_raw is not None and self.plan is not None
         n = self.store.num_nodes
         width = self.spec.in_dim
-        x = self.spill.array("x", (n, width))
-        for r0, r1 in iter_tiles(self.bounds):
-            t = torch.from_numpy(np.array(raw[r0:r1], dtype=np.float32).reshape(r1 - r0, width))
-            normalize_features(t, self.feature_norm)
-            x[r0:r1] = t.numpy()
-            del t  # one tile at a time, as planned
-        self.x = x
-        return x
+        if self.sparse_density is None:
+            x = self.spill.array("x", (n, width))
+            for r0, r1 in iter_tiles(self.bounds):
+                x[r0:r1] = self._normalized(r0, r1).numpy()  # one tile at a time, as planned
+            self.x = x
+            return x
+        step = max(1, self.plan.tile_bytes // (3 * 4 * max(1, width)))  # a dense chunk, its copy and its positions
+        chunks = [(a, min(n, a + step)) for a in range(0, n, step)]
+        indptr = self.spill.array("x.indptr", (n + 1,), np.int64)
+        indptr[0] = 0
+        for a, b in chunks:
+            indptr[a + 1:b + 1] = np.count_nonzero(self._normalized(a, b).numpy(), axis=1)
+        np.cumsum(indptr, out=indptr)
+        nnz = int(indptr[n])
+        indices = self.spill.array("x.indices", (max(1, nnz),), np.int64)
+        values = self.spill.array("x.values", (max(1, nnz),), np.float32)
+        for a, b in chunks:
+            block = self._normalized(a, b).numpy()
+            rows, cols = np.nonzero(block)  # row-major: each row's columns in order, as to_sparse_csr
+            lo = int(indptr[a])
+            indices[lo:lo + cols.shape[0]] = cols
+            values[lo:lo + cols.shape[0]] = block[rows, cols]
+            del block, rows, cols
+        self.x = MappedSparseRows(indptr, indices, values, width)
+        return self.x
+
+    def _normalized(self, r0: int, r1: int) -> Tensor:
+        """Rows ``[r0, r1)`` of the store's features, normalized as the in-memory run normalizes them."""
+        assert self._x_raw is not None
+        t = torch.from_numpy(np.array(self._x_raw[r0:r1], dtype=np.float32).reshape(r1 - r0, self.spec.in_dim))
+        normalize_features(t, self.feature_norm)
+        return t
 
     def _engine_for(self, model: nn.Module) -> TiledGNN:
         if self._engine is None or self._engine[0] is not model:
             if self.spill is None:
                 self.spill = SpillDir(self._spill_root())
             self._engine = (model, TiledGNN(model, self.graph, self._input(), self.spill, self.bounds,
-                                            cold=os.environ.get(COLD_ENV) == "1"))
+                                            cold=os.environ.get(COLD_ENV) == "1", stats=self._stats()))
             self._io = self._engine[1].io
         return self._engine[1]
 
@@ -342,8 +408,8 @@ class OutOfCoreFull(Strategy):
         assert self.plan is not None
         rows = np.diff(self.bounds)
         edges = max((self.graph.tile(a, b).num_edges for a, b in iter_tiles(self.bounds)), default=0)
-        g = self.graph
-        io = epoch_traffic(model, GraphStats(g.num_nodes, g.num_nodes, g.num_edges), len(self.train_rows))
+        io = epoch_traffic(model, self._stats(), len(self.train_rows),
+                           input_bytes=self._sparse_input_bytes() or None)
         plan = replace(self.plan, written_per_epoch=io.written, read_per_epoch=io.read)
         return plan.format(len(rows), (int(rows.min()), int(rows.max())), edges)
 
@@ -441,7 +507,7 @@ class SharedTiles(ModelBatch):
             st.spill = SpillDir(st._spill_root())
         self.st = st
         self.eng = BatchedTiledGNN([ln.model for ln in lanes], [ln.generator for ln in lanes], st.graph, st._input(),
-                                   st.spill, st.bounds, cold=os.environ.get(COLD_ENV) == "1")
+                                   st.spill, st.bounds, cold=os.environ.get(COLD_ENV) == "1", stats=st._stats())
         st._io = self.eng.io
         self.models = [ln.model for ln in lanes]
         self.splits = [s for s in st.eval_splits if keep_splits is None or s in keep_splits]
@@ -519,7 +585,7 @@ def predict_out_of_core(cfg: TrainConfig, model: nn.Module, task: Task,
         out = new_map(tmp, src.shape, np.float32, "free space or write the embeddings elsewhere")
         try:
             for r0, r1 in iter_tiles(strategy.bounds):
-                out[r0:r1] = src[r0:r1]
+                out[r0:r1] = src.rows(r0, r1).to_dense().numpy() if isinstance(src, MappedSparseRows) else src[r0:r1]
             out.flush()
             del out
             os.replace(tmp, emb_path)
