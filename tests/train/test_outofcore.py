@@ -313,3 +313,26 @@ def test_bag_of_words_predict_out_of_core_equals_in_memory(cora, tmp_path):
         for suffix in (".npy", "_emb.npy"):
             a, b = (np.load(tmp_path / f"{name}{layers}{suffix}") for name in ("mem", "ooc"))
             assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
+
+
+@pytest.mark.parametrize("mlp_hidden", [8, 32])
+def test_gin_with_its_own_mlp_width_trains_the_in_memory_losses(store, tmp_path, monkeypatch, mlp_hidden):
+    """``--mlp-hidden`` differing from ``--hidden`` crashed out of core (a broadcast error: the engine sized the
+    layer's output by the MLP's hidden width, which GIN declares); the traffic rule priced it the same way."""
+    from trellis.data.store import GraphStore
+    from trellis.nn.tiled import epoch_traffic
+    from trellis.plan.cost import GraphStats
+
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 90)
+    kw = {"model": "gin", "mlp_hidden": mlp_hidden, "layers": 3, "feature_norm": "row"}
+    import trellis
+
+    train(_cfg(store, tmp_path / "mem", **kw))
+    run = trellis.train(str(store), memory_budget="3G", hidden=16, dropout=0.5, epochs=6, device="cpu",
+                        out=tmp_path / "ooc", **kw)
+    mem, ooc = _losses(tmp_path / "mem"), _losses(tmp_path / "ooc")
+    assert max(abs(a - b) for a, b in zip(mem, ooc)) <= 1e-6 and len(ooc) == 6
+    g = GraphStore(store)
+    io = epoch_traffic(run.model, GraphStats(g.num_nodes, g.num_nodes, g.num_edges), int(g.split("train").shape[0]))
+    for r in read_jsonl(tmp_path / "ooc" / "metrics.jsonl")[1:]:
+        assert (r["spill_written_bytes"], r["spill_read_bytes"]) == (io.written, io.read)

@@ -80,6 +80,16 @@ class HaloRows(Protocol):
         ...
 
 
+def output_width(conv: nn.Module) -> int:
+    """A layer's output width.
+
+    Its declaration's, except GIN's, which declares its MLP's hidden width (the width its transform, aggregation
+    and root term run at, ``--mlp-hidden``) and outputs ``out_dim``.
+    """
+    decl = cast(PushdownConv, conv).declare()
+    return int(getattr(conv, "out_dim", decl.out_dim))
+
+
 def layer_shapes(model: nn.Module, stats: GraphStats) -> list[LayerShape]:
     """The memory plan's view of a batchable model's layers (training order)."""
     plan = plan_model([model_decl(model)], stats, training=True, input_grad=False)
@@ -88,7 +98,8 @@ def layer_shapes(model: nn.Module, stats: GraphStats) -> list[LayerShape]:
     for i, (conv, lp) in enumerate(zip(gnn.convs, plan.layers)):
         d = cast(PushdownConv, conv).declare()
         sparse = sparse_row_floats(stats.sparse_input, d.in_dim) if (i == 0 and stats.sparse_input is not None) else 0.0
-        out.append(LayerShape(d.in_dim, d.out_dim, lp.order(0), d.root in ("linear", "eps"), sparse_in=sparse))
+        out.append(LayerShape(d.in_dim, max(d.out_dim, output_width(conv)), lp.order(0), d.root in ("linear", "eps"),
+                              sparse_in=sparse))
     return out
 
 
@@ -159,6 +170,8 @@ class TiledGNN:
         self.model = cast(GNN, model)
         self.convs = [cast(PushdownConv, c) for c in self.model.convs]
         self.decls = [c.declare() for c in self.convs]
+        #: Each layer's output width (GIN's ``decl.out_dim`` is its MLP's hidden width, the transformed rows').
+        self.out_widths = [output_width(c) for c in self.convs]
         self.kinds = [aggregation_kind(d) for d in self.decls]
         self.roots = [d.root for d in self.decls]
         self.graph, self.x, self.spill, self.bounds = graph, x, spill, bounds
@@ -299,7 +312,7 @@ class TiledGNN:
                 self.halo.fill(h0)
             h = h0
         self._inputs = [h]
-        out = torch.empty((len(rows), self.decls[-1].out_dim))  # written in place: no per-tile list, no concat
+        out = torch.empty((len(rows), self.out_widths[-1]))  # written in place: no per-tile list, no concat
         fused: np.ndarray | None = None  # this layer's transformed rows, made by the previous layer's pass
         with torch.no_grad():
             for i, conv in enumerate(self.convs):
@@ -321,7 +334,7 @@ class TiledGNN:
                 name = "a0c" if cached else f"a{i}"
                 fresh = not (cached and self.spill.has(name))
                 a = self.spill.array(name, (h.shape[0], src.shape[1]))
-                nxt = None if last else self.spill.array(f"h{i + 1}", (h.shape[0], self.decls[i].out_dim))
+                nxt = None if last else self.spill.array(f"h{i + 1}", (h.shape[0], self.out_widths[i]))
                 # Evaluating, a next layer that transforms first and never reads its input rows gets its
                 # transformed rows from this pass: the layer's output is neither written nor read back.
                 w_next, fused = None, None
@@ -373,7 +386,7 @@ class TiledGNN:
         p = float(self.model.dropout)
         L = len(self.convs)
         n = self.graph.num_nodes
-        g_out = self.spill.array(f"g{L}", (n, self.decls[-1].out_dim))
+        g_out = self.spill.array(f"g{L}", (n, self.out_widths[-1]))
         g_out[:] = 0.0
         rows.scatter_into(g_out, grad_rows)
         self.io.written += grad_rows.numel() * 4
@@ -448,6 +461,7 @@ def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int, input_by
     check_tileable(model)
     gnn = cast(GNN, model)
     decls = [cast(PushdownConv, c).declare() for c in gnn.convs]
+    outs = [output_width(c) for c in gnn.convs]  # decl.out_dim: the transformed rows' width
     n, L, p = stats.num_dst, len(decls), float(gnn.dropout)
     io = EpochIO()
 
@@ -480,17 +494,17 @@ def epoch_traffic(model: nn.Module, stats: GraphStats, train_rows: int, input_by
             if fuse_next:
                 io.written += n * decls[i + 1].out_dim * 4
             elif not last:
-                io.written += n * d.out_dim * 4
+                io.written += n * outs[i] * 4
             fused = fuse_next
     plan = plans[True]
-    io.written += train_rows * decls[-1].out_dim * 4  # the logits' loss gradient
+    io.written += train_rows * outs[-1] * 4  # the logits' loss gradient
     for i in reversed(range(L)):
         d, af = decls[i], plan.layers[i].order(0)
         agg = (d.in_dim if af else d.out_dim) * n * 4
         need_in = i > 0
         need_a = need_in or not af
         uses_h, uses_z = reads(i, af)
-        io.read += agg + (rows_in(i) if uses_h else 0) + n * 4 * ((d.out_dim if uses_z else 0) + d.out_dim)
+        io.read += agg + (rows_in(i) if uses_h else 0) + n * 4 * ((d.out_dim if uses_z else 0) + outs[i])
         io.written += (agg if need_a else 0) + n * 4 * ((d.in_dim if uses_h and need_in else 0)
                                                         + (d.out_dim if uses_z else 0))
         if not need_a:

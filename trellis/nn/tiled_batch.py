@@ -273,7 +273,7 @@ class BatchedTiledGNN:
                     writes.add(_block(inputs[j][0]), tj)
                 writes.flush(r0, r1)
                 del t  # a tile's tensors go before the next tile's are made (the plan holds one tile)
-        outs = [torch.empty((len(rows), e.decls[-1].out_dim)) for e in E]
+        outs = [torch.empty((len(rows), e.out_widths[-1])) for e in E]
         self._saved = (act, af, cached, srcs, cols, inputs, seeds, ps)
         fused: set[int] = set()  # configurations whose layer-i transformed rows the previous pass wrote
         with torch.no_grad():
@@ -362,7 +362,7 @@ class BatchedTiledGNN:
         L, n = self.depth, self.graph.num_nodes
         g_out: list[Block] = []
         for j, e in enumerate(E):
-            g = self.spill.array(f"m{act[j]}.g{L}", (n, e.decls[-1].out_dim))
+            g = self.spill.array(f"m{act[j]}.g{L}", (n, e.out_widths[-1]))
             g[:] = 0.0
             rows.scatter_into(g, grads[j])
             self.io.written += grads[j].numel() * 4
