@@ -11,6 +11,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,10 +21,14 @@ from trellis.data.splits import per_class_split
 from trellis.data.store import GraphStore, split_set_ids
 from trellis.errors import TrellisUserError
 from trellis.loader.features import ArrayRows, FeatureSource, NormalizedRows, normalize_rows_
+from trellis.nn.models import SPARSE_ROW_MODELS
 from trellis.ops.graph import CSRGraph
 from trellis.ops.sparse_rows import MAX_DENSITY, to_sparse_rows
 from trellis.train.features import node_inputs, parse_features
 from trellis.train.tasks import Task, resolve_task
+
+if TYPE_CHECKING:
+    from trellis.train.config import TrainConfig
 
 #: The splits every labelled store has, in the order summaries list them.
 SPLITS = ("train", "val", "test")
@@ -146,6 +151,22 @@ def sparse_rows_of(x: np.ndarray, norm: str, max_density: float = MAX_DENSITY,
         warnings.simplefilter("ignore", UserWarning)
         return torch.sparse_csr_tensor(crow, torch.from_numpy(np.concatenate(cols)),
                                        torch.from_numpy(np.concatenate(vals)), size=(n, f))
+
+
+def sparse_rows_density(store: GraphStore, cfg: TrainConfig, device: torch.device) -> float | None:
+    """The store's feature density when a run's first layer takes the rows sparse (:mod:`trellis.ops.sparse_rows`).
+
+    The one rule of the strategies that read rows by batch, tile or part (mini, cluster, the partition buffer,
+    out-of-core tiles, ranks): store features with at most :data:`~trellis.ops.sparse_rows.MAX_DENSITY` non-zeros
+    (``GraphStore.feature_density``: sampled rows, or the manifest's record), a built-in message-passing model,
+    the CPU, no pre-norm input layer. Decided from the store, so every process of a run decides alike. None:
+    dense rows. (Full-batch in memory counts the non-zeros exactly as it converts, :func:`sparse_rows_of`.)
+    """
+    if cfg.model not in SPARSE_ROW_MODELS or device.type != "cpu" or cfg.pre_norm \
+            or parse_features(cfg.features)[0] != "store":
+        return None
+    density = store.feature_density
+    return density if density is not None and density <= MAX_DENSITY else None
 
 
 def load_graph_data(store_path: str | os.PathLike[str], *, device: torch.device, task: str = "auto",

@@ -27,13 +27,12 @@ from trellis.loader.features import (
 )
 from trellis.loader.inference import layerwise_inference
 from trellis.loader.producer import BatchProducer, ProducerOptions
-from trellis.nn.models import SPARSE_ROW_MODELS
 from trellis.ops.graph import CSRGraph
-from trellis.ops.sparse_rows import MAX_DENSITY, is_sparse, to_sparse_rows
+from trellis.ops.sparse_rows import is_sparse, to_sparse_rows
 from trellis.plan.residency import feature_residency
 from trellis.train.build import ModelSpec
 from trellis.train.config import TrainConfig
-from trellis.train.data import load_graph_data, sparse_rows_of
+from trellis.train.data import load_graph_data, sparse_rows_density, sparse_rows_of
 from trellis.train.strategies.full import GraphStrategy
 from trellis.train.tasks import Task, split_metrics
 from trellis.utils.numba import get_num_threads, launch_threads, set_threads
@@ -217,9 +216,7 @@ class BatchStrategy(GraphStrategy):
         """
         cached = getattr(self, "_sparse_input", None)
         if cached is None:
-            cfg = self.cfg
-            cached = (cfg.model in SPARSE_ROW_MODELS and self.device.type == "cpu" and not cfg.pre_norm
-                      and cfg.features == "store" and (self.store.feature_density or 1.0) <= MAX_DENSITY)
+            cached = sparse_rows_density(self.store, self.cfg, self.device) is not None
             self._sparse_input = cached
         return cached
 

@@ -30,17 +30,17 @@ from torch import Tensor, nn
 from trellis.data.store import GraphStore
 from trellis.errors import TrellisUserError
 from trellis.nn.batched import check_tileable
-from trellis.nn.models import GNN, SPARSE_ROW_MODELS
+from trellis.nn.models import GNN
 from trellis.nn.tiled import EpochIO, Gather, Input, TiledGNN, epoch_traffic, layer_shapes
 from trellis.nn.tiled_batch import BatchedTiledGNN
 from trellis.ops import dropout as hash_dropout
-from trellis.ops.sparse_rows import MAPPED_VALUE_BYTES, MAX_DENSITY, MappedSparseRows, linear, unmemoized
+from trellis.ops.sparse_rows import MAPPED_VALUE_BYTES, MappedSparseRows, linear, unmemoized
 from trellis.ops.tiled import MappedCSR, iter_tiles
 from trellis.plan.cost import GraphStats
 from trellis.plan.outofcore import OutOfCorePlan, in_memory_estimate, joint_shape, plan_out_of_core
 from trellis.train.build import ModelFactory, ModelSpec, build_run_model
 from trellis.train.config import TrainConfig
-from trellis.train.data import SPLITS, load_labels, normalize_features
+from trellis.train.data import SPLITS, load_labels, normalize_features, sparse_rows_density
 from trellis.train.features import node_inputs, parse_features
 from trellis.train.loop import Lane, ModelBatch
 from trellis.train.runs import default_run_dir
@@ -116,7 +116,8 @@ class OutOfCoreFull(Strategy):
         cfg = self.cfg
         self.store = store = GraphStore(str(cfg.store))
         kind, _ = parse_features(cfg.features)
-        self.sparse_density = self._sparse_density(kind)
+        self.sparse_density = sparse_rows_density(store, cfg, self.device) \
+            if store.x is not None and store.x.ndim == 2 else None
         self.budget, self.baseline = budget_and_baseline(cfg, self.device, self.sparse_density is not None)
         self.features = cfg.features
         self._x_raw: np.ndarray | None = None
@@ -158,19 +159,6 @@ class OutOfCoreFull(Strategy):
         self.eval_slices = {s: slice(a, b) for s, a, b in zip(self.eval_splits, ends[:-1], ends[1:])}
         self._engine: tuple[nn.Module, TiledGNN] | None = None
         self._disk0 = proc_io().get("read_bytes", 0)
-
-    def _sparse_density(self, kind: str) -> float | None:
-        """The features' density when they reach the first layer as sparse rows, else None.
-
-        As the batch strategies decide (``BatchStrategy.sparse_input``): store features with at most
-        :data:`~trellis.ops.sparse_rows.MAX_DENSITY` non-zeros and a built-in message-passing model.
-        """
-        cfg, x = self.cfg, self.store.x
-        if kind != "store" or x is None or x.ndim != 2 or x.dtype.kind != "f" or cfg.model not in SPARSE_ROW_MODELS \
-                or cfg.pre_norm:
-            return None
-        density = self.store.feature_density
-        return density if density is not None and density <= MAX_DENSITY else None
 
     def _stats(self) -> GraphStats:
         """The graph's statistics for the plan (with the input's density when it is sparse rows)."""

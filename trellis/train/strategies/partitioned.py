@@ -41,12 +41,13 @@ from trellis.nn.batched import BatchedGNN, check_tileable, family_of
 from trellis.nn.tiled import layer_shapes
 from trellis.ops.dropout import keyed_rows
 from trellis.ops.graph import CSRGraph
+from trellis.ops.sparse_rows import is_sparse, to_sparse_rows
 from trellis.partition.layout import LocalGraph, PartitionedGraph, open_layout_of
 from trellis.plan.cost import GraphStats
 from trellis.plan.outofcore import OutOfCorePlan, plan_out_of_core
 from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
-from trellis.train.data import SPLITS, load_labels, normalize_features
+from trellis.train.data import SPLITS, load_labels, normalize_features, resolve_device, sparse_rows_density
 from trellis.train.features import parse_features
 from trellis.train.strategies.outofcore import budget_and_baseline
 from trellis.train.strategy import Strategy
@@ -163,11 +164,26 @@ def explain_distributed(cfg: TrainConfig, factory: ModelFactory | None = None) -
         lines.append(f"{cfg.model}: aggregates by itself; each layer's input rows are fetched at its input width")
     else:
         b = BatchedGNN([model])
-        b.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
+        b.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges,
+                             sparse_input=rank_sparse_density(cfg, store, resolve_device(cfg.device)))
         lines += ["", b.explain(CSRGraph.from_numpy(np.zeros(1, np.int64), np.zeros(0, np.int64)))]
     if cfg.memory_budget is not None and cfg.strategy == "full":
         lines += ["", *_explain_ranks_out_of_core(cfg, store, layout, model, spec.in_dim)]
     return "\n".join(lines)
+
+
+def rank_sparse_density(cfg: TrainConfig, store: GraphStore, device: torch.device) -> float | None:
+    """The features' density when in-memory ranks take them as sparse rows (as one process does), else None.
+
+    Every rank decides alike, from the store. Why: the first layer's dense transform and dropout over bag-of-words
+    rows were most of a rank's step (Coauthor CS: 6,805 words per row, 60 present), and one process already kept
+    them sparse. The first layer then transforms first on every rank (the plan's ``sparse_input``), so the halo
+    exchange moves transformed rows, never the input's. Attention layers fetch their input's halo rows before
+    transforming them, and out-of-core ranks tile and exchange dense rows: both keep dense rows.
+    """
+    if cfg.model in ATTENTION_MODELS or cfg.memory_budget is not None:
+        return None
+    return sparse_rows_density(store, cfg, device)
 
 
 def _explain_ranks_out_of_core(cfg: TrainConfig, store: GraphStore, layout: PartitionedGraph, model: nn.Module,
@@ -244,6 +260,8 @@ class PartitionedFull(Strategy):
                                        "train with --features none")
             x = torch.from_numpy(np.array(part.x, dtype=np.float32))
             x, self.feature_norm = normalize_features(x, self._feature_norm())
+            if self._sparse_density() is not None:  # bag-of-words rows, as one process keeps them
+                x = to_sparse_rows(x, max_density=1.0)
         else:
             x, self.feature_norm = torch.ones(part.num_local, 1), "none"
         self.x = x.to(self.device)
@@ -298,7 +316,11 @@ class PartitionedFull(Strategy):
         self.y_split = {s: y[splits[s]] for s in SPLITS}
         self.num_train = int(self.split_ids["train"].shape[0])
         self.spec = ModelSpec(in_dim, task.num_outputs, self._edge_dim(part), store.num_nodes, 0)
-        self.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges)
+        self.stats = GraphStats(store.num_nodes, store.num_nodes, store.num_edges, sparse_input=self._sparse_density())
+
+    def _sparse_density(self) -> float | None:
+        """The features' density when the ranks take them as sparse rows (:func:`rank_sparse_density`)."""
+        return rank_sparse_density(self.cfg, self.store, self.device)
 
     @staticmethod
     def _edge_dim(part: Any) -> int:
@@ -521,9 +543,11 @@ class PartitionedFull(Strategy):
         self.meter.sample()
         mine = torch.tensor([[float(self.meter.peak_anon) / 2**20, float(self.num_local)]], dtype=torch.float64)
         per_rank = torch.cat(self.comm.all_gather_rows(mine))
+        x = getattr(self, "x", None)  # out-of-core ranks hold no input tensor (dense rows in their spills)
         return {"world_size": self.comm.world_size, "parts_dir": str(self.cfg.parts_dir), "mode": self.mode,
                 "backend": self.comm.backend, "rank_peak_rss_anon_mb": per_rank[:, 0].tolist(),
-                "rank_num_local": [int(v) for v in per_rank[:, 1].tolist()]}
+                "rank_num_local": [int(v) for v in per_rank[:, 1].tolist()],
+                "input_rows": "sparse" if isinstance(x, Tensor) and is_sparse(x) else "dense"}
 
     def close(self) -> None:
         """Leave the job."""
