@@ -21,6 +21,12 @@ outside every 10 ms, the ratios, and the largest difference of the per-epoch tra
 Out-of-core full-batch (session 59), the same way: ``trellis train STORE --memory-budget BUDGET`` with the rows
 as sparse tiles (the default: a CSR spill written once) and as dense tiles (before: the dense rows read, dropped
 out and multiplied tile by tile). The budget caps both; the table shows what each peaked at.
+
+    python -m benchmarks.bench_sparse_rows STORE --strategy ranks --parts-dir PART_DIR [--model gcn] [--epochs 10]
+
+Partition-parallel full-batch (session 59): one rank per part, started as ``trellis train --parts-dir`` starts
+them (``python -m trellis.cli train --config``, the launcher's environment), with the rows sparse (the default
+for GCN, SAGE and GIN) and dense (before); the memory column is the largest rank's peak ``RssAnon``.
 """
 
 from __future__ import annotations
@@ -48,8 +54,48 @@ def _run(store: str, out: Path, epochs: int, hidden: int, dropout: float, sparse
     return statistics.median(steps), statistics.median(epoch), [r["loss"] for r in recs]
 
 
+def _rank(config: str, sparse: bool) -> int:
+    """One rank of a ``--strategy ranks`` run: ``trellis train --config`` (dense rows forced unless ``sparse``)."""
+    from trellis.cli.main import main as cli
+    from trellis.train.strategies import partitioned
+
+    if not sparse:
+        partitioned.rank_sparse_density = lambda *a, **k: None  # type: ignore[assignment]
+    return cli(["train", "--config", config])
+
+
+def _launch_ranks(args: argparse.Namespace, sparse: bool) -> None:
+    """The ranks of one run, started as the launcher starts them (environment, threads), waited for."""
+    import json
+    import os
+    import subprocess
+
+    from trellis.distributed.comm import free_port, rank_threads
+    from trellis.partition.layout import PartitionedGraph
+
+    world = PartitionedGraph(args.parts_dir).num_parts
+    cfg = TrainConfig(store=args.store, model=args.model, epochs=args.epochs, out=args.out, progress=False,
+                      overwrite=True, checkpoint_every=0, parts_dir=args.parts_dir, nproc=world)
+    values = cfg.to_dict(session=True)
+    config = Path(args.out + ".config.json")
+    config.write_text(json.dumps(values))
+    threads = str(rank_threads(world))
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads}
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.bench_sparse_rows", args.store, "--rank",
+                               "sparse" if sparse else "dense", "--out", str(config)],
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL)
+             for r in range(world)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"a rank failed: exit codes {codes}")
+
+
 def _child(args: argparse.Namespace, sparse: bool) -> None:
-    """One batch-strategy or out-of-core run in this process (the parent samples its memory)."""
+    """One batch-strategy, out-of-core or ranks run in this process (the parent samples its memory)."""
+    if args.strategy == "ranks":
+        _launch_ranks(args, sparse)
+        return
     from trellis.train.strategies.batches import BatchStrategy
     from trellis.train.strategies.outofcore import OutOfCoreFull
 
@@ -70,7 +116,7 @@ def _batch_run(args: argparse.Namespace, out: Path, sparse: bool) -> tuple[float
 
     cmd = [sys.executable, "-m", "benchmarks.bench_sparse_rows", args.store, "--strategy", args.strategy, "--epochs",
            str(args.epochs), "--model", args.model, "--budget", args.budget, "--child", "sparse" if sparse else "dense",
-           "--out", str(out)]
+           "--out", str(out), *(["--parts-dir", args.parts_dir] if args.parts_dir else [])]
     proc = subprocess.Popen(cmd)
     sampler = TreeSampler(proc.pid)
     sampler.start()
@@ -95,7 +141,8 @@ def batch_main(args: argparse.Namespace) -> int:
                 losses[sparse] = loss
     diff = max(abs(a - b) for a, b in zip(losses[False], losses[True]))
     med = {k: (statistics.median(e for e, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
-    what = f"--memory-budget {args.budget}" if args.strategy == "ooc" else f"--strategy {args.strategy}"
+    what = {"ooc": f"--memory-budget {args.budget}", "ranks": f"--parts-dir {args.parts_dir} (largest rank's memory)"
+            }.get(args.strategy, f"--strategy {args.strategy}")
     print(f"{Path(args.store).name}: {what}, --model {args.model}, {args.epochs} epochs x {args.reps} reps each, "
           "interleaved, one process per run")
     print(f"{'rows':<8} {'epoch ms':>9} {'peak RssAnon MiB':>17}")
@@ -113,14 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=None, help="default: 20 (full), 10 (mini, cluster)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=16)
-    ap.add_argument("--strategy", choices=("full", "mini", "cluster", "ooc"), default="full",
-                    help="ooc: full-batch under --budget")
+    ap.add_argument("--strategy", choices=("full", "mini", "cluster", "ooc", "ranks"), default="full",
+                    help="ooc: full-batch under --budget; ranks: full-batch over --parts-dir")
+    ap.add_argument("--parts-dir", help="ranks: the partitioned layout (one rank per part)")
     ap.add_argument("--model", help="mini, cluster, ooc: default sage for mini, else gcn")
     ap.add_argument("--budget", default="400M", help="ooc: the --memory-budget (default 400M)")
     ap.add_argument("--child", choices=("sparse", "dense"), help=argparse.SUPPRESS)
+    ap.add_argument("--rank", choices=("sparse", "dense"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.model = args.model or ("sage" if args.strategy == "mini" else "gcn")
+    if args.rank is not None:
+        return _rank(args.out, args.rank == "sparse")
+    if args.strategy == "ranks" and not args.parts_dir:
+        ap.error("--strategy ranks needs --parts-dir")
     if args.child is not None:
         _child(args, args.child == "sparse")
         return 0
