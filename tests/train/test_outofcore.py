@@ -301,6 +301,17 @@ def test_bag_of_words_tiles_explain_traffic_equals_the_epoch(cora, tmp_path):
         assert (r["spill_written_bytes"], r["spill_read_bytes"]) == (io.written, io.read)
 
 
+def test_library_predict_of_a_bag_of_words_run_under_a_budget(cora):
+    """``Run.predict`` runs under ``torch.no_grad``: the sparse kernels' warm-up ran a backward there and raised."""
+    import torch
+
+    import trellis
+
+    run = trellis.train(str(cora), model="sage", epochs=2, memory_budget="1G", device="cpu")
+    pred = run.predict(str(cora))
+    assert tuple(pred.shape) == (2708,) and torch.is_grad_enabled()
+
+
 def test_bag_of_words_predict_out_of_core_equals_in_memory(cora, tmp_path):
     """Prediction under a budget reads the sparse rows too, and a one-layer model's embeddings (the input rows)
     are written dense."""

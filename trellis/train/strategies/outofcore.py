@@ -87,7 +87,7 @@ def _warm_kernels(sparse_rows: bool = False) -> None:
     if sparse_rows:  # a tile's dropout and first transform, forward and backward
         rows = MappedSparseRows(ip, ix, np.ones(2, dtype=np.float32), 2).rows(0, 2)
         w = torch.ones((2, 2), requires_grad=True)
-        with unmemoized():
+        with unmemoized(), torch.enable_grad():  # a caller's no_grad (Run.predict) would skip the backward's kernels
             linear(hash_dropout.apply_sparse(rows, 0.5, 1), w).sum().backward()
 
 
