@@ -131,7 +131,7 @@ def sparse_rows_of(x: np.ndarray, norm: str, max_density: float = MAX_DENSITY,
     peak. Here only one chunk is dense at a time; each row is normalized by the same code, so the values are
     the same bits as the dense path's (tested).
     """
-    if x.ndim != 2 or not x.size or x.dtype.kind != "f":
+    if x.ndim != 2 or not x.size or x.dtype.kind not in "fiub":  # floats, or counts stored as integers
         return None
     n, f = x.shape
     step = max(1, chunk_bytes // max(1, 4 * f))

@@ -41,13 +41,20 @@ from trellis.nn.batched import BatchedGNN, check_tileable, family_of
 from trellis.nn.tiled import layer_shapes
 from trellis.ops.dropout import keyed_rows
 from trellis.ops.graph import CSRGraph
-from trellis.ops.sparse_rows import is_sparse, to_sparse_rows
+from trellis.ops.sparse_rows import is_sparse
 from trellis.partition.layout import LocalGraph, PartitionedGraph, open_layout_of
 from trellis.plan.cost import GraphStats
 from trellis.plan.outofcore import OutOfCorePlan, plan_out_of_core
 from trellis.train.build import ModelFactory, ModelSpec
 from trellis.train.config import TrainConfig
-from trellis.train.data import SPLITS, load_labels, normalize_features, resolve_device, sparse_rows_density
+from trellis.train.data import (
+    SPLITS,
+    load_labels,
+    normalize_features,
+    resolve_device,
+    sparse_rows_density,
+    sparse_rows_of,
+)
 from trellis.train.features import parse_features
 from trellis.train.strategies.outofcore import budget_and_baseline
 from trellis.train.strategy import Strategy
@@ -258,10 +265,13 @@ class PartitionedFull(Strategy):
             if part.x is None:
                 raise TrellisUserError(f"{cfg.parts_dir}: the layout has no node features (the store had none); "
                                        "train with --features none")
-            x = torch.from_numpy(np.array(part.x, dtype=np.float32))
-            x, self.feature_norm = normalize_features(x, self._feature_norm())
-            if self._sparse_density() is not None:  # bag-of-words rows, as one process keeps them
-                x = to_sparse_rows(x, max_density=1.0)
+            norm = self._feature_norm()
+            # bag-of-words rows, as one process keeps them: converted a chunk at a time (no dense copy of the part)
+            sparse = sparse_rows_of(part.x, norm, max_density=1.0) if self._sparse_density() is not None else None
+            if sparse is not None:
+                x, self.feature_norm = sparse, norm
+            else:
+                x, self.feature_norm = normalize_features(torch.from_numpy(np.array(part.x, dtype=np.float32)), norm)
         else:
             x, self.feature_norm = torch.ones(part.num_local, 1), "none"
         self.x = x.to(self.device)
