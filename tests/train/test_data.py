@@ -38,6 +38,16 @@ def test_sparse_rows_built_by_chunks_are_the_dense_paths_bits(cora, chunk_bytes)
     assert sparse_rows_of(np.ones((5, 4), np.float32), "row") is None  # dense rows stay dense
 
 
+def test_word_counts_stored_as_integers_convert_as_floats_do(cora):
+    """Counts stored as integers took the dense path (a rank copied its part dense first); they convert alike."""
+    s = GraphStore(cora)
+    counts = np.asarray(s.x).astype(np.uint8)
+    got = sparse_rows_of(counts, "row", chunk_bytes=1 << 16)
+    want = sparse_rows_of(counts.astype(np.float32), "row", chunk_bytes=1 << 16)
+    assert got is not None and want is not None
+    assert torch.equal(got.to_dense(), want.to_dense()) and torch.equal(got.crow_indices(), want.crow_indices())
+
+
 def test_a_runs_peak_memory_includes_loading_its_data(sbm_store, tmp_path, monkeypatch):
     """The summary's peak RssAnon was sampled from after the data was loaded, so a load's transient copies
     (the run's real peak on Coauthor CS: 1,143 MiB against 259 reported) were missed."""
