@@ -347,3 +347,11 @@ def test_gin_with_its_own_mlp_width_trains_the_in_memory_losses(store, tmp_path,
     io = epoch_traffic(run.model, GraphStats(g.num_nodes, g.num_nodes, g.num_edges), int(g.split("train").shape[0]))
     for r in read_jsonl(tmp_path / "ooc" / "metrics.jsonl")[1:]:
         assert (r["spill_written_bytes"], r["spill_read_bytes"]) == (io.written, io.read)
+
+
+def test_bag_of_words_interrupt_and_resume_is_exact(cora, tmp_path, monkeypatch):
+    """The sparse rows' spill is rewritten by the resumed process; the run ends with the uninterrupted losses."""
+    monkeypatch.setattr(OutOfCoreFull, "max_tile_rows", 700)
+    _whole_and_cut(cora, tmp_path, model="sage", memory_budget="2G", checkpoint_every=2)
+    assert not (tmp_path / "cut" / "spill").exists()
+    _resume_cut(tmp_path)
