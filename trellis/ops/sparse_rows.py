@@ -205,11 +205,6 @@ class MappedSparseRows:
         """The three arrays (their page cache is dropped with the engine's other maps)."""
         return self.indptr, self.indices, self.values
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the three arrays."""
-        return int(self.indptr.nbytes + self.indices.nbytes + self.values.nbytes)
-
     def span(self, r0: int, r1: int) -> tuple[int, int]:
         """Positions ``[a, b)`` of rows ``[r0, r1)``'s stored values."""
         return int(self.indptr[r0]), int(self.indptr[r1])
